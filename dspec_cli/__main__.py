@@ -1,0 +1,3 @@
+from dspec_cli.cli import main
+
+main()

@@ -1,0 +1,77 @@
+"""The ``dspec`` command line: a Typer app, one module per command, errors as one line."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from dspec_cli.errors import DspecError
+
+app = typer.Typer(
+    name="dspec",
+    help="Train, calibrate, profile, benchmark and publish speculative-decoding drafters.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+@app.callback(invoke_without_command=True)
+def _root(
+    ctx: typer.Context,
+    version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True),
+) -> None:
+    """dspec: speculative decoding drafters for Hugging Face causal LMs."""
+    if version:
+        from dspec_cli import __version__
+
+        print(__version__)
+        raise typer.Exit()
+    if ctx.invoked_subcommand is None:
+        print(ctx.get_help())
+        raise typer.Exit()
+
+
+def _register_commands() -> None:
+    from dspec_cli.cli import drafters  # noqa: F401  (one module per command)
+
+    for module in _OPTIONAL_COMMANDS:
+        try:
+            __import__(f"dspec_cli.cli.{module}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"dspec_cli.cli.{module}":
+                raise
+
+
+_OPTIONAL_COMMANDS = ("bench", "train", "data", "calibrate", "profile", "schedule", "push", "export")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point: user errors print one line to stderr and exit non-zero."""
+    _register_commands()
+    try:
+        app(args=argv, standalone_mode=False)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except (typer.Abort, KeyboardInterrupt):
+        print("Aborted.", file=sys.stderr)
+        sys.exit(130)
+    except Exception as exc:  # noqa: BLE001 - the one place that turns errors into a line
+        if os.environ.get("DSPEC_DEBUG"):
+            raise
+        sys.exit(_report(exc))
+
+
+def _report(exc: BaseException) -> int:
+    if isinstance(exc, typer.TyperException) and hasattr(exc, "show"):
+        exc.show()  # usage errors: Click's own one-line message with the usage line
+        return getattr(exc, "exit_code", 2)
+    if isinstance(exc, DspecError | ValueError | FileNotFoundError | OSError):
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"Error: {msg}", file=sys.stderr)
+        return getattr(exc, "exit_code", 1)
+    print(f"Error: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}", file=sys.stderr)
+    print("Hint: set DSPEC_DEBUG=1 for the full traceback.", file=sys.stderr)
+    return 1

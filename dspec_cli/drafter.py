@@ -1,0 +1,196 @@
+"""The drafter interface every plugin implements (DESIGN §3).
+
+A drafter proposes up to γ tokens per request per round. The engine owns the loop:
+
+    state = drafter.init_state()
+    drafter.add_requests(state, prompts, hidden)          # new rows join (continuous batching)
+    loop:
+        proposal = drafter.propose(state, anchors, max_len, sampler)
+        ... scheduler picks ℓ_r, target verifies, verifier accepts ...
+        drafter.advance(state, committed, counts, hidden)  # only committed tokens enter caches
+    drafter.remove_requests(state, keep)                  # finished rows leave
+
+Rows of every per-request tensor follow the engine's batch order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import torch
+
+from dspec_cli.errors import DspecError
+
+if TYPE_CHECKING:
+    from dspec_cli.target import Target
+
+CAPABILITIES = ("draft_probs", "confidence", "tree", "trainable", "marginals")
+
+
+@dataclass
+class DrafterConfig:
+    """Hyper-parameters serialised into a checkpoint's config.json. Subclass to add fields."""
+
+    block_size: int = 7  # γ: draft tokens proposed per round
+    target_layer_ids: tuple[int, ...] = ()  # target decoder layers the drafter reads (-1 = embeddings)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise DspecError(f"block_size must be >= 1, got {self.block_size}")
+        self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], *, where: str = "config") -> DrafterConfig:
+        """Build from a dict; unknown keys are an error that lists the valid ones."""
+        valid = cls.field_names()
+        unknown = sorted(set(values) - set(valid))
+        if unknown:
+            raise DspecError(f"{where}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(valid)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+
+
+@dataclass
+class DraftTree:
+    """A draft tree per request. Node 0 is the root (the anchor); nodes 1..N_r are drafts."""
+
+    tokens: torch.Tensor  # [R, N] long, padded with -1
+    parents: torch.Tensor  # [R, N] long: local parent index (0 = root), parents precede children
+    num_nodes: torch.Tensor  # [R] long
+
+
+@dataclass
+class Proposal:
+    """What a drafter proposes for one round."""
+
+    tokens: torch.Tensor  # [R, γ] long (chain drafts; padded past `lengths` with 0)
+    lengths: torch.Tensor  # [R] long: valid draft tokens per request, <= γ
+    draft_probs: torch.Tensor | None = None  # [R, γ, V] q_k; None = deterministic (one-hot) drafts
+    confidence: torch.Tensor | None = None  # [R, γ] c_k ≈ P(x_k accepted | x_<k accepted), in (0, 1)
+    tree: DraftTree | None = None  # set by tree drafters instead of a chain
+    draft_seconds: float = 0.0  # filled by the engine (timing)
+
+
+class Sampler(Protocol):
+    """Sampling at the run's settings, with per-request counter-based randomness."""
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R, V]
+        ...
+
+    def sample(self, probs: torch.Tensor, step: int) -> torch.Tensor:  # [R, V] -> [R]
+        ...
+
+
+@dataclass
+class DraftState:
+    """Per-batch drafter state. Subclasses add caches; rows follow the engine's batch order."""
+
+    context: list[torch.Tensor] = field(default_factory=list)  # committed token ids per request [L_r]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.context)
+
+
+def heuristic_confidence(draft_probs: torch.Tensor | None, lengths: torch.Tensor, gamma: int) -> torch.Tensor:
+    """Non-anticipating confidence from the shape of q_k: Σ_v q_k(v)², never q_k(x_k).
+
+    Σq² is the chance that the target (if it matched q) would draw the token the draft drew,
+    so it only uses the distribution the draft token is sampled from. One-hot drafts
+    (draft_probs None) get 0.5: no information. Returns [R, γ] in (0, 1).
+    """
+    R = lengths.shape[0]
+    if draft_probs is None:
+        conf = torch.full((R, gamma), 0.5, device=lengths.device)
+    else:
+        conf = draft_probs.float().pow(2).sum(-1)  # [R, γ]
+    return conf.clamp(1e-4, 1 - 1e-4)
+
+
+class Drafter:
+    """Base class of every drafter. Class attributes describe it to the plugin registry."""
+
+    name: ClassVar[str] = ""
+    config_class: ClassVar[type[DrafterConfig]] = DrafterConfig
+    capabilities: ClassVar[frozenset[str]] = frozenset()
+    description: ClassVar[str] = ""
+
+    def __init__(self, config: DrafterConfig, target: Target):
+        self.config = config
+        self.target = target
+
+    # -- construction and persistence ------------------------------------------------
+    @classmethod
+    def build(cls, config: DrafterConfig, target: Target) -> Drafter:
+        """A fresh (untrained) drafter for ``target``."""
+        return cls(config, target)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, target: Target, **overrides: Any) -> Drafter:
+        """Load a checkpoint folder written by :meth:`save_pretrained`."""
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise DspecError(f"checkpoint {path}: config.json is missing")
+        try:
+            raw = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise DspecError(f"checkpoint {path}: config.json is not valid JSON ({exc})") from None
+        values = raw.get("drafter_config", {})
+        values.update(overrides)
+        return cls.build(cls.config_class.from_dict(values, where=str(cfg_file)), target)
+
+    def save_pretrained(self, path: str | Path) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(
+            json.dumps({"drafter": self.name, "drafter_config": self.config.to_dict()}, indent=2) + "\n"
+        )
+
+    # -- the decoding cycle ----------------------------------------------------------
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        return tuple(self.config.target_layer_ids)
+
+    def init_state(self) -> DraftState:
+        return DraftState()
+
+    def add_requests(self, state: DraftState, prompts: list[torch.Tensor], hidden: list[torch.Tensor] | None) -> None:
+        """New requests join: prompt ids [L_r] and the target's taps [L_r, n·d] (None if no taps)."""
+        state.context.extend(p.clone() for p in prompts)
+
+    def remove_requests(self, state: DraftState, keep: list[int]) -> None:
+        """Keep only rows ``keep`` (in that order)."""
+        state.context = [state.context[i] for i in keep]
+
+    def propose(self, state: DraftState, anchors: torch.Tensor, max_len: int, sampler: Sampler) -> Proposal:
+        """Draft up to ``max_len`` tokens after each anchor. anchors [R] long."""
+        raise NotImplementedError
+
+    def confidence(self, state: DraftState, proposal: Proposal) -> torch.Tensor:
+        """[R, γ] per-position confidence; default: :func:`heuristic_confidence`."""
+        return heuristic_confidence(proposal.draft_probs, proposal.lengths, proposal.tokens.shape[1])
+
+    def advance(
+        self, state: DraftState, committed: torch.Tensor, counts: torch.Tensor, hidden: torch.Tensor | None
+    ) -> None:
+        """Tokens that entered each request's context this round (anchor + accepted drafts).
+
+        committed [Σc_r] long, counts [R] long, hidden [Σc_r, n·d] target taps or None.
+        """
+        for r, chunk in enumerate(torch.split(committed, counts.tolist())):
+            state.context[r] = torch.cat([state.context[r], chunk])
+
+    def training_loss(self, batch: dict[str, torch.Tensor], target_features: dict[str, torch.Tensor]) -> dict:
+        raise DspecError(f"drafter {self.name!r} is not trainable")

@@ -1,0 +1,121 @@
+"""Tiny random causal LMs and an offline ChatML tokenizer for tests (nothing is downloaded).
+
+Models are fp32, seeded, with ``attn_implementation="sdpa"``. Weights use a large
+``initializer_range`` so that masking mistakes change the logits far beyond test tolerances.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+)
+
+VOCAB_SIZE = 384
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun.
+Speculative decoding drafts several tokens with a small model and verifies them with a large one.
+A target model scores every drafted token in one forward pass; accepted tokens are kept.
+Rejected drafts are discarded and the target samples a correction from the residual distribution.
+Numbers like 0 1 2 3 4 5 6 7 8 9 10 42 100 and 2024 appear in text, as do symbols: + - * / = ( ) [ ] { }.
+def add(a, b):
+    return a + b
+User: What is the capital of France? Assistant: The capital of France is Paris.
+User: Write a short poem about the sea. Assistant: Waves roll in, waves roll out, the gulls cry.
+Lossless verification keeps the output distribution exactly equal to the target's own sampling.
+"""
+
+
+@lru_cache(maxsize=1)
+def _trained_tokenizer_json() -> str:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS.splitlines(keepends=True) * 4, trainer=trainer)
+    return tok.to_str()
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE (≤ ``VOCAB_SIZE`` ids) trained in memory, with a ChatML chat template."""
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_trained_tokenizer_json()),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    tok.chat_template = CHATML_TEMPLATE
+    return tok
+
+
+def _special_ids() -> dict:
+    tok = Tokenizer.from_str(_trained_tokenizer_json())
+    return {
+        "eos_token_id": tok.token_to_id("<|im_end|>"),
+        "pad_token_id": tok.token_to_id("<|endoftext|>"),
+        "bos_token_id": tok.token_to_id("<|endoftext|>"),
+    }
+
+
+_COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    initializer_range=0.2,
+)
+
+
+def _build(config, seed: int) -> PreTrainedModel:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    return model.eval()
+
+
+def tiny_qwen3(seed: int = 0) -> PreTrainedModel:
+    """Qwen3ForCausalLM: 3 layers, d=64, GQA 4/2 heads, q/k norms, tied embeddings."""
+    return _build(Qwen3Config(**_COMMON, tie_word_embeddings=True, **_special_ids()), seed)
+
+
+def tiny_llama(seed: int = 0) -> PreTrainedModel:
+    """LlamaForCausalLM: 3 layers, d=64, GQA 4/2 heads, untied head."""
+    return _build(LlamaConfig(**_COMMON, tie_word_embeddings=False, **_special_ids()), seed)
+
+
+def tiny_gemma3(seed: int = 0, sliding_window: int = 6) -> PreTrainedModel:
+    """Gemma3ForCausalLM (text): sliding/full/sliding layers with a short window, scaled embeddings."""
+    config = Gemma3TextConfig(
+        **_COMMON,
+        sliding_window=sliding_window,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        query_pre_attn_scalar=16,
+        **_special_ids(),
+    )
+    return _build(config, seed)
+
+
+FACTORIES = {"qwen3": tiny_qwen3, "llama": tiny_llama, "gemma3": tiny_gemma3}
