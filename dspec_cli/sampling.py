@@ -1,0 +1,186 @@
+"""Logits to probabilities (temperature, top-k, top-p) and per-request randomness.
+
+Randomness comes in two flavours:
+
+* counter-based (:func:`uniform`, :func:`exponential`): a pure function of
+  (seed, offset, salt[, token]) built from 32-bit integer hashing on int64 tensors, so a
+  request's numbers never depend on which other requests share its batch (DESIGN §2);
+* :class:`torch.Generator`-based (:func:`torch_uniform`, :func:`torch_exponential`) for callers
+  that just want seeded torch randomness.
+
+Sampling uses the exponential race: ``argmax(probs / E)`` with ``E ~ Exp(1)`` i.i.d. draws
+token ``v`` with probability ``probs[v] / Σ probs``, so unnormalised weights need no division.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "exponential",
+    "logits_to_probs",
+    "sample_from_probs",
+    "torch_exponential",
+    "torch_uniform",
+    "uniform",
+]
+
+_M32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9  # odd multiplier (2^32 / golden ratio) spreading absorbed words
+_LANE_IV = (0x243F6A88, 0x85A308D3)  # distinct start states of the two hash lanes
+_TWO_M52 = 2.0**-52
+_TWO_M23 = 2.0**-23
+
+
+# --------------------------------------------------------------------------------------
+# Temperature, top-k, top-p
+# --------------------------------------------------------------------------------------
+
+
+def _row_param(value, n: int, device, dtype) -> torch.Tensor:
+    """A scalar or [N] parameter as a [N, 1] tensor."""
+    t = torch.as_tensor(value, device=device, dtype=dtype)
+    if t.dim() == 0:
+        return t.expand(n, 1)
+    if t.shape != (n,):
+        raise ValueError(f"expected a scalar or a tensor of shape [{n}], got {tuple(t.shape)}")
+    return t.reshape(n, 1)
+
+
+def _is_scalar(value, disabled) -> bool:
+    """True when value is a python/0-d scalar equal to the no-op setting."""
+    return not (isinstance(value, torch.Tensor) and value.dim() > 0) and float(value) == disabled
+
+
+def logits_to_probs(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0) -> torch.Tensor:
+    """Sampling distribution [N, V] float32 from logits [N, V].
+
+    temperature, top_k, top_p: python scalars or per-row tensors [N]. Rows with temperature 0
+    are one-hot on the argmax of the raw logits (greedy; first index on ties). Otherwise
+    softmax(logits / T), then top-k (0 = off), then top-p on the top-k distribution (1 = off;
+    keeps the smallest set of most likely tokens whose mass reaches top_p), renormalised.
+    Ties in the ranking are broken by the lower token id, so the kept set is deterministic.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
+    n, vocab = logits.shape
+    dev = logits.device
+    logits = logits.float()
+    temp = _row_param(temperature, n, dev, torch.float32)
+    k = _row_param(top_k, n, dev, torch.long)
+    p = _row_param(top_p, n, dev, torch.float32)
+    if n and bool((temp < 0).any() | (k < 0).any() | (p <= 0).any() | (p > 1).any()):
+        raise ValueError("logits_to_probs: need temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
+    greedy = temp == 0  # [N, 1]
+    probs = torch.softmax(logits / torch.where(greedy, torch.ones_like(temp), temp), dim=-1)
+    if not (_is_scalar(top_k, 0) and _is_scalar(top_p, 1.0)):
+        probs = _top_k_top_p(probs, k, p)
+    onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy, onehot, probs)
+
+
+def _top_k_top_p(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask probs [N, V] to the top-k [N, 1] then nucleus top_p [N, 1] sets and renormalise."""
+    vocab = probs.shape[-1]
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab, device=probs.device)
+    keep = rank < torch.where(k > 0, k, vocab)  # [N, V] in sorted order
+    sorted_p = sorted_p * keep
+    mass = sorted_p.cumsum(-1)
+    before = mass - sorted_p  # mass of strictly better-ranked tokens
+    keep &= (before < top_p * mass[:, -1:]) | (top_p >= 1)
+    kept = torch.zeros_like(probs).scatter_(-1, order, sorted_p * keep)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+# --------------------------------------------------------------------------------------
+# Counter-based randomness
+# --------------------------------------------------------------------------------------
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for x in [0, 2^32) on int64 without overflow (16-bit halves of c)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """Bijective 32-bit avalanche mix (xor-shift / multiply rounds)."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _absorb(h: torch.Tensor, word: torch.Tensor) -> torch.Tensor:
+    """Fold a 32-bit word into a 32-bit lane state (bijective in each argument)."""
+    return _fmix32((h + _mul32(word, _GOLDEN)) & _M32)
+
+
+def _words(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Low and high 32-bit halves of int64 values (two's complement for negatives)."""
+    return x & _M32, (x >> 32) & _M32
+
+
+def _lanes(seeds: torch.Tensor, offsets: torch.Tensor, salt) -> list[torch.Tensor]:
+    """Two independent 32-bit hash states of (seed, offset, salt), broadcast together."""
+    seeds, offsets, salt = torch.broadcast_tensors(
+        seeds.long(), offsets.long(), torch.as_tensor(salt, dtype=torch.long, device=seeds.device)
+    )
+    words = (salt & _M32, *_words(seeds), *_words(offsets))
+    lanes = []
+    for iv in _LANE_IV:
+        h = torch.full_like(seeds, iv)
+        for w in words:
+            h = _absorb(h, w)
+        lanes.append(h)
+    return lanes
+
+
+def uniform(seeds: torch.Tensor, offsets: torch.Tensor, salt=0) -> torch.Tensor:
+    """Counter-based uniforms: float64 in the open interval (0, 1).
+
+    seeds, offsets: int64 tensors (broadcast together, e.g. [R] and [R], or [R, 1] and [R, L]);
+    salt: int or int tensor separating streams. A pure function of (seed, offset, salt) with
+    52 random bits; never 0 and never 1.
+    """
+    a, b = _lanes(seeds, offsets, salt)
+    bits = (a << 20) | (b >> 12)  # 52 bits
+    return (bits.double() + 0.5) * _TWO_M52
+
+
+def exponential(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int, salt=0) -> torch.Tensor:
+    """Counter-based Exp(1) noise [N, vocab] float32, keyed by (seed, offset, salt, token id).
+
+    seeds, offsets: [N] int64. Uses 23 random bits per entry; every value is finite and > 0.
+    """
+    state, _ = _lanes(seeds.reshape(-1, 1), offsets.reshape(-1, 1), salt)  # [N, 1]
+    token = torch.arange(vocab, device=state.device, dtype=torch.long)
+    h = _absorb(state, token)  # [N, V]
+    u = ((h >> 9).float() + 0.5) * _TWO_M23  # (0, 1), exact in float32
+    return -torch.log(u)
+
+
+def sample_from_probs(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Exponential race: argmax(probs / noise) [N] for unnormalised probs [N, V], noise [N, V] > 0."""
+    return (probs / noise).argmax(-1)
+
+
+# --------------------------------------------------------------------------------------
+# torch.Generator randomness
+# --------------------------------------------------------------------------------------
+
+
+def torch_uniform(shape, *, generator: torch.Generator | None = None, device=None) -> torch.Tensor:
+    """Seeded torch uniforms, float64 in (0, 1) (0 is replaced by 2^-53), on `device`.
+
+    Drawn on the generator's device (so a CPU generator gives the same numbers everywhere).
+    """
+    src = generator.device if generator is not None else device
+    u = torch.rand(shape, generator=generator, device=src, dtype=torch.float64)
+    return u.clamp_(min=2.0**-53).to(device if device is not None else u.device)
+
+
+def torch_exponential(shape, *, generator: torch.Generator | None = None, device=None) -> torch.Tensor:
+    """Seeded Exp(1) noise, float32, finite and > 0 (-log of :func:`torch_uniform`)."""
+    return (-torch.log(torch_uniform(shape, generator=generator, device=device))).float()
