@@ -107,15 +107,24 @@ def tiny_llama(seed: int = 0) -> PreTrainedModel:
 
 
 def tiny_gemma3(seed: int = 0, sliding_window: int = 6) -> PreTrainedModel:
-    """Gemma3ForCausalLM (text): sliding/full/sliding layers with a short window, scaled embeddings."""
+    """Gemma3ForCausalLM (text): sliding/full/sliding layers with a short window, scaled embeddings,
+    untied head."""
     config = Gemma3TextConfig(
         **_COMMON,
         sliding_window=sliding_window,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         query_pre_attn_scalar=16,
+        tie_word_embeddings=False,  # tied + scaled embeddings make tiny random Gemmas repeat the last token
         **_special_ids(),
     )
     return _build(config, seed)
 
 
 FACTORIES = {"qwen3": tiny_qwen3, "llama": tiny_llama, "gemma3": tiny_gemma3}
+
+
+def tiny_target(family: str = "qwen3", seed: int = 0):
+    """A ``dspec_cli.target.Target`` around a tiny model of ``family`` with the ChatML tokenizer."""
+    from dspec_cli.target import Target
+
+    return Target(FACTORIES[family](seed), tiny_tokenizer())

@@ -1,0 +1,404 @@
+"""Target: wraps a transformers causal LM for ragged batched prefill / verify / commit.
+
+One ``DynamicCache`` holds the whole batch (see ``target_cache``). Every forward passes
+explicit per-row ``position_ids`` (committed length + offset, or + tree depth) and its own
+4-D masks over all slots: rows attend to their valid cached slots and, among the new tokens,
+to their causal prefix (chains) or their ancestors (trees). Models with sliding-window layers
+get a ``{"full_attention": ..., "sliding_attention": ...}`` mask dict whose window is applied
+on logical positions, so holes never shrink the window. Sliding layers keep their full KV
+history (a plain ``DynamicCache`` never crops), which costs memory but keeps rollback exact.
+
+Hidden taps are raw decoder-layer outputs captured with forward hooks (``-1`` = embedding
+output, which for Gemma already includes the embedding scale), concatenated in
+``layer_ids`` order.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dspec_cli.errors import DspecError
+from dspec_cli.target_cache import (
+    PendingStep,
+    TargetBatch,
+    ancestor_visibility,
+    attention_layout,
+    causal_visibility,
+)
+
+__all__ = ["ASSETS_DIR", "DEFAULT_TARGET_PATH", "StepOutput", "Target", "TargetBatch", "embedded_path"]
+
+ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+
+
+def embedded_path(name: str) -> Path:
+    """Path of an embedded asset (``tiny-target``, ``tiny-draft-model``, ...); may not exist."""
+    return ASSETS_DIR / name
+
+
+DEFAULT_TARGET_PATH = embedded_path("tiny-target")
+_MASKABLE = ("sdpa", "eager")
+
+
+@dataclass
+class StepOutput:
+    """Target outputs of one prefill or verify.
+
+    ``logits``: [Σn_r, V] float, n_r = tokens of row r (prefill: last-position logits [R_new, V]).
+    ``hidden``: [Σn_r, n·d] taps (prefill: list of [L_r, n·d], one per new request).
+    ``rows``: [Σn_r] batch row of each flattened entry (prefill: [R_new] rows of the new requests).
+    """
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | list[torch.Tensor]
+    rows: torch.Tensor
+
+
+class Target:
+    """A causal LM with a batched, ragged, rollback-able KV cache (see module docstring)."""
+
+    def __init__(self, model, tokenizer=None, *, chat_template: bool | None = None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = model.config.get_text_config()
+        impl = getattr(model.config, "_attn_implementation", None)
+        if impl not in _MASKABLE:
+            raise ValueError(f"model attn_implementation must be one of {_MASKABLE}, got {impl!r}")
+        self._float_mask = impl == "eager"
+        self._layers = getattr(model.get_decoder(), "layers", None)
+        if self._layers is None:
+            raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+        self._embed = model.get_input_embeddings()
+        self._window, self._layout = attention_layout(self.config)
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._keep_kw = "logits_to_keep" in params
+        if chat_template and (tokenizer is None or tokenizer.chat_template is None):
+            raise ValueError("chat_template=True but the tokenizer has no chat template")
+        self.chat_template = chat_template
+
+    # -- construction ----------------------------------------------------------------------------
+
+    @classmethod
+    def load(
+        cls,
+        name_or_path: str | None = None,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device = "cpu",
+        chat_template: bool | None = None,
+    ) -> Target:
+        """Load a local path or Hub id (None: the embedded default at ``DEFAULT_TARGET_PATH``)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if name_or_path is None:
+            if not DEFAULT_TARGET_PATH.is_dir():
+                raise DspecError(f"embedded default target not found at {DEFAULT_TARGET_PATH}")
+            name_or_path = str(DEFAULT_TARGET_PATH)
+        torch_dtype = _parse_dtype(dtype)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                name_or_path, dtype=torch_dtype, attn_implementation="sdpa"
+            )
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        except (OSError, ValueError) as err:
+            detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise DspecError(f"cannot load target {name_or_path!r}: {detail}") from err
+        model.to(device).requires_grad_(False)
+        if chat_template and tokenizer.chat_template is None:
+            raise DspecError(f"target {name_or_path!r} has no chat template (chat_template=True)")
+        return cls(model, tokenizer, chat_template=chat_template)
+
+    # -- properties ------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        sources = [getattr(self.model, "generation_config", None), self.config, self.tokenizer]
+        for src in sources:
+            value = getattr(src, "eos_token_id", None)
+            if value is not None:
+                ids.update([value] if isinstance(value, int) else value)
+        return ids
+
+    # -- prompts ---------------------------------------------------------------------------------
+
+    def render_prompt(self, prompt: str | Sequence[Mapping[str, str]]) -> list[int]:
+        """Token ids of a prompt: chat template (with generation prompt) for chat models, else encode."""
+        if self.tokenizer is None:
+            raise ValueError("render_prompt needs a tokenizer")
+        has_template = self.tokenizer.chat_template is not None
+        use_chat = has_template if self.chat_template is None else self.chat_template
+        if isinstance(prompt, str):
+            if not use_chat:
+                return list(self.tokenizer.encode(prompt))
+            messages = [{"role": "user", "content": prompt}]
+        else:
+            messages = [dict(m) for m in prompt]
+            if any("role" not in m or "content" not in m for m in messages):
+                raise ValueError("prompt messages must be mappings with 'role' and 'content'")
+            if not use_chat:
+                raise ValueError("prompt is a message list but chat templating is off or missing")
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False, enable_thinking=False
+        )
+        return list(ids)
+
+    # -- batch API -------------------------------------------------------------------------------
+
+    def new_batch(
+        self, layer_ids: Sequence[int] = (), *, compact_fraction: float = 0.25, max_slots: int | None = None
+    ) -> TargetBatch:
+        """An empty batch tapping the raw outputs of ``layer_ids`` (-1 = embedding output)."""
+        bad = [i for i in layer_ids if not -1 <= int(i) < self.num_layers]
+        if bad:
+            raise ValueError(f"layer_ids must be in [-1, {self.num_layers}), got {bad}")
+        return TargetBatch(layer_ids, self.device, compact_fraction=compact_fraction, max_slots=max_slots)
+
+    @torch.no_grad()
+    def prefill(self, batch: TargetBatch, prompts: Sequence[Sequence[int]]) -> StepOutput:
+        """Append new requests (rows) to ``batch``; other rows may be mid-generation."""
+        batch.require_idle("prefill")
+        lens = [len(p) for p in prompts]
+        if not lens or min(lens) == 0:
+            raise ValueError("prompts must be a non-empty list of non-empty token lists")
+        width, dev = max(lens), self.device
+        ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long, device=dev)
+        length = torch.tensor(lens, dtype=torch.long, device=dev)
+        start = width - length  # [R_new] left padding
+        col = torch.arange(width, device=dev)
+        pos = (col[None, :] - start[:, None]).clamp(min=0)  # [R_new, P]
+        real = col[None, :] >= start[:, None]  # [R_new, P]
+        fresh = batch.empty_like(len(lens))
+        logits, taps = self._forward(fresh, ids, pos, causal_visibility(real), last_only=True)
+        fresh.record_prefill(real, pos, lens)
+        first_row = batch.num_rows
+        batch.extend(fresh)
+        batch.maybe_compact()
+        hidden = [taps[r, width - n :] for r, n in enumerate(lens)]
+        rows = torch.arange(first_row, first_row + len(lens), device=dev)
+        return StepOutput(logits=logits[:, -1].float(), hidden=hidden, rows=rows)
+
+    @torch.no_grad()
+    def verify(self, batch: TargetBatch, tokens: torch.Tensor, lengths: torch.Tensor) -> StepOutput:
+        """Score ragged chains appended after each row's committed prefix.
+
+        tokens [Σn_r]: row r's n_r = ``lengths[r]`` tokens (anchor + ℓ_r drafts, so n_r = ℓ_r + 1),
+        rows in order; ``lengths`` [R] may hold 0 for rows that sit this step out.
+        """
+        n, q, flat = self._ragged(batch, tokens, lengths)
+        col = torch.arange(q, device=self.device)
+        real = col[None, :] < _counts(n, self.device)[:, None]  # [R, q]
+        depth = col[None, :].expand(batch.num_rows, q)
+        return self._step(batch, tokens, n, flat, causal_visibility(real), depth, parents=None)
+
+    @torch.no_grad()
+    def verify_tree(
+        self, batch: TargetBatch, tokens: torch.Tensor, parents: torch.Tensor, lengths: torch.Tensor
+    ) -> StepOutput:
+        """Score ragged trees: row r has n_r = ``lengths[r]`` nodes [Σn_r] with row-local ``parents``
+        [Σn_r]: node 0 is the anchor (parent -1), node i > 0 has parent < i. Position = committed
+        length + depth; each node attends to the row's valid cache and to its ancestors."""
+        n, q, flat = self._ragged(batch, tokens, lengths)
+        if parents.shape != tokens.shape:
+            raise ValueError(f"parents must be shaped like tokens, got {tuple(parents.shape)}")
+        rows, dev = batch.num_rows, self.device
+        par = torch.full((rows * q,), -1, dtype=torch.long, device=dev)
+        par = par.index_copy(0, flat, parents.to(dev, torch.long)).view(rows, q)  # [R, q]
+        col = torch.arange(q, device=dev)[None, :]
+        real = col < _counts(n, dev)[:, None]
+        ok = torch.where(col == 0, par == -1, (par >= 0) & (par < col))
+        if not bool(torch.where(real, ok, True).all()):
+            raise ValueError("parents: node 0 of a row must be -1 and node i > 0 needs 0 <= parent < i")
+        vis = ancestor_visibility(par)  # [R, q, q]
+        depth = vis.sum(dim=-1) - 1
+        return self._step(batch, tokens, n, flat, vis, depth, parents=par)
+
+    def commit(self, batch: TargetBatch, keep: torch.Tensor) -> None:
+        """Chains: keep the first ``keep[r]`` verified tokens of each row [R]; the rest become holes."""
+        pending = _require_pending(batch, tree=False)
+        keep = keep.to(self.device, torch.long)
+        keep_list = keep.tolist()
+        if len(keep_list) != batch.num_rows or any(not 0 <= k <= m for k, m in zip(keep_list, pending.n)):
+            raise ValueError(f"keep must be [R] with 0 <= keep[r] <= n_r={pending.n}, got {keep_list}")
+        q = batch.num_slots - pending.start
+        kept = torch.arange(q, device=self.device)[None, :] < keep[:, None]
+        batch.close_step(kept, keep_list)
+
+    def commit_path(self, batch: TargetBatch, path: torch.Tensor) -> None:
+        """Trees: keep the nodes of ``path`` [R, D] (row-local ids from the root down, -1 padded)."""
+        pending = _require_pending(batch, tree=True)
+        rows, q = pending.parents.shape
+        path = path.to(self.device, torch.long)
+        if path.dim() != 2 or path.shape[0] != rows:
+            raise ValueError(f"path must be [R={rows}, D], got {tuple(path.shape)}")
+        used = path >= 0
+        n = _counts(pending.n, self.device)
+        parent = pending.parents.gather(1, path.clamp(0, q - 1))  # [R, D]
+        prev = torch.cat([torch.full_like(path[:, :1], -1), path[:, :-1]], dim=1)
+        chain = (parent == prev) & (path < n[:, None])
+        prefix = used.int().cummin(dim=1).values == used.int()  # -1 only as trailing padding
+        ok = torch.where(used, chain, True).all() & prefix.all()
+        ok, *added = torch.cat([ok[None].long(), used.sum(dim=1)]).tolist()  # one host sync
+        if not ok:
+            raise ValueError("path: each row must be a chain 0, child, grandchild, ... then -1 padding")
+        kept = torch.zeros(rows, q + 1, dtype=torch.bool, device=self.device)
+        kept.scatter_(1, torch.where(used, path, q), True)
+        batch.close_step(kept[:, :q], added)
+
+    def rollback(self, batch: TargetBatch, drop: torch.Tensor) -> None:
+        """Un-commit the last ``drop[r]`` committed tokens of each row [R] (they become holes)."""
+        batch.rollback(drop)
+
+    def remove(self, batch: TargetBatch, rows: Sequence[int]) -> None:
+        """Finished requests leave the batch; remaining rows keep their order."""
+        batch.remove(rows)
+
+    @torch.no_grad()
+    def forward_full(
+        self, ids: torch.Tensor, layer_ids: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Plain forward of ids [1, L] (no cache, HF's own masks): (logits [L, V] float, taps [L, n·d])."""
+        if ids.dim() != 2 or ids.shape[0] != 1:
+            raise ValueError(f"ids must be [1, L], got {tuple(ids.shape)}")
+        with self._taps(layer_ids) as taps:
+            out = self.model(input_ids=ids.to(self.device), use_cache=False)
+        return out.logits[0].float(), _concat(taps, ids.shape[1], self.dtype, self.device)[0]
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _ragged(self, batch: TargetBatch, tokens: torch.Tensor, lengths: torch.Tensor):
+        """Validate a ragged input; return n (host list), q = max n, flat index [Σn] into [R*q]."""
+        batch.require_idle("verify")
+        rows = batch.num_rows
+        if rows == 0:
+            raise ValueError("verify: the batch has no rows (prefill first)")
+        if lengths.dim() != 1 or lengths.shape[0] != rows:
+            raise ValueError(f"lengths must be [R={rows}], got {tuple(lengths.shape)}")
+        n = [int(x) for x in lengths.tolist()]
+        if min(n) < 0 or sum(n) == 0:
+            raise ValueError(f"lengths must be >= 0 with a positive sum, got {n}")
+        if tokens.dim() != 1 or tokens.shape[0] != sum(n):
+            raise ValueError(f"tokens must be [sum(lengths)={sum(n)}], got {tuple(tokens.shape)}")
+        q, dev = max(n), self.device
+        counts = _counts(n, dev)
+        offsets = torch.arange(rows, device=dev) * q - (torch.cumsum(counts, 0) - counts)
+        total = sum(n)
+        flat = torch.arange(total, device=dev) + torch.repeat_interleave(offsets, counts, output_size=total)
+        return n, q, flat
+
+    def _step(self, batch, tokens, n, flat, vis, depth, parents) -> StepOutput:
+        rows, q = vis.shape[0], vis.shape[1]
+        dev = self.device
+        ids = torch.zeros(rows * q, dtype=torch.long, device=dev)
+        ids = ids.index_copy(0, flat, tokens.to(dev, torch.long)).view(rows, q)
+        pos = batch.committed[:, None] + depth  # [R, q]
+        logits, taps = self._forward(batch, ids, pos, vis, last_only=False)
+        counts = _counts(n, dev)
+        real = torch.arange(q, device=dev)[None, :] < counts[:, None]
+        batch.open_step(real, pos, PendingStep(start=batch.num_slots, n=n, parents=parents))
+        out_rows = torch.repeat_interleave(torch.arange(rows, device=dev), counts, output_size=sum(n))
+        return StepOutput(
+            logits=logits.reshape(rows * q, -1).index_select(0, flat).float(),
+            hidden=taps.reshape(rows * q, -1).index_select(0, flat),
+            rows=out_rows,
+        )
+
+    def _forward(self, batch: TargetBatch, ids, pos, vis, last_only: bool):
+        """One cached forward of ids [R, q] at positions pos [R, q]; returns (logits, taps [R, q, n·d])."""
+        full, sliding = batch.attention_masks(pos, vis, self._window)
+        if self._layout == "mixed":
+            mask = {"full_attention": self._as_mask(full), "sliding_attention": self._as_mask(sliding)}
+        else:
+            mask = self._as_mask(sliding if self._layout == "sliding" else full)
+        kwargs = {self._cache_kw: batch.cache, "attention_mask": mask, "position_ids": pos, "use_cache": True}
+        if last_only and self._keep_kw:
+            kwargs["logits_to_keep"] = 1
+        with self._taps(batch.layer_ids) as taps:
+            out = self.model(input_ids=ids, **kwargs)
+        logits = out.logits[:, -1:] if last_only else out.logits
+        return logits, _concat(taps, ids.shape[1], self.dtype, self.device, rows=ids.shape[0])
+
+    def _as_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """Bool mask for sdpa; additive float mask (0 / dtype min) for eager attention."""
+        if not self._float_mask:
+            return mask
+        return torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(self.dtype).min
+        )
+
+    @contextmanager
+    def _taps(self, layer_ids: Sequence[int]) -> Iterator[list]:
+        """Capture raw outputs of the tapped modules during one forward, in ``layer_ids`` order."""
+        store: dict[int, torch.Tensor] = {}
+        handles = []
+        for lid in dict.fromkeys(int(i) for i in layer_ids):
+            module = self._embed if lid == -1 else self._layers[lid]
+
+            def hook(_mod, _inp, out, lid=lid):
+                store[lid] = out[0] if isinstance(out, tuple) else out
+
+            handles.append(module.register_forward_hook(hook))
+        taps: list[torch.Tensor] = []
+        try:
+            yield taps
+        finally:
+            for h in handles:
+                h.remove()
+        taps.extend(store[int(i)] for i in layer_ids)
+
+
+def _counts(n: list[int], device) -> torch.Tensor:
+    """Host list of per-row counts -> long tensor [R]."""
+    return torch.tensor(n, dtype=torch.long, device=device)
+
+
+def _concat(taps: list[torch.Tensor], q: int, dtype, device, rows: int = 1) -> torch.Tensor:
+    if not taps:
+        return torch.zeros(rows, q, 0, dtype=dtype, device=device)
+    return torch.cat(taps, dim=-1)
+
+
+def _parse_dtype(dtype: str | torch.dtype) -> str | torch.dtype:
+    if isinstance(dtype, torch.dtype) or dtype == "auto":
+        return dtype
+    value = getattr(torch, str(dtype), None)
+    if not isinstance(value, torch.dtype):
+        raise DspecError(f"unknown dtype {dtype!r} (use auto, float32, bfloat16 or float16)")
+    return value
+
+
+def _require_pending(batch: TargetBatch, tree: bool) -> PendingStep:
+    pending = batch.pending
+    if pending is None:
+        raise ValueError("nothing to commit: call verify/verify_tree first")
+    if (pending.parents is not None) != tree:
+        want, got = ("commit_path", "verify") if tree else ("commit", "verify_tree")
+        raise ValueError(f"{want} cannot follow {got}; use {'commit' if tree else 'commit_path'}")
+    return pending

@@ -1,0 +1,263 @@
+"""Slot bookkeeping of a batch KV cache: validity, logical positions, holes, compaction.
+
+The cache is one ``DynamicCache`` whose layers hold keys/values ``[R, H, S, D]`` over S *slots*.
+Each verify step writes the new tokens of every row at the same slot range (right-padded per
+row); the slots of rejected drafts and of padding stay in place as *holes*, hidden from
+attention by a per-row validity mask. Each slot also remembers the logical (RoPE) position
+of its token, so sliding-window masks are exact even with holes. Compaction gathers each
+row's valid slots to the left, shrinking S to the longest row; it runs automatically once the
+slots it would reclaim exceed a fraction of S, or S exceeds a bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+__all__ = ["PendingStep", "TargetBatch", "ancestor_visibility", "attention_layout", "causal_visibility"]
+
+
+@dataclass
+class PendingStep:
+    """The tokens of the last verify, waiting for commit()/commit_path()."""
+
+    start: int  # first slot of the verified tokens
+    n: list[int]  # tokens per row (host copy)
+    parents: torch.Tensor | None  # [R, q] row-local parents (-1: root or padding); None for chains
+
+
+class TargetBatch:
+    """One KV cache for a batch of requests plus per-row slot validity and positions.
+
+    Attributes: ``cache`` (DynamicCache), ``valid`` [R, S] bool, ``pos`` [R, S] long (logical
+    position of each slot), ``committed`` [R] long (committed length = next RoPE position =
+    number of valid slots), ``lengths`` (host copy of ``committed``), ``layer_ids`` (tapped
+    decoder layers). Built by ``Target.new_batch``; all mutation goes through ``Target``.
+    """
+
+    def __init__(
+        self,
+        layer_ids: Sequence[int],
+        device: torch.device,
+        compact_fraction: float = 0.25,
+        max_slots: int | None = None,
+    ):
+        if not 0.0 <= compact_fraction <= 1.0:
+            raise ValueError(f"compact_fraction must be in [0, 1], got {compact_fraction}")
+        if max_slots is not None and max_slots < 1:
+            raise ValueError(f"max_slots must be positive, got {max_slots}")
+        self.layer_ids = tuple(int(i) for i in layer_ids)
+        self.device = torch.device(device)
+        self.compact_fraction = compact_fraction
+        self.max_slots = max_slots
+        self.pending: PendingStep | None = None
+        self.num_compactions = 0
+        self._reset(0)
+
+    def _reset(self, rows: int) -> None:
+        self.cache = DynamicCache()
+        self.valid = torch.zeros(rows, 0, dtype=torch.bool, device=self.device)  # [R, S]
+        self.pos = torch.zeros(rows, 0, dtype=torch.long, device=self.device)  # [R, S]
+        self.committed = torch.zeros(rows, dtype=torch.long, device=self.device)  # [R]
+        self.lengths: list[int] = [0] * rows
+
+    @property
+    def num_rows(self) -> int:
+        return self.valid.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        return self.valid.shape[1]
+
+    @property
+    def holes(self) -> int:
+        """Invalid slots (rejected drafts, padding, ragged tails)."""
+        return self.num_rows * self.num_slots - sum(self.lengths)
+
+    def empty_like(self, rows: int) -> TargetBatch:
+        """A batch with this one's settings, ``rows`` rows and no slots (for prefill)."""
+        fresh = TargetBatch(self.layer_ids, self.device, self.compact_fraction, self.max_slots)
+        fresh._reset(rows)
+        return fresh
+
+    def _kv_layers(self) -> list:
+        return [layer for layer in self.cache.layers if getattr(layer, "is_initialized", False)]
+
+    def require_idle(self, what: str) -> None:
+        if self.pending is not None:
+            raise ValueError(f"{what}: the last verify has not been committed yet")
+
+    # -- masks -------------------------------------------------------------------------------
+
+    def attention_masks(
+        self,
+        pos_q: torch.Tensor,  # [R, q] logical positions of the new tokens
+        vis: torch.Tensor,  # [R, q, q] bool: new token i sees new token j
+        window: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Boolean masks [R, 1, q, S+q] (True = attend) for full and sliding-window layers."""
+        rows, q = pos_q.shape
+        full = torch.cat([self.valid[:, None, :].expand(rows, q, self.num_slots), vis], dim=2)
+        sliding = None
+        if window is not None:
+            pos_k = torch.cat([self.pos, pos_q], dim=1)  # [R, S+q]
+            sliding = full & ((pos_q[:, :, None] - pos_k[:, None, :]) < window)
+            sliding = sliding[:, None]
+        return full[:, None], sliding
+
+    # -- step bookkeeping ----------------------------------------------------------------------
+
+    def open_step(self, valid_new: torch.Tensor, pos_new: torch.Tensor, pending: PendingStep) -> None:
+        """Record the q slots a verify forward just appended to every cache layer ([R, q] each)."""
+        self.valid = torch.cat([self.valid, valid_new], dim=1)
+        self.pos = torch.cat([self.pos, pos_new], dim=1)
+        self.pending = pending
+
+    def record_prefill(self, valid: torch.Tensor, pos: torch.Tensor, lengths: list[int]) -> None:
+        """Record the slots [R, P] a prefill forward wrote into this (empty) batch's cache."""
+        self.valid, self.pos, self.lengths = valid, pos, list(lengths)
+        self.committed = torch.tensor(lengths, dtype=torch.long, device=self.device)
+
+    def close_step(self, keep_new: torch.Tensor, added: list[int]) -> None:
+        """Finish a verify: ``keep_new`` [R, q] marks the committed slots, ``added`` counts them per row."""
+        self.valid[:, self.pending.start :] = keep_new
+        self.committed += torch.tensor(added, dtype=torch.long, device=self.device)
+        self.lengths = [a + b for a, b in zip(self.lengths, added)]
+        self.pending = None
+        self.maybe_compact()
+
+    def extend(self, other: TargetBatch) -> None:
+        """Append the rows of ``other`` (a freshly prefilled batch) after this batch's rows."""
+        if self.num_rows == 0:
+            self.cache, self.valid, self.pos = other.cache, other.valid, other.pos
+            self.committed, self.lengths = other.committed, list(other.lengths)
+            return
+        width = max(self.num_slots, other.num_slots)
+        mine, theirs = self._kv_layers(), other._kv_layers()
+        if len(mine) != len(theirs):
+            raise ValueError("extend: the two caches have different numbers of layers")
+        for a, b in zip(mine, theirs):
+            a.keys = torch.cat([_pad_slots(a.keys, width, 2), _pad_slots(b.keys, width, 2)], dim=0)
+            a.values = torch.cat([_pad_slots(a.values, width, 2), _pad_slots(b.values, width, 2)], dim=0)
+        self.valid = torch.cat([_pad_slots(self.valid, width, 1), _pad_slots(other.valid, width, 1)])
+        self.pos = torch.cat([_pad_slots(self.pos, width, 1), _pad_slots(other.pos, width, 1)])
+        self.committed = torch.cat([self.committed, other.committed])
+        self.lengths = self.lengths + other.lengths
+
+    def rollback(self, drop: torch.Tensor) -> None:
+        """Un-commit the last ``drop[r]`` committed tokens of each row [R] (their slots become holes)."""
+        self.require_idle("rollback")
+        drop_list = drop.tolist()
+        if len(drop_list) != self.num_rows or any(not 0 <= d <= m for d, m in zip(drop_list, self.lengths)):
+            raise ValueError(f"drop must be [R] with 0 <= drop[r] <= committed={self.lengths}, got {drop_list}")
+        self.committed = self.committed - drop.to(self.device, torch.long)
+        self.valid &= self.pos < self.committed[:, None]  # valid slots hold positions 0..committed-1
+        self.lengths = [m - d for m, d in zip(self.lengths, drop_list)]
+        self.maybe_compact()
+
+    def remove(self, rows: Sequence[int]) -> None:
+        """Drop the given rows; the remaining rows keep their order."""
+        self.require_idle("remove")
+        drop = {int(r) for r in rows}
+        if len(drop) != len(rows) or any(r < 0 or r >= self.num_rows for r in drop):
+            raise ValueError(f"rows must be distinct indices in [0, {self.num_rows}), got {list(rows)}")
+        keep = [r for r in range(self.num_rows) if r not in drop]
+        if not keep:
+            self._reset(0)
+            return
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        for layer in self._kv_layers():
+            layer.keys = layer.keys.index_select(0, idx)
+            layer.values = layer.values.index_select(0, idx)
+        self.valid = self.valid.index_select(0, idx)
+        self.pos = self.pos.index_select(0, idx)
+        self.committed = self.committed.index_select(0, idx)
+        self.lengths = [self.lengths[r] for r in keep]
+        self.maybe_compact()
+
+    # -- compaction ----------------------------------------------------------------------------
+
+    def maybe_compact(self) -> None:
+        """Compact when the reclaimable slots (S minus the longest row) exceed ``compact_fraction``
+        of S, or S exceeds ``max_slots``."""
+        reclaim = self.num_slots - max(self.lengths, default=0)
+        too_long = self.max_slots is not None and self.num_slots > self.max_slots
+        if reclaim > 0 and (reclaim > self.compact_fraction * self.num_slots or too_long):
+            self.compact()
+
+    def compact(self) -> None:
+        """Gather each row's valid slots to the left (keys and values of every layer); S becomes
+        the longest row's committed length."""
+        self.require_idle("compact")
+        if self.num_rows == 0:
+            return
+        width = max(self.lengths)
+        order = torch.sort((~self.valid).to(torch.uint8), dim=1, stable=True).indices[:, :width]  # [R, S']
+        index = order[:, None, :, None]  # [R, 1, S', 1]
+        for layer in self._kv_layers():
+            layer.keys = layer.keys.gather(2, _expand_like(index, layer.keys))
+            layer.values = layer.values.gather(2, _expand_like(index, layer.values))
+        self.pos = self.pos.gather(1, order)
+        self.valid = torch.arange(width, device=self.device)[None, :] < self.committed[:, None]
+        self.num_compactions += 1
+
+
+def _pad_slots(x: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """Right-pad ``x`` with zeros (False) along ``dim`` up to ``width``."""
+    extra = width - x.shape[dim]
+    if extra == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = extra
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+def _expand_like(index: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """Broadcast a slot index [R, 1, S', 1] over the heads and channels of ``kv`` [R, H, S, D]."""
+    return index.expand(kv.shape[0], kv.shape[1], index.shape[2], kv.shape[3])
+
+
+# -- visibility among the new tokens and per-layer-type layout --------------------------------
+
+
+def causal_visibility(real: torch.Tensor) -> torch.Tensor:
+    """[R, q, q] bool: token i sees real tokens j <= i; padding (real False) also sees itself."""
+    q = real.shape[1]
+    vis = torch.ones(q, q, dtype=torch.bool, device=real.device).tril()[None] & real[:, None, :]
+    return vis | torch.eye(q, dtype=torch.bool, device=real.device)
+
+
+def ancestor_visibility(parents: torch.Tensor) -> torch.Tensor:
+    """[R, q, q] bool ancestor-or-self matrix from row-local parents [R, q] (-1 = none).
+
+    Reachability by repeated squaring of (I + parent one-hot): ceil(log2 q) batched matmuls.
+    """
+    rows, q = parents.shape
+    step = torch.zeros(rows, q, q + 1, dtype=torch.float32, device=parents.device)
+    step.scatter_(2, torch.where(parents >= 0, parents, q)[..., None], 1.0)
+    reach = step[..., :q] + torch.eye(q, device=parents.device)
+    span = 1
+    while span < q:
+        reach = (reach @ reach).clamp(max=1.0)
+        span *= 2
+    return reach > 0
+
+
+def attention_layout(config) -> tuple[int | None, str]:
+    """(sliding window or None, layout) of a text config. Layout: "full"; "sliding" (every layer:
+    no ``layer_types`` but a window, Mistral style); "mixed" (masks go in a per-layer-type dict)."""
+    types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if types is None:
+        return (window, "sliding") if window else (None, "full")
+    unknown = set(types) - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise ValueError(f"unsupported attention layer types {sorted(unknown)}")
+    if "sliding_attention" not in types:
+        return None, "full"
+    if not window:
+        raise ValueError("config has sliding_attention layers but no sliding_window")
+    return window, "mixed"

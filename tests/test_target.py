@@ -1,0 +1,263 @@
+"""Target: ragged batched verify / trees / commits / compaction equal plain full forwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspec_cli import target as target_mod
+from dspec_cli.errors import DspecError
+from dspec_cli.target import Target
+from tests.tiny_models import FACTORIES, VOCAB_SIZE, tiny_qwen3, tiny_target, tiny_tokenizer
+
+LAYERS = (-1, 0, 2)
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=sorted(FACTORIES))
+def target(request) -> Target:
+    return tiny_target(request.param)
+
+
+class Session:
+    """A batch plus the reference token sequence (committed tokens) of every row."""
+
+    def __init__(self, target: Target, seed: int, **batch_kwargs):
+        self.t = target
+        self.gen = torch.Generator().manual_seed(seed)
+        self.batch = target.new_batch(LAYERS, **batch_kwargs)
+        self.seqs: list[list[int]] = []
+        self.anchors: list[int] = []
+
+    def rand(self, n: int) -> list[int]:
+        return torch.randint(VOCAB_SIZE, (n,), generator=self.gen).tolist()
+
+    def randint(self, low: int, high: int) -> int:
+        return int(torch.randint(low, high, (1,), generator=self.gen))
+
+    def check(self, out_logits, out_hidden, seq: list[int], new: list[int]) -> None:
+        logits, taps = self.t.forward_full(torch.tensor([seq + new]), LAYERS)
+        torch.testing.assert_close(out_logits, logits[len(seq) :], atol=ATOL, rtol=ATOL)
+        torch.testing.assert_close(out_hidden, taps[len(seq) :], atol=ATOL, rtol=ATOL)
+
+    def prefill(self, lens: list[int]) -> None:
+        prompts = [self.rand(n) for n in lens]
+        out = self.t.prefill(self.batch, prompts)
+        first = len(self.seqs)
+        assert out.rows.tolist() == list(range(first, first + len(lens)))
+        assert out.logits.shape == (len(lens), VOCAB_SIZE)
+        for r, p in enumerate(prompts):
+            assert out.hidden[r].shape == (len(p), 3 * self.t.hidden_size)
+            logits, taps = self.t.forward_full(torch.tensor([p]), LAYERS)
+            torch.testing.assert_close(out.logits[r], logits[-1], atol=ATOL, rtol=ATOL)
+            torch.testing.assert_close(out.hidden[r], taps, atol=ATOL, rtol=ATOL)
+        self.seqs += prompts
+        self.anchors += self.rand(len(prompts))
+
+    def sizes(self, most: int) -> list[int]:
+        """Tokens per row in 1..most; now and then a row sits the step out (0), never all rows."""
+        sizes = [0 if self.randint(0, 5) == 0 else self.randint(1, most + 1) for _ in self.seqs]
+        return sizes if any(sizes) else [1] * len(sizes)
+
+    def chain_round(self, max_len: int = 4) -> None:
+        rows = len(self.seqs)
+        chains = [[self.anchors[r]] + self.rand(n - 1) if n else [] for r, n in enumerate(self.sizes(max_len + 1))]
+        lengths = torch.tensor([len(c) for c in chains])
+        out = self.t.verify(self.batch, torch.tensor(sum(chains, [])), lengths)
+        assert out.rows.tolist() == sum(([r] * len(c) for r, c in enumerate(chains)), [])
+        off = 0
+        for r, chain in enumerate(chains):
+            k = len(chain)
+            self.check(out.logits[off : off + k], out.hidden[off : off + k], self.seqs[r], chain)
+            off += k
+        keep = [self.randint(1, len(c) + 1) if c else 0 for c in chains]
+        self.t.commit(self.batch, torch.tensor(keep))
+        for r, chain in enumerate(chains):
+            if chain:
+                self.seqs[r] += chain[: keep[r]]
+                self.anchors[r] = self.rand(1)[0]
+
+    def tree_round(self, max_nodes: int = 7) -> None:
+        rows = len(self.seqs)
+        sizes = self.sizes(max_nodes)
+        parents = [[-1] + [self.randint(0, i) for i in range(1, n)] if n else [] for n in sizes]
+        toks = [[self.anchors[r]] + self.rand(n - 1) if n else [] for r, n in enumerate(sizes)]
+        out = self.t.verify_tree(
+            self.batch, torch.tensor(sum(toks, [])), torch.tensor(sum(parents, [])), torch.tensor(sizes)
+        )
+
+        def path_to(r: int, node: int) -> list[int]:
+            path = [node]
+            while parents[r][path[-1]] >= 0:
+                path.append(parents[r][path[-1]])
+            return path[::-1]
+
+        off = 0
+        for r in range(rows):
+            for node in range(sizes[r]):
+                new = [toks[r][i] for i in path_to(r, node)]
+                i = off + node
+                self.check(out.logits[i : i + 1], out.hidden[i : i + 1], self.seqs[r] + new[:-1], new[-1:])
+            off += sizes[r]
+        paths = [path_to(r, self.randint(0, sizes[r])) if sizes[r] else [] for r in range(rows)]
+        depth = max(len(p) for p in paths) + 1
+        padded = torch.tensor([p + [-1] * (depth - len(p)) for p in paths])
+        self.t.commit_path(self.batch, padded)
+        for r, p in enumerate(paths):
+            if p:
+                self.seqs[r] += [toks[r][i] for i in p]
+                self.anchors[r] = self.rand(1)[0]
+
+    def rollback(self) -> None:
+        drop = [self.randint(0, min(4, len(s))) for s in self.seqs]
+        self.t.rollback(self.batch, torch.tensor(drop))
+        self.seqs = [s[: len(s) - d] for s, d in zip(self.seqs, drop)]
+
+    def assert_committed(self) -> None:
+        assert self.batch.committed.tolist() == [len(s) for s in self.seqs]
+        assert self.batch.valid.sum(1).tolist() == [len(s) for s in self.seqs]
+
+
+def test_ragged_chains_match_full_forward(target):
+    s = Session(target, seed=1, compact_fraction=1.0)
+    s.prefill([5, 11, 3])
+    for _ in range(5):
+        s.chain_round()
+    s.assert_committed()
+    assert s.batch.holes > 0 and s.batch.num_compactions == 0
+
+
+def test_trees_then_chains_match_full_forward(target):
+    s = Session(target, seed=2, compact_fraction=1.0)
+    s.prefill([4, 9, 6])
+    s.tree_round()
+    s.chain_round()
+    s.tree_round()
+    s.chain_round()
+    s.assert_committed()
+
+
+def test_compaction_and_continuous_batching(target):
+    s = Session(target, seed=3, compact_fraction=0.1)
+    s.prefill([7, 2, 10])
+    s.chain_round()
+    s.tree_round()
+    s.rollback()
+    s.chain_round()
+    assert s.batch.num_compactions > 0
+    target.remove(s.batch, [1])
+    del s.seqs[1], s.anchors[1]
+    s.prefill([6])  # a new request joins mid-stream
+    for _ in range(2):
+        s.chain_round()
+    target.remove(s.batch, [0, 2])
+    s.seqs, s.anchors = s.seqs[1:2], s.anchors[1:2]
+    s.prefill([3, 8])
+    s.chain_round()
+    s.assert_committed()
+    s.batch.compact()
+    lens = [len(q) for q in s.seqs]
+    assert s.batch.num_slots == max(lens) and s.batch.holes == len(lens) * max(lens) - sum(lens)
+    packed = torch.arange(max(lens))[None, :] < torch.tensor(lens)[:, None]
+    assert torch.equal(s.batch.valid, packed)
+    s.chain_round()
+
+
+def test_max_slots_bound_compacts():
+    t = Target(tiny_qwen3())
+    s = Session(t, seed=4, compact_fraction=1.0, max_slots=16)
+    s.prefill([3, 12])
+    for _ in range(3):
+        s.chain_round()
+    assert s.batch.num_compactions > 0
+    s.assert_committed()
+
+
+def test_eager_attention_matches_full_forward():
+    model = tiny_qwen3()
+    model.set_attn_implementation("eager")
+    s = Session(Target(model), seed=5, compact_fraction=1.0)
+    s.prefill([4, 8])
+    s.chain_round()
+    s.tree_round()
+
+
+def test_bad_input_raises():
+    t = Target(tiny_qwen3())
+    with pytest.raises(ValueError, match="layer_ids"):
+        t.new_batch([3])
+    batch = t.new_batch()
+    with pytest.raises(ValueError, match="no rows"):
+        t.verify(batch, torch.tensor([1]), torch.tensor([1]))
+    with pytest.raises(ValueError, match="prompts"):
+        t.prefill(batch, [[1, 2], []])
+    t.prefill(batch, [[1, 2, 3], [4, 5]])
+    with pytest.raises(ValueError, match="lengths"):
+        t.verify(batch, torch.tensor([1]), torch.tensor([1]))
+    with pytest.raises(ValueError, match="lengths"):
+        t.verify(batch, torch.tensor([], dtype=torch.long), torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match="tokens"):
+        t.verify(batch, torch.tensor([1, 2]), torch.tensor([2, 2]))
+    with pytest.raises(ValueError, match="nothing to commit"):
+        t.commit(batch, torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="parents"):
+        t.verify_tree(batch, torch.tensor([1, 2, 3]), torch.tensor([-1, 1, -1]), torch.tensor([2, 1]))
+    t.verify(batch, torch.tensor([1, 2, 3]), torch.tensor([2, 1]))
+    with pytest.raises(ValueError, match="not been committed"):
+        t.verify(batch, torch.tensor([1, 2]), torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="keep"):
+        t.commit(batch, torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="commit_path cannot follow verify"):
+        t.commit_path(batch, torch.tensor([[0], [0]]))
+    t.commit(batch, torch.tensor([2, 1]))
+    t.verify_tree(batch, torch.tensor([1, 2, 3, 4]), torch.tensor([-1, 0, 0, -1]), torch.tensor([3, 1]))
+    with pytest.raises(ValueError, match="path"):
+        t.commit_path(batch, torch.tensor([[0, 1, 2], [0, -1, -1]]))
+    with pytest.raises(ValueError, match="path"):
+        t.commit_path(batch, torch.tensor([[0, -1, 2], [0, -1, -1]]))
+    with pytest.raises(ValueError, match="path"):
+        t.commit_path(batch, torch.tensor([[0, 9], [0, -1]]))
+    with pytest.raises(ValueError, match="not been committed"):
+        t.remove(batch, [0])
+    t.commit_path(batch, torch.tensor([[0, 2], [0, -1]]))
+    assert batch.committed.tolist() == [7, 4]
+    with pytest.raises(ValueError, match="drop"):
+        t.rollback(batch, torch.tensor([8, 0]))
+    t.rollback(batch, torch.tensor([2, 0]))
+    assert batch.committed.tolist() == [5, 4] and batch.valid.sum(1).tolist() == [5, 4]
+    with pytest.raises(ValueError, match="rows"):
+        t.remove(batch, [2])
+    t.remove(batch, [0, 1])
+    assert batch.num_rows == 0 and batch.num_slots == 0
+
+
+def test_render_prompt_chatml():
+    tok = tiny_tokenizer()
+    t = Target(tiny_qwen3(), tok)
+    ids = t.render_prompt("hello there")
+    assert tok.decode(ids) == "<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n"
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert tok.decode(t.render_prompt(msgs)).startswith("<|im_start|>system\nbe brief<|im_end|>\n")
+    plain = Target(tiny_qwen3(), tok, chat_template=False)
+    assert plain.render_prompt("hello there") == tok.encode("hello there")
+    with pytest.raises(ValueError, match="message list"):
+        plain.render_prompt(msgs)
+    assert tok.eos_token_id in t.eos_token_ids
+
+
+def test_load_local_and_default(tmp_path, monkeypatch):
+    model, tok = tiny_qwen3(), tiny_tokenizer()
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    t = Target.load(str(tmp_path / "m"), dtype="float32")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    torch.testing.assert_close(t.forward_full(ids)[0], Target(model).forward_full(ids)[0])
+    assert t.render_prompt("hi") == Target(model, tok).render_prompt("hi")
+    assert not any(p.requires_grad for p in t.model.parameters())
+    monkeypatch.setattr(target_mod, "DEFAULT_TARGET_PATH", tmp_path / "missing")
+    with pytest.raises(DspecError, match="missing"):
+        Target.load()
+    with pytest.raises(DspecError, match="cannot load target"):
+        Target.load(str(tmp_path / "nope"))
+    with pytest.raises(DspecError, match="dtype"):
+        Target.load(str(tmp_path / "m"), dtype="float33")
