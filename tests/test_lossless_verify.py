@@ -1,0 +1,224 @@
+"""Statistical losslessness of the verifier (DESIGN §2, §7).
+
+Every case simulates 200,000 independent requests through multi-round speculative decoding
+with toy Markov-chain models and compares the first committed token and the first two
+committed tokens with the exact target distribution by chi-square. Seeds are fixed, so the
+suite is deterministic; alpha = 1e-5 keeps the chance that a change in how the verifier draws
+its randomness trips a correct case below ~0.2% per run, while a real bias at this sample
+size gives p < 1e-12. Deliberately wrong verifiers and the retrospective scheduler of the
+paper's Appendix A must fail the same check.
+"""
+
+import pytest
+import torch
+
+import dspec_cli.verify.reference as reference
+from dspec_cli import testing as T
+from dspec_cli.verify import verify_chain, verify_greedy
+
+R = 200_000
+V = 8
+ALPHA = 1e-5
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _dirichlet(n: int, seed: int) -> torch.Tensor:
+    e = -torch.rand(n, generator=_gen(seed), dtype=torch.float64).log()
+    return e / e.sum()
+
+
+def _logits(seed: int, scale: float = 1.5) -> torch.Tensor:
+    return scale * torch.randn(V, generator=_gen(seed))
+
+
+def _peaked(top: int) -> torch.Tensor:
+    return torch.full((V,), -1.0).index_fill(0, torch.tensor([top]), 3.0)
+
+
+# (target, drafter) pairs with fixed p, q at every position (i.i.d. sources).
+IID_CASES = {
+    "dirichlet": lambda: (T.ToyLM.from_probs(_dirichlet(V, 1)), T.ToyDrafter(T.ToyLM.from_probs(_dirichlet(V, 2)))),
+    "peaked": lambda: (T.ToyLM.iid(_peaked(0)), T.ToyDrafter(T.ToyLM.iid(_peaked(1)))),
+    "disjoint": lambda: (
+        T.ToyLM.from_probs(torch.tensor([0.4, 0.3, 0.2, 0.1, 0, 0, 0, 0])),
+        T.ToyDrafter(T.ToyLM.from_probs(torch.tensor([0, 0, 0, 0, 0.1, 0.2, 0.3, 0.4]))),
+    ),
+    "identical": lambda: (T.ToyLM.from_probs(_dirichlet(V, 3)), T.ToyDrafter(T.ToyLM.from_probs(_dirichlet(V, 3)))),
+    "target_top_k": lambda: (T.ToyLM.iid(_logits(4), top_k=3), T.ToyDrafter(T.ToyLM.iid(_logits(5)))),
+    "draft_top_k": lambda: (T.ToyLM.iid(_logits(6)), T.ToyDrafter(T.ToyLM.iid(_logits(7), top_k=2))),
+    "target_top_p": lambda: (T.ToyLM.iid(_logits(8), top_p=0.8), T.ToyDrafter(T.ToyLM.iid(_logits(9), top_p=0.7))),
+    "t0.7_top_p0.9": lambda: (
+        T.ToyLM.iid(_logits(10), temperature=0.7, top_p=0.9),
+        T.ToyDrafter(T.ToyLM.iid(_logits(11), temperature=1.3, top_k=5)),
+    ),
+    "one_hot_draft": lambda: (T.ToyLM.iid(_logits(12)), T.ToyDrafter(T.ToyLM.iid(_logits(13)), greedy=True)),
+}
+
+
+def _assert_first_two(tokens: torch.Tensor, target: T.ToyLM, x0: int, name: str) -> None:
+    joint = T.exact_target_joint(target, x0, 2)
+    T.assert_same_distribution(tokens[:, 0], joint.sum(1), alpha=ALPHA, name=f"{name}: first token")
+    T.assert_same_distribution(tokens, joint, alpha=ALPHA, name=f"{name}: first two tokens")
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 7])
+@pytest.mark.parametrize("case", list(IID_CASES))
+def test_chain_iid(case, gamma):
+    target, drafter = IID_CASES[case]()
+    seed = 1000 * gamma + list(IID_CASES).index(case)
+    tokens = T.simulate_speculative(
+        target, drafter, num_requests=R, gamma=gamma, num_tokens=2, generator=_gen(seed), backend="torch"
+    )
+    _assert_first_two(tokens, target, 0, f"{case}, γ={gamma}")
+
+
+def _markov(seed: int, target_sampling: dict, drafter_sampling: dict, greedy: bool = False, vocab: int = 16):
+    g = _gen(seed)
+    target = T.ToyLM.random(vocab, generator=g, **target_sampling)
+    drafter = T.ToyDrafter(T.ToyLM.random(vocab, scale=1.5, generator=g, **drafter_sampling), greedy=greedy)
+    return target, drafter
+
+
+MARKOV_CASES = {
+    "plain": dict(gamma=3, target_sampling={}, drafter_sampling={}),
+    "t0.7_top_p0.9": dict(gamma=7, target_sampling=dict(temperature=0.7, top_p=0.9), drafter_sampling=dict(temperature=1.2, top_k=8)),
+    "top_k_one_hot": dict(gamma=3, target_sampling=dict(top_k=5), drafter_sampling={}, greedy=True),
+    "random_lengths": dict(gamma=7, target_sampling={}, drafter_sampling={}, policy="random"),
+    # a peaked drafter and a flat SPS curve, so the causal scheduler picks ℓ from 1 to 7
+    "causal_throughput": dict(gamma=7, target_sampling=dict(top_p=0.95), drafter_sampling=dict(temperature=0.4), policy="throughput"),
+}
+
+
+@pytest.mark.parametrize("case", list(MARKOV_CASES))
+def test_chain_markov(case):
+    spec = dict(MARKOV_CASES[case])
+    seed = 50 + list(MARKOV_CASES).index(case)
+    gamma, policy = spec.pop("gamma"), spec.pop("policy", None)
+    target, drafter = _markov(seed, **spec)
+    length_policy = {
+        None: None,
+        "random": T.random_length_policy(_gen(seed + 1)),
+        "throughput": T.throughput_length_policy([1.0, 0.9, 0.84, 0.8, 0.77, 0.75, 0.73, 0.72]),
+    }[policy]
+    tokens = T.simulate_speculative(
+        target, drafter, num_requests=R, gamma=gamma, num_tokens=2, x0=3,
+        length_policy=length_policy, generator=_gen(seed), backend="torch",
+    )
+    _assert_first_two(tokens, target, 3, case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gamma", [1, 3, 7])
+@pytest.mark.parametrize("seed", range(12))
+def test_chain_iid_random_sweep(seed, gamma):
+    vocab = 4 + seed % 3 * 6  # 4, 10, 16
+    scale = (0.5, 2.0, 4.0)[seed % 3]
+    target = T.ToyLM.iid(scale * torch.randn(vocab, generator=_gen(seed)), top_p=(1.0, 0.9, 0.8)[seed % 3])
+    drafter = T.ToyDrafter(T.ToyLM.iid(scale * torch.randn(vocab, generator=_gen(100 + seed))))
+    tokens = T.simulate_speculative(
+        target, drafter, num_requests=R, gamma=gamma, num_tokens=2, generator=_gen(200 + seed), backend="torch"
+    )
+    _assert_first_two(tokens, target, 0, f"sweep {seed}, γ={gamma}")
+
+
+def test_chain_markov_three_tokens_over_many_rounds():
+    target, drafter = _markov(60, dict(temperature=0.9), {}, vocab=6)
+    tokens = T.simulate_speculative(
+        target, drafter, num_requests=R, gamma=3, num_tokens=3, x0=2,
+        length_policy=T.random_length_policy(_gen(61)), generator=_gen(62), backend="torch",
+    )
+    T.assert_same_distribution(tokens, T.exact_target_joint(target, 2, 3), alpha=ALPHA, name="first three tokens")
+
+
+def _greedy_verifier(target_probs, draft_tokens, draft_probs, num_draft, *, generator=None, **kw):
+    # at T = 0 the target rows are one-hot on the logits' argmax, so they stand in for logits
+    return verify_greedy(target_probs, draft_tokens, num_draft, **kw)
+
+
+@pytest.mark.parametrize("verifier", ["chain", "greedy"])
+@pytest.mark.parametrize("drafter_greedy", [False, True])
+def test_greedy_target_is_reproduced_exactly(verifier, drafter_greedy):
+    target, drafter = _markov(70, dict(temperature=0.0), {}, greedy=drafter_greedy)
+    anchors = torch.arange(2000) % 16
+    tokens = T.simulate_speculative(
+        target, drafter, num_requests=2000, gamma=4, num_tokens=12, x0=anchors,
+        verifier=verify_chain if verifier == "chain" else _greedy_verifier,
+        generator=_gen(71), backend="torch",
+    )
+    assert torch.equal(tokens, T.greedy_target(target, num_tokens=12, x0=anchors, num_requests=2000))
+
+
+@pytest.mark.parametrize("method", ["match", "recursive"])
+@pytest.mark.parametrize("shape", [(3, 2), (2, 3)])
+def test_tree(method, shape):
+    depth, branching = shape
+    seed = 80 + 10 * depth + branching + (method == "recursive")
+    target, drafter = _markov(seed, dict(temperature=0.8, top_p=0.95), {}, vocab=V)
+    tokens = T.simulate_tree_speculative(
+        target, drafter, num_requests=R, depth=depth, branching=branching, num_tokens=2, x0=1,
+        method=method, generator=_gen(seed),
+    )
+    _assert_first_two(tokens, target, 1, f"tree {method} {shape}")
+
+
+# --------------------------------------------------------------------------------------
+# The harness must catch wrong verifiers and anticipating schedulers.
+# --------------------------------------------------------------------------------------
+
+AB_CASE = lambda: (  # noqa: E731 - the Appendix A distributions (0.7, 0.3) vs (0.5, 0.5)
+    T.ToyLM.from_probs(torch.tensor([0.7, 0.3])),
+    T.ToyDrafter(T.ToyLM.from_probs(torch.tensor([0.5, 0.5]))),
+)
+BIAS_CASES = {"ab": AB_CASE, "dirichlet": IID_CASES["dirichlet"]}
+
+
+def _first_token_p_value(case: str, seed: int) -> float:
+    target, drafter = BIAS_CASES[case]()
+    tokens = T.simulate_speculative(
+        target, drafter, num_requests=R, gamma=3, num_tokens=1, generator=_gen(seed), backend="torch"
+    )
+    return T.gof_test(tokens[:, 0], T.exact_target_joint(target, 0, 1)).p_value
+
+
+@pytest.mark.parametrize("case", list(BIAS_CASES))
+def test_wrong_acceptance_ratio_is_caught(case, monkeypatch):
+    assert _first_token_p_value(case, 90) > 1e-4  # control: the real verifier passes
+    monkeypatch.setattr(reference, "acceptance_prob", lambda p_x, q_x: (q_x / p_x).clamp(max=1.0))
+    assert _first_token_p_value(case, 90) < 1e-12
+
+
+def test_wrong_tree_acceptance_is_caught(monkeypatch):
+    target, drafter = _markov(97, {}, {}, vocab=V)
+    monkeypatch.setattr(reference, "acceptance_prob", lambda p_x, q_x: (q_x / p_x).clamp(max=1.0))
+    tokens = T.simulate_tree_speculative(
+        target, drafter, num_requests=R, depth=2, branching=2, num_tokens=1, x0=1, method="recursive",
+        generator=_gen(98),
+    )
+    assert T.gof_test(tokens[:, 0], T.exact_target_joint(target, 1, 1)).p_value < 1e-12
+
+
+@pytest.mark.parametrize("case", list(BIAS_CASES))
+def test_wrong_residual_is_caught(case, monkeypatch):
+    monkeypatch.setattr(reference, "residual", lambda p, q: p)
+    assert _first_token_p_value(case, 91) < 1e-12
+
+
+def test_appendix_a_retrospective_scheduler_is_caught():
+    ex = T.appendix_a()
+
+    def run(policy, seed):
+        return T.simulate_speculative(
+            ex.target, ex.drafter, num_requests=R, gamma=ex.gamma, num_tokens=2, x0=ex.anchor,
+            length_policy=policy, generator=_gen(seed), backend="torch",
+        )
+
+    causal = run(ex.causal_policy(), 95)
+    _assert_first_two(causal, ex.target, ex.anchor, "appendix A, causal early stop")
+    retro = run(ex.retrospective_policy(), 96)
+    assert T.gof_test(retro[:, 0], ex.target_first).p_value < 1e-12
+    with pytest.raises(AssertionError, match="distribution mismatch"):
+        T.assert_same_distribution(retro[:, 0], ex.target_first, name="appendix A, retrospective")
+    T.assert_same_distribution(retro[:, 0], ex.retrospective_first, alpha=ALPHA, name="the paper's (0.85, 0.15)")
