@@ -137,6 +137,11 @@ class Drafter:
         return cls(config, target)
 
     @classmethod
+    def load_default(cls, target: Target, **overrides: Any) -> Drafter:
+        """The drafter used when no checkpoint is given (trained drafters: the embedded one)."""
+        return cls.build(cls.config_class(**overrides), target)
+
+    @classmethod
     def from_pretrained(cls, path: str | Path, target: Target, **overrides: Any) -> Drafter:
         """Load a checkpoint folder written by :meth:`save_pretrained`."""
         path = Path(path)

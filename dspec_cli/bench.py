@@ -1,0 +1,143 @@
+"""``dspec bench``: τ, acceptance by position and speedup against plain decoding, same run."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from dspec_cli import __version__, plugins
+from dspec_cli.data import BUILTIN, dataset_name, load_prompts
+from dspec_cli.drafter import Drafter
+from dspec_cli.engine import GenerationConfig, SpeculativeEngine
+from dspec_cli.errors import DspecError
+from dspec_cli.metrics import acceptance, generated_tokens
+from dspec_cli.target import Target
+
+
+@dataclass
+class BenchOptions:
+    drafters: Sequence[str]
+    target: str | None = None
+    checkpoints: Sequence[str] = ()
+    datasets: Sequence[str] = ()
+    num_prompts: int | None = None
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    block_size: int = 7
+    seed: int = 0
+    concurrency: Sequence[int] = (1,)
+    device: str = "cpu"
+    dtype: str = "auto"
+    warmup: bool = True
+    extra: dict = field(default_factory=dict)
+
+
+def environment(target: Target) -> dict:
+    import transformers
+
+    return {
+        "dspec": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "device": str(target.device),
+        "device_name": torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "dtype": str(target.dtype).replace("torch.", ""),
+    }
+
+
+def build_drafter(name: str, target: Target, checkpoint: str | None, block_size: int) -> Drafter:
+    cls = plugins.get_drafter_class(name)
+    if checkpoint:
+        return cls.from_pretrained(checkpoint, target, block_size=block_size)
+    return cls.load_default(target, block_size=block_size)
+
+
+def _timed_generate(engine: SpeculativeEngine, prompts, on_finish) -> tuple[list, float]:
+    t0 = time.perf_counter()
+    results = engine.generate(prompts, on_finish=on_finish)
+    return results, time.perf_counter() - t0
+
+
+def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | None = None) -> dict:
+    """Run every (dataset, drafter, concurrency) and the plain-decoding baseline; return the JSON dict.
+
+    ``progress(description, total)`` returns a per-request callback (for progress bars).
+    """
+    if opts.block_size < 1:
+        raise DspecError(f"--block-size must be >= 1, got {opts.block_size}")
+    if any(c < 1 for c in opts.concurrency):
+        raise DspecError("--concurrency values must be >= 1")
+    if opts.checkpoints and len(opts.checkpoints) != len(opts.drafters):
+        raise DspecError("give one --checkpoint per --drafter (in the same order), or none")
+    for name in opts.drafters:
+        plugins.get_drafter_class(name)  # unknown names fail before any model loads
+    datasets = list(opts.datasets) or [BUILTIN]
+    prompt_sets = {d: load_prompts(d, opts.num_prompts) for d in datasets}
+    target = Target.load(opts.target, dtype=opts.dtype, device=opts.device)
+    drafters = [
+        build_drafter(name, target, opts.checkpoints[i] if opts.checkpoints else None, opts.block_size)
+        for i, name in enumerate(opts.drafters)
+    ]
+    runs = []
+    noop = lambda _res: None  # noqa: E731
+    for dset, prompts in prompt_sets.items():
+        ids = [target.render_prompt(p.text) for p in prompts]
+        for conc in opts.concurrency:
+            cfg = GenerationConfig(
+                max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, top_k=opts.top_k,
+                top_p=opts.top_p, block_size=opts.block_size, max_batch=conc, seed=opts.seed,
+            )
+            engines = [("baseline", SpeculativeEngine(target, None, cfg))]
+            engines += [(name, SpeculativeEngine(target, d, cfg)) for name, d in zip(opts.drafters, drafters)]
+            if opts.warmup:
+                warm_cfg = GenerationConfig(**{**cfg.__dict__, "max_new_tokens": min(8, cfg.max_new_tokens)})
+                for _, eng in engines:
+                    SpeculativeEngine(target, eng.drafter, warm_cfg).generate(ids[:1])
+            baseline_tps = None
+            for name, eng in engines:
+                cb = progress(f"{dataset_name(dset)} · {name} · R={conc}", len(ids)) if progress else noop
+                results, wall = _timed_generate(eng, ids, cb)
+                ntok = generated_tokens(results)
+                tps = ntok / wall if wall > 0 else 0.0
+                if name == "baseline":
+                    baseline_tps = tps
+                    continue
+                acc = acceptance(results, opts.block_size)
+                st = eng.stats
+                busy = st.draft_seconds + st.verify_seconds + st.prefill_seconds + st.other_seconds
+                runs.append(
+                    {
+                        "drafter": name,
+                        "dataset": dataset_name(dset),
+                        "concurrency": conc,
+                        "num_prompts": len(ids),
+                        "max_new_tokens": opts.max_new_tokens,
+                        "temperature": opts.temperature,
+                        "top_p": opts.top_p,
+                        "top_k": opts.top_k,
+                        "block_size": opts.block_size,
+                        **acc,
+                        "generated_tokens": ntok,
+                        "wall_seconds": wall,
+                        "tokens_per_s": tps,
+                        "baseline_tokens_per_s": baseline_tps,
+                        "speedup": tps / baseline_tps if baseline_tps else None,
+                        "draft_time_share": st.draft_seconds / busy if busy else 0.0,
+                        "verify_time_share": st.verify_seconds / busy if busy else 0.0,
+                    }
+                )
+    return {
+        "target": opts.target or "embedded:tiny-target",
+        "env": environment(target),
+        "runs": runs,
+    }

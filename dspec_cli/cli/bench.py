@@ -1,0 +1,88 @@
+"""``dspec bench``: benchmark drafters against plain decoding of the same target."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from dspec_cli.bench import BenchOptions, run_bench
+from dspec_cli.cli import app
+from dspec_cli.errors import DspecError
+
+
+def _concurrency(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise DspecError(f"--concurrency must be a comma-separated list of integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise DspecError(f"--concurrency values must be >= 1, got {text!r}")
+    return values
+
+
+def _fmt(x, spec=".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def render_table(report: dict, console: Console) -> None:
+    table = Table(title=f"dspec bench · target {report['target']} · {report['env']['device']}")
+    for col in ("dataset", "drafter", "R", "τ", "tok/s", "base tok/s", "speedup", "cond. accept by position", "draft %"):
+        table.add_column(col, justify="right" if col not in ("dataset", "drafter", "cond. accept by position") else "left")
+    for run in report["runs"]:
+        cond = " ".join(_fmt(c, ".2f") for c in run["cond_accept"])
+        table.add_row(
+            run["dataset"], run["drafter"], str(run["concurrency"]), _fmt(run["tau"]), _fmt(run["tokens_per_s"], ".1f"),
+            _fmt(run["baseline_tokens_per_s"], ".1f"), _fmt(run["speedup"]) + "x", cond,
+            _fmt(100 * run["draft_time_share"], ".0f"),
+        )
+    console.print(table)
+
+
+@app.command("bench")
+def bench_command(
+    drafter: list[str] = typer.Option(..., "--drafter", "-d", help="Drafter name (repeatable)."),
+    target: Optional[str] = typer.Option(None, "--target", help="Target model: local path or Hub id (default: the embedded tiny target)."),
+    checkpoint: list[str] = typer.Option([], "--checkpoint", help="Drafter checkpoint (path or Hub id), one per --drafter in order."),
+    dataset: list[str] = typer.Option([], "--dataset", help="jsonl prompt file with {\"turns\": [...]} lines (repeatable; default: built-in prompts)."),
+    num_prompts: Optional[int] = typer.Option(None, "--num-prompts", help="Use the first N prompts of each dataset."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature (0 = greedy)."),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k"),
+    block_size: int = typer.Option(7, "--block-size", help="γ: most draft tokens verified per round."),
+    seed: int = typer.Option(0, "--seed"),
+    concurrency: str = typer.Option("1", "--concurrency", help="Concurrent requests, e.g. 1,4,16."),
+    device: str = typer.Option("cpu", "--device"),
+    dtype: str = typer.Option("auto", "--dtype"),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the full report as JSON here."),
+) -> None:
+    """Measure τ, acceptance by position and speedup over plain decoding of the same target."""
+    if num_prompts is not None and num_prompts < 1:
+        raise DspecError(f"--num-prompts must be >= 1, got {num_prompts}")
+    opts = BenchOptions(
+        drafters=drafter, target=target, checkpoints=checkpoint, datasets=dataset, num_prompts=num_prompts,
+        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, block_size=block_size,
+        seed=seed, concurrency=_concurrency(concurrency), device=device, dtype=dtype,
+    )
+    err = Console(stderr=True)
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=err, transient=True,
+    ) as bar:
+
+        def progress(desc: str, total: int):
+            task = bar.add_task(desc, total=total)
+            return lambda _res: bar.advance(task)
+
+        report = run_bench(opts, progress)
+    render_table(report, Console())
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
+        err.print(f"wrote {json_path}")

@@ -1,0 +1,312 @@
+"""Batched speculative generation with continuous batching (DESIGN §2).
+
+One loop serves R concurrent requests: finished requests leave, queued ones join. Each
+round: the drafter proposes, the scheduler picks ℓ_r, the target verifies all rows in one
+ragged forward, the verifier accepts a prefix plus one correction/bonus token per row, and
+target and drafter caches keep only committed tokens. With no drafter the same loop is
+plain autoregressive decoding (ℓ_r = 0): the baseline shares sampler and target path.
+
+Randomness is counter-based per request: every draw is keyed by (request seed, request
+round, position, purpose), so a request's output does not depend on what else is batched.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from dspec_cli import sampling
+from dspec_cli.drafter import Drafter, Proposal
+from dspec_cli.errors import DspecError
+from dspec_cli.target import Target
+from dspec_cli.verify import verify_chain, verify_greedy
+
+# purposes ("salts") of the counter-based random streams
+_SALT_FIRST, _SALT_DRAFT, _SALT_COIN, _SALT_NOISE = 11, 23, 37, 53
+_ROUND_STRIDE = 4096  # offsets per request round: round * stride + position
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    block_size: int = 7  # γ: most draft tokens verified per round
+    max_batch: int = 1  # concurrent requests (continuous batching)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 0:
+            raise DspecError(f"--block-size must be >= 1, got {self.block_size}")
+        if self.max_new_tokens < 1:
+            raise DspecError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise DspecError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise DspecError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise DspecError(f"--top-k must be >= 0, got {self.top_k}")
+        if self.max_batch < 1:
+            raise DspecError(f"concurrency must be >= 1, got {self.max_batch}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class RequestResult:
+    """One finished request and its per-round statistics."""
+
+    index: int
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    verified: list[int] = field(default_factory=list)  # ℓ per round
+    accepted: list[int] = field(default_factory=list)  # accepted drafts per round
+    proposed: list[int] = field(default_factory=list)  # drafts the drafter offered per round
+    confidence: list[list[float]] = field(default_factory=list)  # per round, per verified position
+
+
+@dataclass
+class RunStats:
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    other_seconds: float = 0.0
+    rounds: int = 0
+    verify_tokens: int = 0  # tokens sent to the target in verify passes
+
+
+class RoundSampler:
+    """The drafter's sampler for one round: run settings + per-request counter randomness."""
+
+    def __init__(self, config: GenerationConfig, seeds: torch.Tensor, rounds: torch.Tensor):
+        self.config = config
+        self.seeds = seeds  # [R] int64
+        self.base = rounds * _ROUND_STRIDE  # [R] int64
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R, V]
+        c = self.config
+        return sampling.logits_to_probs(logits, c.temperature, c.top_k, c.top_p)
+
+    def sample(self, probs: torch.Tensor, step: int) -> torch.Tensor:  # [R, V] -> [R]
+        if self.config.greedy:
+            return probs.argmax(-1)
+        noise = sampling.exponential(self.seeds, self.base + step, probs.shape[-1], salt=_SALT_DRAFT)
+        return sampling.sample_from_probs(probs, noise)
+
+
+Scheduler = Callable[[Proposal, torch.Tensor], torch.Tensor]  # (proposal, ℓ_max [R]) -> ℓ [R]
+
+
+class SpeculativeEngine:
+    """Generate continuations for many prompts, R at a time, with an optional drafter."""
+
+    def __init__(
+        self,
+        target: Target,
+        drafter: Drafter | None = None,
+        config: GenerationConfig | None = None,
+        scheduler: Scheduler | None = None,
+        stop_ids: Sequence[int] | None = None,
+    ):
+        self.target = target
+        self.drafter = drafter
+        self.config = config or GenerationConfig()
+        self.scheduler = scheduler
+        self.stop_ids = set(target.eos_token_ids if stop_ids is None else stop_ids)
+        self.stats = RunStats()
+        self._stop = torch.tensor(sorted(self.stop_ids) or [-1], device=target.device)
+
+    # -- public ------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        seeds: Sequence[int] | None = None,
+        on_finish: Callable[[RequestResult], None] | None = None,
+    ) -> list[RequestResult]:
+        """Generate for every prompt; results in prompt order. ``on_finish`` drives progress bars."""
+        cfg = self.config
+        self._check_prompts(prompts)
+        seeds = list(seeds) if seeds is not None else [cfg.seed * 1_000_003 + i for i in range(len(prompts))]
+        results = [RequestResult(i, list(p)) for i, p in enumerate(prompts)]
+        queue = list(range(len(prompts)))
+        layer_ids = self.drafter.target_layer_ids if self.drafter is not None else ()
+        rows = _Rows(self.target.new_batch(layer_ids), self.drafter.init_state() if self.drafter else None, self.target.device)
+        while queue or rows.active:
+            if queue and len(rows.active) < cfg.max_batch:
+                admit, queue = queue[: cfg.max_batch - len(rows.active)], queue[cfg.max_batch - len(rows.active) :]
+                self._admit(rows, admit, prompts, seeds, results)
+            else:
+                self._round(rows, results)
+            self._retire(rows, results, on_finish)
+        return results
+
+    # -- the cycle -----------------------------------------------------------------------
+    def _admit(self, rows: _Rows, new: list[int], prompts, seeds, results) -> None:
+        """Prefill new requests into the running batch and sample their first token."""
+        t0 = time.perf_counter()
+        dev = self.target.device
+        out = self.target.prefill(rows.batch, [list(prompts[i]) for i in new])
+        new_seeds = torch.tensor([seeds[i] for i in new], dtype=torch.long, device=dev)
+        first = self._sample(out.logits, new_seeds, torch.zeros_like(new_seeds), _SALT_FIRST)
+        if rows.dstate is not None:
+            ids = [torch.tensor(prompts[i], dtype=torch.long, device=dev) for i in new]
+            self.drafter.add_requests(rows.dstate, ids, out.hidden if self.drafter.target_layer_ids else None)
+        rows.active += new
+        rows.anchors = torch.cat([rows.anchors, first])
+        rows.seeds = torch.cat([rows.seeds, new_seeds])
+        rows.rounds = torch.cat([rows.rounds, torch.ones_like(new_seeds)])
+        for i, tok in zip(new, first.tolist()):
+            results[i].output_ids.append(tok)
+        self.stats.prefill_seconds += time.perf_counter() - t0
+
+    def _round(self, rows: _Rows, results: list[RequestResult]) -> None:
+        cfg, dev = self.config, self.target.device
+        R = len(rows.active)
+        t0 = time.perf_counter()
+        # 1. draft
+        remaining = torch.tensor(
+            [cfg.max_new_tokens - len(results[i].output_ids) for i in rows.active], dtype=torch.long, device=dev
+        )
+        budget = (remaining - 1).clamp(min=0, max=cfg.block_size)  # drafts beyond the budget are wasted
+        if self.drafter is not None and cfg.block_size > 0 and int(budget.max()) > 0:
+            sampler = RoundSampler(cfg, rows.seeds, rows.rounds)
+            proposal = self.drafter.propose(rows.dstate, rows.anchors, int(budget.max()), sampler)
+            if proposal.confidence is None:
+                proposal.confidence = self.drafter.confidence(rows.dstate, proposal)
+            lmax = torch.minimum(proposal.lengths, budget)
+            ell = self.scheduler(proposal, lmax) if self.scheduler is not None else lmax
+        else:
+            proposal, ell = None, torch.zeros(R, dtype=torch.long, device=dev)
+        t1 = time.perf_counter()
+        # 2. verify: [anchor, x_1..x_ℓ] per row, flattened
+        n = ell + 1
+        total = int(n.sum())
+        starts = torch.cumsum(n, 0) - n  # [R]
+        flat_row = torch.repeat_interleave(torch.arange(R, device=dev), n, output_size=total)
+        flat_pos = torch.arange(total, device=dev) - starts[flat_row]  # 0 = anchor
+        is_draft = flat_pos > 0
+        tokens = rows.anchors[flat_row].clone()
+        if proposal is not None:
+            tokens[is_draft] = proposal.tokens[flat_row[is_draft], flat_pos[is_draft] - 1]
+        out = self.target.verify(rows.batch, tokens, n)
+        drafts = tokens[is_draft]
+        if cfg.greedy:
+            res = verify_greedy(out.logits, drafts, ell)
+        else:
+            probs = sampling.logits_to_probs(out.logits, cfg.temperature, cfg.top_k, cfg.top_p)
+            q = None
+            if proposal is not None and proposal.draft_probs is not None:
+                q = proposal.draft_probs[flat_row[is_draft], flat_pos[is_draft] - 1]
+            base = rows.rounds * _ROUND_STRIDE
+            coins = sampling.uniform(rows.seeds[flat_row[is_draft]], base[flat_row[is_draft]] + flat_pos[is_draft], salt=_SALT_COIN)
+            noise = sampling.exponential(rows.seeds, base, probs.shape[-1], salt=_SALT_NOISE)
+            res = verify_chain(probs, drafts, q, ell, uniforms=coins, noise=noise)
+        # 3. commit: anchor + accepted drafts enter the caches; the last token is the new anchor
+        keep = res.accepted + 1
+        self.target.commit(rows.batch, keep)
+        new_anchor = res.tokens.gather(1, res.accepted[:, None]).squeeze(1)
+        if self.drafter is not None:
+            sel = flat_pos < keep[flat_row]
+            self.drafter.advance(rows.dstate, tokens[sel], keep, out.hidden[sel] if out.hidden is not None else None)
+        t2 = time.perf_counter()
+        # 4. book-keeping (one host sync per round)
+        acc_list, ell_list = res.accepted.tolist(), ell.tolist()
+        out_tokens = res.tokens.tolist()
+        prop_list = proposal.lengths.tolist() if proposal is not None else [0] * R
+        conf = proposal.confidence.tolist() if proposal is not None and proposal.confidence is not None else None
+        for r, i in enumerate(rows.active):
+            res_i = results[i]
+            res_i.output_ids.extend(out_tokens[r][: acc_list[r] + 1])
+            res_i.verified.append(ell_list[r])
+            res_i.accepted.append(acc_list[r])
+            res_i.proposed.append(prop_list[r])
+            if conf is not None:
+                res_i.confidence.append(conf[r][: ell_list[r]])
+        rows.anchors = new_anchor
+        rows.rounds = rows.rounds + 1
+        self.stats.rounds += 1
+        self.stats.verify_tokens += total
+        self.stats.draft_seconds += t1 - t0
+        self.stats.verify_seconds += t2 - t1
+        self.stats.other_seconds += time.perf_counter() - t2
+
+    def _retire(self, rows: _Rows, results: list[RequestResult], on_finish) -> None:
+        """Finished requests leave the batch (stop token or max_new_tokens)."""
+        done = []
+        for r, i in enumerate(rows.active):
+            res = results[i]
+            reason = self._truncate(res)
+            if reason:
+                res.finish_reason = reason
+                done.append(r)
+        if not done:
+            return
+        keep = [r for r in range(len(rows.active)) if r not in set(done)]
+        self.target.remove(rows.batch, done)
+        if rows.dstate is not None:
+            self.drafter.remove_requests(rows.dstate, keep)
+        idx = torch.tensor(keep, dtype=torch.long, device=rows.anchors.device)
+        rows.anchors, rows.seeds, rows.rounds = rows.anchors[idx], rows.seeds[idx], rows.rounds[idx]
+        finished = [rows.active[r] for r in done]
+        rows.active = [rows.active[r] for r in keep]
+        if on_finish is not None:
+            for i in finished:
+                on_finish(results[i])
+
+    # -- helpers -------------------------------------------------------------------------
+    def _truncate(self, res: RequestResult) -> str:
+        """Cut the output after a stop token or at max_new_tokens; return why it finished."""
+        for j, tok in enumerate(res.output_ids):
+            if tok in self.stop_ids:
+                del res.output_ids[j + 1 :]
+                return "stop"
+        if len(res.output_ids) >= self.config.max_new_tokens:
+            del res.output_ids[self.config.max_new_tokens :]
+            return "length"
+        return ""
+
+    def _sample(self, logits: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor, salt: int) -> torch.Tensor:
+        """One target token per row from logits [R, V] at the run's settings."""
+        cfg = self.config
+        if cfg.greedy:
+            return logits.argmax(-1)
+        probs = sampling.logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
+        return sampling.sample_from_probs(probs, sampling.exponential(seeds, offsets, probs.shape[-1], salt=salt))
+
+    def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
+        cfg = self.config
+        max_ctx = getattr(self.target.config, "max_position_embeddings", None)
+        vocab = self.target.vocab_size
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise DspecError(f"prompt {i} is empty")
+            if max_ctx and len(p) + cfg.max_new_tokens + cfg.block_size + 1 > max_ctx:
+                raise DspecError(
+                    f"prompt {i} has {len(p)} tokens; with --max-new-tokens {cfg.max_new_tokens} it exceeds "
+                    f"the target's context of {max_ctx} tokens"
+                )
+            if max(p) >= vocab or min(p) < 0:
+                raise DspecError(f"prompt {i} has token ids outside the target vocabulary (size {vocab})")
+
+
+@dataclass
+class _Rows:
+    """The running batch: target cache, drafter state and per-row tensors, in row order."""
+
+    batch: object
+    dstate: object
+    device: torch.device
+    active: list[int] = field(default_factory=list)  # request index per row
+
+    def __post_init__(self) -> None:
+        empty = torch.empty(0, dtype=torch.long, device=self.device)
+        self.anchors = empty  # [R] last sampled token, not yet in the target cache
+        self.seeds = empty  # [R] per-request seed
+        self.rounds = empty  # [R] per-request round counter (randomness key)

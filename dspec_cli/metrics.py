@@ -1,0 +1,43 @@
+"""Acceptance metrics from engine results: τ, conditional acceptance, survival, throughput."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dspec_cli.engine import RequestResult
+
+
+def acceptance(results: Sequence[RequestResult], block_size: int) -> dict:
+    """τ (committed tokens per round, bonus included) and per-position acceptance.
+
+    cond_accept[k-1]: among rounds that verified position k and accepted 1..k-1, the share
+    that accepted k (the DSpark paper's Fig. 2). survival[k-1]: among rounds that verified
+    position k, the share whose accepted prefix reached k.
+    """
+    rounds = committed = verified = 0
+    reach = [0] * block_size  # rounds with accepted >= k-1 and verified >= k
+    acc = [0] * block_size  # ... that accepted k
+    ver = [0] * block_size  # rounds that verified k
+    for res in results:
+        for ell, a in zip(res.verified, res.accepted):
+            rounds += 1
+            committed += a + 1
+            verified += ell
+            for k in range(1, min(ell, block_size) + 1):
+                ver[k - 1] += 1
+                if a >= k - 1:
+                    reach[k - 1] += 1
+                if a >= k:
+                    acc[k - 1] += 1
+    return {
+        "rounds": rounds,
+        "tau": committed / rounds if rounds else 0.0,
+        "mean_verified": verified / rounds if rounds else 0.0,
+        "verified_per_committed": (verified + rounds) / committed if committed else 0.0,
+        "cond_accept": [a / r if r else None for a, r in zip(acc, reach)],
+        "survival": [a / v if v else None for a, v in zip(acc, ver)],
+    }
+
+
+def generated_tokens(results: Sequence[RequestResult]) -> int:
+    return sum(len(r.output_ids) for r in results)

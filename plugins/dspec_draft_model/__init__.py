@@ -1,0 +1,116 @@
+"""``draft-model``: a separate small causal LM sharing the target's tokenizer (Leviathan et al.).
+
+The draft model drafts autoregressively with its own batched KV cache (a second
+:class:`~dspec_cli.target.Target`), sampling each token at the run's settings and returning
+its full distribution q_k, so verification uses lossless rejection sampling. After
+verification the draft cache is rolled back to the committed prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dspec_cli import hookimpl
+from dspec_cli.drafter import Drafter, DrafterConfig, DraftState, Proposal, Sampler
+from dspec_cli.errors import DspecError
+from dspec_cli.target import Target, embedded_path
+
+
+@dataclass
+class DraftModelConfig(DrafterConfig):
+    model: str = ""  # local path or Hub id of the draft LM; "" = the embedded tiny draft model
+    dtype: str = "auto"
+
+
+@dataclass
+class DraftModelState(DraftState):
+    batch: object = None  # the draft model's TargetBatch
+    pending: list[torch.Tensor] = field(default_factory=list)  # committed ids not yet in the draft cache, per row
+    fed: int = -1  # drafts fed into the draft cache by the last propose (-1: none this round)
+
+
+def check_same_vocabulary(draft: Target, target: Target) -> None:
+    """Draft and target must share token ids: same vocabulary size and, if known, same tokenizer."""
+    if draft.vocab_size != target.vocab_size:
+        raise DspecError(
+            f"draft model vocabulary ({draft.vocab_size}) does not match the target's ({target.vocab_size})"
+        )
+    if draft.tokenizer is not None and target.tokenizer is not None:
+        if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+            raise DspecError("draft model tokenizer differs from the target's tokenizer (token ids would not match)")
+
+
+class DraftModelDrafter(Drafter):
+    name = "draft-model"
+    config_class = DraftModelConfig
+    capabilities = frozenset({"draft_probs"})
+    description = "a separate small causal LM sharing the tokenizer (classic speculative sampling)"
+
+    def __init__(self, config: DraftModelConfig, target: Target, model: Target | None = None):
+        super().__init__(config, target)
+        if model is None:
+            path = config.model or str(embedded_path("tiny-draft-model"))
+            model = Target.load(path, dtype=config.dtype, device=target.device)
+        check_same_vocabulary(model, target)
+        self.model = model
+
+    def init_state(self) -> DraftModelState:
+        return DraftModelState(batch=self.model.new_batch())
+
+    def add_requests(self, state, prompts, hidden) -> None:
+        super().add_requests(state, prompts, hidden)
+        self.model.prefill(state.batch, [p.tolist() for p in prompts])
+        state.pending.extend(p[:0] for p in prompts)
+
+    def remove_requests(self, state, keep) -> None:
+        super().remove_requests(state, keep)
+        drop = [r for r in range(len(state.pending)) if r not in set(keep)]
+        if drop:
+            self.model.remove(state.batch, drop)
+        state.pending = [state.pending[r] for r in keep]
+
+    def propose(self, state: DraftModelState, anchors: torch.Tensor, max_len: int, sampler: Sampler) -> Proposal:
+        R = anchors.shape[0]
+        # first step feeds what the draft cache lacks: pending committed ids + the anchor
+        feed = [torch.cat([state.pending[r], anchors[r : r + 1]]) for r in range(R)]
+        lengths = torch.tensor([f.numel() for f in feed], device=anchors.device)
+        out = self.model.verify(state.batch, torch.cat(feed), lengths)
+        self.model.commit(state.batch, lengths)
+        last = torch.cumsum(lengths, 0) - 1
+        tokens, probs = [], []
+        logits = out.logits[last]
+        for k in range(max_len):
+            q = sampler.probs(logits)  # [R, V]
+            x = sampler.sample(q, k)  # [R]
+            tokens.append(x)
+            probs.append(q)
+            if k + 1 < max_len:
+                out = self.model.verify(state.batch, x, torch.ones_like(x))
+                self.model.commit(state.batch, torch.ones_like(x))
+                logits = out.logits
+        state.pending = [t[:0] for t in state.pending]
+        state.fed = max_len - 1
+        return Proposal(
+            tokens=torch.stack(tokens, 1),
+            lengths=torch.full((R,), max_len, dtype=torch.long, device=anchors.device),
+            draft_probs=torch.stack(probs, 1),
+        )
+
+    def advance(self, state: DraftModelState, committed, counts, hidden) -> None:
+        super().advance(state, committed, counts, hidden)
+        chunks = torch.split(committed, counts.tolist())
+        if state.fed < 0:  # no propose this round: everything committed is still missing
+            state.pending = [torch.cat([p, c]) for p, c in zip(state.pending, chunks)]
+            return
+        kept = (counts - 1).clamp(max=state.fed)  # fed drafts that were accepted
+        self.model.rollback(state.batch, state.fed - kept)  # drop rejected drafts from the draft cache
+        state.pending = [c[1 + k :] for c, k in zip(chunks, kept.tolist())]
+        state.fed = -1
+
+
+@hookimpl
+def dspec_register_drafters(register):
+    register(DraftModelDrafter)
