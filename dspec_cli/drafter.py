@@ -199,3 +199,48 @@ class Drafter:
 
     def training_loss(self, batch: dict[str, torch.Tensor], target_features: dict[str, torch.Tensor]) -> dict:
         raise DspecError(f"drafter {self.name!r} is not trainable")
+
+
+class TrainableDrafter(Drafter):
+    """A drafter with trainable weights in ``self.net`` (an ``nn.Module``).
+
+    Checkpoints hold only these weights (``model.safetensors``); frozen parts shared with the
+    target (embedding, LM head) are taken from the target at load time. ``training_loss``
+    receives a batch ``{"input_ids" [B, L], "loss_mask" [B, L], "attention_mask" [B, L]}`` and
+    target features ``{"taps" [B, L, n·d] (raw outputs of target_layer_ids), "last_hidden"
+    [B, L, d] (final-norm output; logits = target.lm_head(last_hidden))}`` and returns
+    ``{"loss": scalar tensor, ...float metrics}``.
+    """
+
+    net: torch.nn.Module
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.net.parameters() if p.requires_grad]
+
+    def save_pretrained(self, path: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        super().save_pretrained(path)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.net.state_dict().items()}
+        save_file(state, str(Path(path) / "model.safetensors"))
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, target: Target, **overrides: Any) -> Drafter:
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        drafter = super().from_pretrained(path, target, **overrides)
+        weights = Path(path) / "model.safetensors"
+        if not weights.is_file():
+            raise DspecError(f"checkpoint {path}: model.safetensors is missing")
+        try:
+            state = load_file(str(weights), device=str(target.device))
+        except (SafetensorError, OSError) as exc:
+            raise DspecError(f"checkpoint {path}: model.safetensors is corrupt ({exc})") from None
+        missing, unexpected = drafter.net.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise DspecError(
+                f"checkpoint {path}: weights do not match drafter {cls.name!r} "
+                f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})"
+            )
+        return drafter
