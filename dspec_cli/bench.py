@@ -78,7 +78,7 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
     if any(c < 1 for c in opts.concurrency):
         raise DspecError("--concurrency values must be >= 1")
     if opts.checkpoints and len(opts.checkpoints) != len(opts.drafters):
-        raise DspecError("give one --checkpoint per --drafter (in the same order), or none")
+        raise DspecError("give one --checkpoint per --drafter (in the same order; '' for the default), or none")
     for name in opts.drafters:
         plugins.get_drafter_class(name)  # unknown names fail before any model loads
     datasets = list(opts.datasets) or [BUILTIN]

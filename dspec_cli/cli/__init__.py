@@ -50,6 +50,14 @@ _OPTIONAL_COMMANDS = ("bench", "train", "data", "calibrate", "profile", "schedul
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: user errors print one line to stderr and exit non-zero."""
+    # our own progress bars replace the libraries' (weight loading, downloads)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if "transformers" in sys.modules:  # already imported (in-process use): switch them off directly
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
     _register_commands()
     try:
         app(args=argv, standalone_mode=False)

@@ -33,7 +33,8 @@ def _fmt(x, spec=".2f") -> str:
 def render_table(report: dict, console: Console) -> None:
     table = Table(title=f"dspec bench · target {report['target']} · {report['env']['device']}")
     for col in ("dataset", "drafter", "R", "τ", "tok/s", "base tok/s", "speedup", "cond. accept by position", "draft %"):
-        table.add_column(col, justify="right" if col not in ("dataset", "drafter", "cond. accept by position") else "left")
+        left = col in ("dataset", "drafter", "cond. accept by position")
+        table.add_column(col, justify="left" if left else "right", no_wrap=col in ("dataset", "drafter"))
     for run in report["runs"]:
         cond = " ".join(_fmt(c, ".2f") for c in run["cond_accept"])
         table.add_row(
@@ -81,7 +82,8 @@ def bench_command(
             return lambda _res: bar.advance(task)
 
         report = run_bench(opts, progress)
-    render_table(report, Console())
+    out = Console()
+    render_table(report, out if out.is_terminal else Console(width=200))
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report, indent=2) + "\n")

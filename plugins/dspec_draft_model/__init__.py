@@ -57,6 +57,11 @@ class DraftModelDrafter(Drafter):
         check_same_vocabulary(model, target)
         self.model = model
 
+    @classmethod
+    def from_pretrained(cls, path, target: Target, **overrides) -> DraftModelDrafter:
+        """A draft-model "checkpoint" is the draft LM itself: a local path or Hub id."""
+        return cls.build(cls.config_class(model=str(path), **overrides), target)
+
     def init_state(self) -> DraftModelState:
         return DraftModelState(batch=self.model.new_batch())
 

@@ -1,0 +1,103 @@
+"""``dspec bench`` end to end on a saved tiny model, and its one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny_models import tiny_qwen3, tiny_tokenizer
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+from dspec_cli.cli import main
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-target")
+    tiny_qwen3().save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def run(args, capsys) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+        raise SystemExit(0)
+    out = capsys.readouterr()
+    return exc.value.code or 0, out.out, out.err
+
+
+def test_bench_runs_and_writes_json(model_dir, tmp_path, capsys):
+    report = tmp_path / "bench.json"
+    code, out, _ = run(
+        ["bench", "--target", str(model_dir), "--drafter", "prompt-lookup", "--drafter", "draft-model",
+         "--checkpoint", "", "--checkpoint", str(model_dir), "--num-prompts", "2", "--max-new-tokens", "12",
+         "--block-size", "3", "--json", str(report)],
+        capsys,
+    )
+    assert code == 0
+    assert "prompt-lookup" in out
+    data = json.loads(report.read_text())
+    runs = {r["drafter"]: r for r in data["runs"]}
+    assert set(runs) == {"prompt-lookup", "draft-model"}
+    for key in ("dataset", "tau", "cond_accept", "survival", "tokens_per_s", "baseline_tokens_per_s", "speedup",
+                "num_prompts", "max_new_tokens", "temperature", "block_size"):
+        assert key in runs["draft-model"]
+    dm = runs["draft-model"]
+    assert dm["tau"] == pytest.approx(1 + dm["mean_verified"])  # the target drafting for itself: all accepted
+    assert dm["cond_accept"] == [1.0, 1.0, 1.0]
+    assert data["env"]["torch"] == torch.__version__
+
+
+def _bad(args, capsys, match):
+    code, _, err = run(args, capsys)
+    assert code != 0
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert match in lines[0], lines[0]
+
+
+def test_unknown_drafter(model_dir, capsys):
+    _bad(["bench", "--target", str(model_dir), "--drafter", "nope"], capsys, "unknown drafter 'nope'; known drafters:")
+
+
+def test_dataset_line_without_turns(model_dir, tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"turns": ["hi"]}\n{"text": "no turns"}\n')
+    _bad(["bench", "--target", str(model_dir), "--drafter", "prompt-lookup", "--dataset", str(data)], capsys,
+         f"{data}:2: line has no 'turns'")
+
+
+def test_empty_prompt(model_dir, tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"turns": [""]}\n')
+    _bad(["bench", "--target", str(model_dir), "--drafter", "prompt-lookup", "--dataset", str(data)], capsys,
+         "first turn is empty")
+
+
+def test_prompt_longer_than_context(model_dir, tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"turns": ["word " * 400]}) + "\n")
+    _bad(["bench", "--target", str(model_dir), "--drafter", "prompt-lookup", "--dataset", str(data)], capsys,
+         "exceeds the target's context")
+
+
+def test_block_size_below_one(model_dir, capsys):
+    _bad(["bench", "--target", str(model_dir), "--drafter", "prompt-lookup", "--block-size", "0"], capsys,
+         "--block-size must be >= 1")
+
+
+def test_vocabulary_mismatch(model_dir, tmp_path, capsys):
+    other = tmp_path / "other"
+    cfg = Qwen3Config(vocab_size=500, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(other)
+    tiny_tokenizer().save_pretrained(other)
+    _bad(["bench", "--target", str(model_dir), "--drafter", "draft-model", "--checkpoint", str(other)], capsys,
+         "draft model vocabulary (500) does not match the target's (384)")
+
+
+def test_missing_dataset_file(model_dir, capsys):
+    _bad(["bench", "--target", str(model_dir), "--drafter", "prompt-lookup", "--dataset", "nope.jsonl"], capsys,
+         "dataset nope.jsonl: file not found")
