@@ -22,7 +22,7 @@ from dspec_cli import sampling
 from dspec_cli.drafter import Drafter, Proposal
 from dspec_cli.errors import DspecError
 from dspec_cli.target import Target
-from dspec_cli.verify import verify_chain, verify_greedy
+from dspec_cli.verify import VerifyResult, verify_chain, verify_greedy
 
 # purposes ("salts") of the counter-based random streams
 _SALT_FIRST, _SALT_DRAFT, _SALT_COIN, _SALT_NOISE = 11, 23, 37, 53
@@ -85,10 +85,12 @@ class RunStats:
 class RoundSampler:
     """The drafter's sampler for one round: run settings + per-request counter randomness."""
 
-    def __init__(self, config: GenerationConfig, seeds: torch.Tensor, rounds: torch.Tensor):
+    def __init__(self, config: GenerationConfig, seeds: torch.Tensor, rounds: torch.Tensor, steps: int):
         self.config = config
         self.seeds = seeds  # [R] int64
         self.base = rounds * _ROUND_STRIDE  # [R] int64
+        self.steps = steps  # draws per request this round (noise for all of them is made at once)
+        self._noise: torch.Tensor | None = None  # [R, steps, V]
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R, V]
         c = self.config
@@ -97,8 +99,12 @@ class RoundSampler:
     def sample(self, probs: torch.Tensor, step: int) -> torch.Tensor:  # [R, V] -> [R]
         if self.config.greedy:
             return probs.argmax(-1)
-        noise = sampling.exponential(self.seeds, self.base + step, probs.shape[-1], salt=_SALT_DRAFT)
-        return sampling.sample_from_probs(probs, noise)
+        if self._noise is None or step >= self._noise.shape[1]:
+            R, n = self.seeds.shape[0], max(self.steps, step + 1)
+            offsets = self.base[:, None] + torch.arange(n, device=self.seeds.device)  # [R, n]
+            flat = sampling.exponential(self.seeds.repeat_interleave(n), offsets.reshape(-1), probs.shape[-1], salt=_SALT_DRAFT)
+            self._noise = flat.view(R, n, -1)
+        return sampling.sample_from_probs(probs, self._noise[:, step])
 
 
 Scheduler = Callable[[Proposal, torch.Tensor], torch.Tensor]  # (proposal, ℓ_max [R]) -> ℓ [R]
@@ -176,8 +182,9 @@ class SpeculativeEngine:
         )
         budget = (remaining - 1).clamp(min=0, max=cfg.block_size)  # drafts beyond the budget are wasted
         if self.drafter is not None and cfg.block_size > 0 and int(budget.max()) > 0:
-            sampler = RoundSampler(cfg, rows.seeds, rows.rounds)
-            proposal = self.drafter.propose(rows.dstate, rows.anchors, int(budget.max()), sampler)
+            max_len = int(budget.max())
+            sampler = RoundSampler(cfg, rows.seeds, rows.rounds, max_len)
+            proposal = self.drafter.propose(rows.dstate, rows.anchors, max_len, sampler)
             if proposal.confidence is None:
                 proposal.confidence = self.drafter.confidence(rows.dstate, proposal)
             lmax = torch.minimum(proposal.lengths, budget)
@@ -197,17 +204,19 @@ class SpeculativeEngine:
             tokens[is_draft] = proposal.tokens[flat_row[is_draft], flat_pos[is_draft] - 1]
         out = self.target.verify(rows.batch, tokens, n)
         drafts = tokens[is_draft]
-        if cfg.greedy:
-            res = verify_greedy(out.logits, drafts, ell)
+        if proposal is None:  # nothing drafted: a plain decoding step
+            res = _plain_step(self._sample(out.logits, rows.seeds, rows.rounds * _ROUND_STRIDE, _SALT_NOISE))
+        elif cfg.greedy:
+            res = verify_greedy(out.logits, drafts, ell, validate=False)
         else:
             probs = sampling.logits_to_probs(out.logits, cfg.temperature, cfg.top_k, cfg.top_p)
             q = None
-            if proposal is not None and proposal.draft_probs is not None:
+            if proposal.draft_probs is not None:
                 q = proposal.draft_probs[flat_row[is_draft], flat_pos[is_draft] - 1]
             base = rows.rounds * _ROUND_STRIDE
             coins = sampling.uniform(rows.seeds[flat_row[is_draft]], base[flat_row[is_draft]] + flat_pos[is_draft], salt=_SALT_COIN)
             noise = sampling.exponential(rows.seeds, base, probs.shape[-1], salt=_SALT_NOISE)
-            res = verify_chain(probs, drafts, q, ell, uniforms=coins, noise=noise)
+            res = verify_chain(probs, drafts, q, ell, uniforms=coins, noise=noise, validate=False)
         # 3. commit: anchor + accepted drafts enter the caches; the last token is the new anchor
         keep = res.accepted + 1
         self.target.commit(rows.batch, keep)
@@ -294,6 +303,12 @@ class SpeculativeEngine:
                 )
             if max(p) >= vocab or min(p) < 0:
                 raise DspecError(f"prompt {i} has token ids outside the target vocabulary (size {vocab})")
+
+
+def _plain_step(tokens: torch.Tensor) -> VerifyResult:
+    """The verify result of a round without drafts: one sampled token per row."""
+    zero = torch.zeros_like(tokens)
+    return VerifyResult(accepted=zero, tokens=tokens[:, None], num_tokens=zero + 1)
 
 
 @dataclass

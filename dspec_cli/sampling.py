@@ -99,8 +99,12 @@ def _top_k_top_p(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> t
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2^32 for x in [0, 2^32) on int64 without overflow (16-bit halves of c)."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+    """(x * c) mod 2^32 for x in [0, 2^32) on int64 without overflow.
+
+    c is used as its signed 32-bit representative (|c| < 2^31), so |x * c| < 2^63, and the
+    two's-complement mask gives the residue mod 2^32: one multiply and one and.
+    """
+    return (x * (c - (1 << 32) if c >= 1 << 31 else c)) & _M32
 
 
 def _fmix32(h: torch.Tensor) -> torch.Tensor:
@@ -144,6 +148,8 @@ def uniform(seeds: torch.Tensor, offsets: torch.Tensor, salt=0) -> torch.Tensor:
     salt: int or int tensor separating streams. A pure function of (seed, offset, salt) with
     52 random bits; never 0 and never 1.
     """
+    if seeds.numel() == 0 or offsets.numel() == 0:
+        return torch.empty(torch.broadcast_shapes(seeds.shape, offsets.shape), dtype=torch.float64, device=seeds.device)
     a, b = _lanes(seeds, offsets, salt)
     bits = (a << 20) | (b >> 12)  # 52 bits
     return (bits.double() + 0.5) * _TWO_M52
