@@ -1,0 +1,72 @@
+"""The embedded default target: loads offline, renders chat, and the engine is lossless on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspec_cli.engine import GenerationConfig, SpeculativeEngine
+from dspec_cli.plugins import get_drafter_class, registry
+from dspec_cli.target import Target
+from dspec_cli.testing import assert_continuations_match, exact_continuations
+
+PROMPTS = [
+    "Maria has 14 apples and gives 5 to her brother. How many apples does she have left?",
+    "Write a Python function `is_even(n)` that returns True when n is even.",
+    "What is a dictionary in Python?",
+]
+
+
+@pytest.fixture(scope="module")
+def target() -> Target:
+    return Target.load(None)
+
+
+def test_loads_offline_with_chat_template(target):
+    ids = target.render_prompt("Hello")
+    text = target.tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>user\nHello<|im_end|>") and text.rstrip().endswith("assistant")
+    assert target.eos_token_ids
+
+
+def _drafters(target):
+    """Every registered drafter that has a default for the embedded target (trained drafters
+    without shipped weights raise DspecError and are left out with a warning)."""
+    import warnings
+
+    from dspec_cli.errors import DspecError
+
+    out = []
+    for name, item in sorted(registry().drafters.items()):
+        try:
+            out.append((name, item.cls.load_default(target, block_size=3)))
+        except DspecError as exc:
+            warnings.warn(f"drafter {name!r} not tested on the embedded target: {exc}", stacklevel=2)
+    assert out, "no drafter runs on the embedded target"
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9)])
+def test_engine_lossless_on_embedded_target(target, sampling):
+    """≥ 20,000 three-token continuations per drafter match exact target sampling."""
+    per_prompt = 7000
+    prompts = [target.render_prompt(p) for p in PROMPTS]
+    exact = [exact_continuations(target, p, depth=3, min_prob=2e-4, **sampling) for p in prompts]
+    for name, drafter in _drafters(target):
+        cfg = GenerationConfig(max_new_tokens=4, block_size=3, max_batch=3500, seed=7, **sampling)
+        engine = SpeculativeEngine(target, drafter, cfg, stop_ids=[])
+        for i, prompt in enumerate(prompts):
+            results = engine.generate([prompt] * per_prompt, seeds=[i * 10**6 + s for s in range(per_prompt)])
+            samples = torch.tensor([r.output_ids[:3] for r in results])
+            assert_continuations_match(samples, exact[i], name=f"{name} prompt {i} {sampling}")
+
+
+def test_greedy_identity_on_embedded_target(target):
+    prompts = [target.render_prompt(p) for p in PROMPTS]
+    cfg = GenerationConfig(max_new_tokens=24, temperature=0.0, block_size=5, max_batch=3)
+    plain = [r.output_ids for r in SpeculativeEngine(target, None, cfg, stop_ids=[]).generate(prompts)]
+    for name, drafter in _drafters(target):
+        cfg = GenerationConfig(max_new_tokens=24, temperature=0.0, block_size=5, max_batch=3)
+        out = [r.output_ids for r in SpeculativeEngine(target, drafter, cfg, stop_ids=[]).generate(prompts)]
+        assert out == plain, name
