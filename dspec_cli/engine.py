@@ -22,7 +22,7 @@ from dspec_cli import sampling
 from dspec_cli.drafter import Drafter, Proposal
 from dspec_cli.errors import DspecError
 from dspec_cli.target import Target
-from dspec_cli.verify import VerifyResult, verify_chain, verify_greedy
+from dspec_cli.verify import VerifyResult, verify_chain, verify_greedy, verify_tree
 
 # purposes ("salts") of the counter-based random streams
 _SALT_FIRST, _SALT_DRAFT, _SALT_COIN, _SALT_NOISE = 11, 23, 37, 53
@@ -192,6 +192,14 @@ class SpeculativeEngine:
         else:
             proposal, ell = None, torch.zeros(R, dtype=torch.long, device=dev)
         t1 = time.perf_counter()
+        if proposal is not None and proposal.tree is not None:
+            res, committed, keep, hidden = self._verify_tree(rows, proposal)
+            t2 = time.perf_counter()
+            nodes = proposal.tree.num_nodes.to(dev)
+            self._book(rows, results, res, proposal, nodes, t0, t1, t2, int(nodes.sum()) + R)
+            if self.drafter is not None:
+                self.drafter.advance(rows.dstate, committed, keep, hidden)
+            return
         # 2. verify: [anchor, x_1..x_ℓ] per row, flattened
         n = ell + 1
         total = int(n.sum())
@@ -220,12 +228,44 @@ class SpeculativeEngine:
         # 3. commit: anchor + accepted drafts enter the caches; the last token is the new anchor
         keep = res.accepted + 1
         self.target.commit(rows.batch, keep)
-        new_anchor = res.tokens.gather(1, res.accepted[:, None]).squeeze(1)
         if self.drafter is not None:
             sel = flat_pos < keep[flat_row]
             self.drafter.advance(rows.dstate, tokens[sel], keep, out.hidden[sel] if out.hidden is not None else None)
         t2 = time.perf_counter()
-        # 4. book-keeping (one host sync per round)
+        self._book(rows, results, res, proposal, ell, t0, t1, t2, total)
+
+    def _verify_tree(self, rows: _Rows, proposal: Proposal):
+        """Verify one draft tree per row in one target pass (sample-and-match walk)."""
+        cfg, dev = self.config, self.target.device
+        tree = proposal.tree
+        R = len(rows.active)
+        nodes = tree.num_nodes.to(dev)
+        n = nodes + 1  # anchor (root) + nodes
+        total = int(n.sum())
+        starts = torch.cumsum(n, 0) - n
+        flat_row = torch.repeat_interleave(torch.arange(R, device=dev), n, output_size=total)
+        flat_pos = torch.arange(total, device=dev) - starts[flat_row]  # 0 = root
+        is_node = flat_pos > 0
+        tokens = rows.anchors[flat_row].clone()
+        tokens[is_node] = tree.tokens[flat_row[is_node], flat_pos[is_node] - 1].to(dev)
+        parents = torch.full_like(tokens, -1)
+        parents[is_node] = tree.parents[flat_row[is_node], flat_pos[is_node] - 1].to(dev)
+        out = self.target.verify_tree(rows.batch, tokens, parents, n)
+        probs = sampling.logits_to_probs(out.logits, cfg.temperature, cfg.top_k, cfg.top_p)
+        res = verify_tree(
+            probs, tokens[is_node], parents[is_node], nodes, method="match",
+            seeds=rows.seeds, offsets=rows.rounds * _ROUND_STRIDE, validate=False,
+        )  # fmt: skip
+        self.target.commit_path(rows.batch, res.path)
+        keep = res.accepted + 1  # root + accepted nodes
+        on_path = res.path >= 0  # [R, D+1]
+        idx = (starts[:, None] + res.path.clamp(min=0))[on_path]  # flat rows of the path, row-major
+        hidden = out.hidden[idx] if out.hidden is not None else None
+        return res, tokens[idx], keep, hidden
+
+    def _book(self, rows, results, res, proposal, ell, t0, t1, t2, verify_tokens: int) -> None:
+        """Per-request statistics and outputs of one round (one host sync)."""
+        R = len(rows.active)
         acc_list, ell_list = res.accepted.tolist(), ell.tolist()
         out_tokens = res.tokens.tolist()
         prop_list = proposal.lengths.tolist() if proposal is not None else [0] * R
@@ -238,10 +278,10 @@ class SpeculativeEngine:
             res_i.proposed.append(prop_list[r])
             if conf is not None:
                 res_i.confidence.append(conf[r][: ell_list[r]])
-        rows.anchors = new_anchor
+        rows.anchors = res.tokens.gather(1, res.accepted[:, None]).squeeze(1)
         rows.rounds = rows.rounds + 1
         self.stats.rounds += 1
-        self.stats.verify_tokens += total
+        self.stats.verify_tokens += verify_tokens
         self.stats.draft_seconds += t1 - t0
         self.stats.verify_seconds += t2 - t1
         self.stats.other_seconds += time.perf_counter() - t2

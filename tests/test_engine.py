@@ -112,3 +112,89 @@ def test_lossless_end_to_end(target, name, sampling):
         exact = exact_continuations(target, prompt, depth=3, min_prob=2e-4, **sampling)
         assert_continuations_match(samples, exact, name=f"{name} prompt {i} {sampling}")
     assert sum(sum(r.verified) for r in results) > 0  # drafts were really verified
+
+
+class BigramTreeDrafter:
+    """Test drafter: a fixed tree per anchor from the target's own next-token ranking given only
+    the previous token (depth 2: 3 children, 2 grandchildren each). Deterministic, so the
+    sample-and-match walk must reproduce exact target sampling."""
+
+    name = "test-bigram-tree"
+    target_layer_ids = ()
+
+    def __init__(self, target: Target, width=(3, 2)):
+        with torch.no_grad():
+            logits = target.model(input_ids=torch.arange(target.vocab_size)[:, None]).logits[:, -1]
+        self.top = logits.topk(max(width), -1).indices  # [V, k]
+        self.width = width
+
+    def init_state(self):
+        from dspec_cli.drafter import DraftState
+
+        return DraftState()
+
+    def add_requests(self, state, prompts, hidden):
+        state.context.extend(prompts)
+
+    def remove_requests(self, state, keep):
+        state.context = [state.context[i] for i in keep]
+
+    def advance(self, state, committed, counts, hidden):
+        pass
+
+    def confidence(self, state, proposal):
+        return None
+
+    def propose(self, state, anchors, max_len, sampler):
+        from dspec_cli.drafter import DraftTree, Proposal
+
+        R = anchors.shape[0]
+        w1, w2 = self.width
+        kids = self.top[anchors, :w1]  # [R, w1]
+        grand = self.top[kids, :w2].reshape(R, w1 * w2)  # [R, w1*w2]
+        tokens = torch.cat([kids, grand], 1)
+        parents = torch.cat([torch.zeros(R, w1, dtype=torch.long),
+                             torch.arange(1, w1 + 1).repeat_interleave(w2).expand(R, -1)], 1)
+        n = tokens.shape[1]
+        tree = DraftTree(tokens=tokens, parents=parents, num_nodes=torch.full((R,), n))
+        chain = torch.stack([kids[:, 0], grand[:, 0]], 1)
+        return Proposal(tokens=chain, lengths=torch.full((R,), 2), tree=tree)
+
+
+def test_tree_greedy_equals_plain_greedy(target):
+    prompts = [target.render_prompt(p) for p in PROMPTS]
+    cfg = GenerationConfig(max_new_tokens=20, temperature=0.0, block_size=2, max_batch=3)
+    results = SpeculativeEngine(target, BigramTreeDrafter(target), cfg, stop_ids=[]).generate(prompts)
+    for prompt, res in zip(prompts, results):
+        assert res.output_ids == plain_greedy(target, prompt, 20)
+    assert sum(a for r in results for a in r.accepted) > 0  # some tree nodes were accepted
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9)])
+def test_tree_lossless_end_to_end(target, sampling):
+    """Batched ragged tree verification in the engine: 3-token continuations are exact."""
+    prompts = [target.render_prompt(p) for p in PROMPTS[:2]]
+    per_prompt = 8000
+    cfg = GenerationConfig(max_new_tokens=4, block_size=2, max_batch=4000, seed=13, **sampling)
+    engine = SpeculativeEngine(target, BigramTreeDrafter(target), cfg, stop_ids=[])
+    for i, prompt in enumerate(prompts):
+        results = engine.generate([prompt] * per_prompt, seeds=[i * 10**6 + s for s in range(per_prompt)])
+        samples = torch.tensor([r.output_ids[:3] for r in results])
+        exact = exact_continuations(target, prompt, depth=3, min_prob=2e-4, **sampling)
+        assert_continuations_match(samples, exact, name=f"tree prompt {i} {sampling}")
+        assert sum(a for r in results for a in r.accepted) > 0
+
+
+def test_end_to_end_test_catches_a_biased_verifier(target, monkeypatch):
+    """The same end-to-end check must fail when the verifier is wrong (min(1, q/p))."""
+    from dspec_cli.verify import reference
+
+    monkeypatch.setattr(reference, "acceptance_prob", lambda p_x, q_x: torch.clamp(q_x / p_x.clamp_min(1e-30), max=1.0))
+    prompt = target.render_prompt(PROMPTS[0])
+    drafter = make_drafter("draft-model", target, block_size=3)
+    cfg = GenerationConfig(max_new_tokens=4, block_size=3, max_batch=4000, seed=11)
+    results = SpeculativeEngine(target, drafter, cfg, stop_ids=[]).generate([prompt] * 8000, seeds=range(8000))
+    samples = torch.tensor([r.output_ids[:3] for r in results])
+    exact = exact_continuations(target, prompt, depth=3, min_prob=2e-4)
+    with pytest.raises(AssertionError, match="distribution mismatch"):
+        assert_continuations_match(samples, exact, name="biased")
