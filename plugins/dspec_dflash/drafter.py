@@ -1,0 +1,394 @@
+"""The parallel block drafter shared by ``dflash``, ``dspark-markov`` and ``dspark-rnn``.
+
+One implementation: the :mod:`dspec_cli.backbone` backbone plus an optional sequential head
+(Markov / RNN, :mod:`dspec_cli.heads`) and an optional confidence head. DFlash has neither.
+
+Block layout (DeepSpec's variant, notes-deepspec §2): the block is [anchor, mask × (γ−1)] and
+the anchor slot is itself the first prediction position, so γ input slots give γ drafts
+(slot k predicts the token after position a+k). The original DFlash paper feeds anchor + γ
+masks and predicts only the masks; DeepSpec's DFlash baseline and DSpark use the variant here.
+
+The target's input embedding and LM head are shared and frozen: taken from the target at
+build time, never stored in our checkpoints. The mask token id defaults to the tokenizer's
+``<|mask|>`` (or ``<|MASK|>``, ``<mask>``) when it has one, else the first embedding row past
+the tokenizer's vocabulary (DFlash/DeepSpec's choice for Qwen3: 151669), else the pad token,
+else the last id. The resolved id is stored in config.json.
+
+Decoding state: a :class:`~dspec_cli.backbone.ContextCache` with the context K/V of every
+committed token (prompt, anchors, accepted drafts). The anchor itself is not in the cache (its
+target hidden state is unknown until verified), matching the training rule "context strictly
+before the anchor". One backbone forward per round serves all rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspec_cli.backbone import (
+    BackboneConfig,
+    ContextCache,
+    ParallelBackbone,
+    build_blocks,
+    build_target_layer_ids,
+    resolve_backbone_config,
+    sample_anchors,
+    training_mask,
+)
+from dspec_cli.drafter import DrafterConfig, DraftState, Proposal, Sampler, TrainableDrafter
+from dspec_cli.errors import DspecError
+from dspec_cli.heads import ConfidenceHead, build_head
+from dspec_cli.target import Target, embedded_path
+from dspec_dflash.loss import block_losses
+
+_MASK_TOKENS = ("<|mask|>", "<|MASK|>", "<mask>")
+
+
+@dataclass
+class BlockDrafterConfig(BackboneConfig, DrafterConfig):
+    """Hyper-parameters of a parallel block drafter (defaults: DeepSpec's DFlash, B = γ = 7).
+
+    Architecture fields left at 0 / "" / None are copied from the target when built (as
+    DeepSpec copies the target config) and then stored resolved. ``target_layer_ids`` ()
+    defaults to :func:`~dspec_cli.backbone.build_target_layer_ids`; ``mask_token_id`` -1 to the
+    rule in the module docstring. Losses: ``ce_weight``·CE + ``l1_weight``·‖p_d − p_t‖₁ +
+    ``conf_weight``·BCE, position weights exp(−k/``loss_decay_gamma``) for slots k = 0..γ−1
+    (DeepSpec's code; the paper writes exp(−(k−1)/γ) with k from 1).
+    """
+
+    mask_token_id: int = -1
+    vocab_size: int = 0  # 0 = the target's; a stored value must match the target
+    head: str = "none"  # sequential head: none | markov | rnn
+    markov_rank: int = 0  # r of W1 [V, r] / W2 [r, V]
+    confidence_head: bool = False
+    ce_weight: float = 1.0
+    l1_weight: float = 0.0
+    conf_weight: float = 0.0
+    loss_decay_gamma: float = 4.0
+    num_anchors: int = 512  # blocks sampled per training sequence
+    attention: str = "auto"  # training attention: auto (flex on CUDA) | dense | flex
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        checks = [
+            (self.num_layers >= 1, f"num_layers must be >= 1, got {self.num_layers}"),
+            (self.head in ("none", "markov", "rnn"), f"head must be none, markov or rnn, got {self.head!r}"),
+            (self.markov_rank >= 0, f"markov_rank must be >= 0, got {self.markov_rank}"),
+            (self.head == "none" or self.markov_rank > 0, f"head {self.head!r} needs markov_rank > 0"),
+            (self.num_anchors >= 1, f"num_anchors must be >= 1, got {self.num_anchors}"),
+            (self.loss_decay_gamma > 0, f"loss_decay_gamma must be > 0, got {self.loss_decay_gamma}"),
+            (min(self.ce_weight, self.l1_weight, self.conf_weight) >= 0, "loss weights must be >= 0"),
+            (self.attention in ("auto", "dense", "flex"), f"attention must be auto, dense or flex, got {self.attention!r}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise DspecError(message)
+
+
+@dataclass
+class DFlashConfig(BlockDrafterConfig):
+    """DFlash (DeepSpec defaults): no sequential head, no confidence head, CE only."""
+
+
+@dataclass
+class BlockDraftState(DraftState):
+    """Context K/V of committed tokens for every row (``context`` token lists are not kept)."""
+
+    cache: ContextCache | None = None
+
+    @property
+    def num_requests(self) -> int:
+        return self.cache.rows
+
+
+@dataclass
+class BlockOutputs:
+    """Per supervised slot (M of them) of a training forward."""
+
+    logits: torch.Tensor  # [M, V] float draft logits (head-corrected)
+    target_logits: torch.Tensor  # [M, V] float target logits at the same positions (no grad)
+    labels: torch.Tensor  # [M] the token each slot predicts
+    where: torch.Tensor  # [M, 3] (sequence, block, slot k)
+    conf_logits: torch.Tensor | None  # [M] confidence-head logits
+
+
+class BlockDrafterNet(nn.Module):
+    """The trainable weights: backbone, optional sequential head, optional confidence head."""
+
+    def __init__(self, cfg: BlockDrafterConfig):
+        super().__init__()
+        self.backbone = ParallelBackbone(cfg, len(cfg.target_layer_ids))
+        self.head = build_head(cfg.head, cfg.vocab_size, cfg.markov_rank, cfg.hidden_size)
+        rank = cfg.markov_rank if self.head is not None else 0
+        self.confidence = ConfidenceHead(cfg.hidden_size, rank) if cfg.confidence_head else None
+        self.apply(lambda m: _init_weights(m, cfg.initializer_range))
+
+
+def _init_weights(module: nn.Module, std: float) -> None:
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, 0.0, std)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
+def default_mask_token_id(target: Target) -> int:
+    """See the module docstring."""
+    tok = target.tokenizer
+    if tok is not None:
+        vocab = tok.get_vocab()
+        for name in _MASK_TOKENS:
+            if name in vocab:
+                return int(vocab[name])
+        if len(tok) < target.vocab_size:
+            return len(tok)
+        if tok.pad_token_id is not None:
+            return int(tok.pad_token_id)
+    return target.vocab_size - 1
+
+
+def resolve_config(cfg: BlockDrafterConfig, target: Target) -> BlockDrafterConfig:
+    """Fill target-derived fields; a stored size that differs from the target is a DspecError."""
+    values: dict[str, Any] = resolve_backbone_config(cfg, target.config)
+    vocab = target.vocab_size
+    if cfg.vocab_size and cfg.vocab_size != vocab:
+        raise DspecError(f"drafter vocabulary size {cfg.vocab_size} does not match the target's {vocab}")
+    ids = tuple(cfg.target_layer_ids) or build_target_layer_ids(target.num_layers, cfg.num_layers)
+    if any(b <= a for a, b in zip(ids, ids[1:])) or not -1 <= min(ids) <= max(ids) < target.num_layers:
+        raise DspecError(
+            f"target_layer_ids {list(ids)} must increase strictly within [-1, {target.num_layers - 1}] for this target"
+        )
+    mask = cfg.mask_token_id if cfg.mask_token_id >= 0 else default_mask_token_id(target)
+    if mask >= vocab:
+        raise DspecError(f"mask_token_id {mask} is outside the target vocabulary (size {vocab})")
+    values.update(vocab_size=vocab, target_layer_ids=ids, mask_token_id=mask)
+    return dataclasses.replace(cfg, **values)
+
+
+class DFlashDrafter(TrainableDrafter):
+    """Parallel block drafter with KV injection; base class of the DSpark drafters."""
+
+    name = "dflash"
+    config_class = DFlashConfig
+    capabilities = frozenset({"draft_probs", "marginals", "trainable"})
+    description = "parallel block drafter with target KV injection (DFlash, DeepSpec variant)"
+
+    def __init__(self, config: BlockDrafterConfig, target: Target):
+        super().__init__(resolve_config(config, target), target)
+        self.embed = target.model.get_input_embeddings()  # shared, frozen, not in self.net
+        self.lm_head = target.model.get_output_embeddings()
+        self.softcap = getattr(target.config, "final_logit_softcapping", None)
+        self.net = BlockDrafterNet(self.config).to(device=target.device, dtype=target.dtype)
+        self.conf_temperatures: torch.Tensor | None = None  # [n] from calibration.json
+
+    # -- checkpoints -----------------------------------------------------------------------
+    @classmethod
+    def load_default(cls, target: Target, **overrides: Any) -> DFlashDrafter:
+        """The embedded drafter ``assets/drafters/<name>/`` if it fits ``target``."""
+        path = embedded_path("drafters") / cls.name
+        hint = f"train one with `dspec train --drafter {cls.name} ...` or pass --checkpoint PATH"
+        if not (path / "config.json").is_file():
+            raise DspecError(f"no trained {cls.name} drafter is embedded; {hint}")
+        try:
+            return cls.from_pretrained(path, target, **overrides)
+        except DspecError as exc:
+            raise DspecError(f"the embedded {cls.name} drafter does not fit this target ({exc}); {hint}") from None
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, target: Target, **overrides: Any) -> DFlashDrafter:
+        path = Path(path)
+        _check_saved_config(cls.name, path, target)
+        try:
+            drafter = super().from_pretrained(path, target, **overrides)
+        except RuntimeError as exc:  # load_state_dict size mismatch
+            detail = str(exc).strip().splitlines()[-1].strip()
+            raise DspecError(f"checkpoint {path}: weights do not fit drafter {cls.name!r} ({detail})") from None
+        drafter.load_calibration(path)
+        return drafter
+
+    def save_pretrained(self, path: str | Path) -> None:
+        super().save_pretrained(path)
+        if self.conf_temperatures is not None:
+            data = {"temperatures": self.conf_temperatures.tolist()}
+            (Path(path) / "calibration.json").write_text(json.dumps(data) + "\n")
+
+    def load_calibration(self, path: str | Path) -> None:
+        """Per-position confidence temperatures from ``calibration.json`` ({"temperatures": [..]})."""
+        file = Path(path) / "calibration.json"
+        if not file.is_file():
+            return
+        try:
+            temps = json.loads(file.read_text())["temperatures"]
+            ok = isinstance(temps, list) and all(isinstance(t, (int, float)) and math.isfinite(t) and t > 0 for t in temps)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            ok = False
+        if not ok:
+            raise DspecError(f"{file}: expected {{\"temperatures\": [positive numbers]}}")
+        self.conf_temperatures = torch.tensor(temps, dtype=torch.float32, device=self.target.device)
+
+    # -- decoding --------------------------------------------------------------------------
+    def init_state(self) -> BlockDraftState:
+        return BlockDraftState(cache=self.net.backbone.new_cache())
+
+    @torch.no_grad()
+    def add_requests(self, state: BlockDraftState, prompts: list[torch.Tensor], hidden: list[torch.Tensor] | None) -> None:
+        if hidden is None or len(hidden) != len(prompts):
+            raise ValueError(f"hidden: {self.name} needs the target's taps for every prompt")
+        self._check_taps(hidden[0])
+        cache, dev = state.cache, self.target.device
+        old = cache.rows
+        counts = torch.tensor([0] * old + [h.shape[0] for h in hidden], dtype=torch.long, device=dev)
+        cache.add_rows(len(hidden))
+        self.net.backbone.extend_cache(cache, torch.cat(hidden), counts, max(h.shape[0] for h in hidden))
+
+    def remove_requests(self, state: BlockDraftState, keep: list[int]) -> None:
+        state.cache.keep_rows(torch.tensor(keep, dtype=torch.long, device=self.target.device))
+
+    @torch.no_grad()
+    def advance(self, state: BlockDraftState, committed, counts, hidden) -> None:
+        """Append the taps of committed tokens (anchor + accepted drafts, <= γ+1 per row)."""
+        if hidden is None:
+            raise ValueError(f"hidden: {self.name} needs the target's taps of committed tokens")
+        self._check_taps(hidden)
+        max_count = min(hidden.shape[0], self.config.block_size + 1)
+        self.net.backbone.extend_cache(state.cache, hidden, counts.to(self.target.device), max_count)
+
+    @torch.no_grad()
+    def block_logits(self, state: BlockDraftState, anchors: torch.Tensor) -> torch.Tensor:
+        """Per-slot base logits U [R, γ, V] (float) of one parallel forward: DFlash's marginals."""
+        return self._lm_logits(self._block_hidden(state, anchors))
+
+    @torch.no_grad()
+    def propose(self, state: BlockDraftState, anchors: torch.Tensor, max_len: int, sampler: Sampler) -> Proposal:
+        """One parallel forward, then left-to-right sampling of min(max_len, γ) slots with the
+        run's sampler: q_k = sampler.probs(U_k [+ head bias]) is what x_k is drawn from; the
+        confidence uses h_k and x_{k−1} only."""
+        R, gamma = anchors.shape[0], min(max_len, self.config.block_size)
+        h = self._block_hidden(state, anchors)[:, :gamma]  # [R, γ, d]
+        head, conf_head = self.net.head, self.net.confidence
+        prev, hstate = anchors, head.init_state(R, h) if head is not None else None
+        tokens, probs, conf = [], [], []
+        for k in range(gamma):
+            logits = self._lm_logits(h[:, k])  # [R, V] base logits U_k
+            if head is not None:
+                feat, hstate = head.step(hstate, prev, h[:, k])
+                logits = logits + head.bias(feat).float()
+            if conf_head is not None:
+                prev_embed = head.embed(prev) if head is not None else None
+                conf.append(self._calibrated(conf_head(h[:, k], prev_embed).float(), k))
+            q = sampler.probs(logits)  # [R, V]
+            prev = sampler.sample(q, k)
+            tokens.append(prev)
+            probs.append(q)
+        return Proposal(
+            tokens=torch.stack(tokens, 1),
+            lengths=torch.full((R,), gamma, dtype=torch.long, device=anchors.device),
+            draft_probs=torch.stack(probs, 1),
+            confidence=torch.stack(conf, 1) if conf else None,
+        )
+
+    def _calibrated(self, logit: torch.Tensor, k: int) -> torch.Tensor:
+        """σ(logit / T_k) with T_k from calibration.json (1 past its end)."""
+        temps = self.conf_temperatures
+        if temps is not None and k < temps.numel():
+            logit = logit / temps[k]
+        return torch.sigmoid(logit)
+
+    def _block_hidden(self, state: BlockDraftState, anchors: torch.Tensor) -> torch.Tensor:
+        """h [R, γ, d] for blocks [anchor, mask × (γ−1)] after each row's committed context."""
+        cache, B = state.cache, self.config.block_size
+        if anchors.shape != (cache.rows,):
+            raise ValueError(f"anchors must be [R={cache.rows}], got {tuple(anchors.shape)}")
+        ids = torch.full((cache.rows, B), self.config.mask_token_id, dtype=torch.long, device=anchors.device)
+        ids[:, 0] = anchors
+        pos = cache.lengths[:, None] + torch.arange(B, device=anchors.device)
+        return self.net.backbone.forward_block(self.embed(ids), pos, cache)
+
+    def _lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The target's frozen LM head (with its final-logit softcap, if any) -> float logits.
+        Gradients reach h, never the target's weights."""
+        w, b = self.lm_head.weight.detach(), self.lm_head.bias
+        z = F.linear(h.to(w.dtype), w, None if b is None else b.detach()).float()
+        return z if not self.softcap else self.softcap * torch.tanh(z / self.softcap)
+
+    def _check_taps(self, taps: torch.Tensor) -> None:
+        want = len(self.config.target_layer_ids) * self.config.hidden_size
+        if taps.shape[-1] != want:
+            raise ValueError(f"hidden: expected taps of width {want} (target_layer_ids x hidden), got {taps.shape[-1]}")
+
+    # -- training --------------------------------------------------------------------------
+    def training_loss(
+        self, batch: dict[str, torch.Tensor], target_features: dict[str, torch.Tensor],
+        generator: torch.Generator | None = None,
+    ) -> dict:
+        """Loss over up to ``num_anchors`` random blocks per sequence (see
+        :func:`~dspec_dflash.loss.block_losses` for the terms and metrics).
+
+        batch {"input_ids", "loss_mask"} [b, L] (right-padded); target_features {"taps"
+        [b, L, n·d], "last_hidden" [b, L, d]}. ``generator`` seeds the anchor choice.
+        """
+        cfg = self.config
+        anchors, keep = sample_anchors(batch["loss_mask"], cfg.num_anchors, generator)
+        out = self.block_outputs(batch, target_features, anchors, keep)
+        return block_losses(
+            out.logits, out.target_logits, out.labels, out.where[:, 2], out.conf_logits,
+            block_size=cfg.block_size, ce_weight=cfg.ce_weight, l1_weight=cfg.l1_weight,
+            conf_weight=cfg.conf_weight, decay_gamma=cfg.loss_decay_gamma,
+        )
+
+    def block_outputs(
+        self, batch: dict[str, torch.Tensor], target_features: dict[str, torch.Tensor],
+        anchors: torch.Tensor, keep: torch.Tensor,
+    ) -> BlockOutputs:
+        """Draft / target logits of the supervised slots of the blocks at ``anchors`` [b, N]
+        (``keep`` [b, N]), heads teacher-forced with the true previous tokens."""
+        cfg, B = self.config, self.config.block_size
+        ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+        taps, last = target_features["taps"], target_features["last_hidden"]
+        if ids.dim() != 2 or loss_mask.shape != ids.shape or taps.shape[:2] != ids.shape or last.shape[:2] != ids.shape:
+            raise ValueError("batch input_ids/loss_mask [b, L] and target taps/last_hidden [b, L, ·] must agree")
+        self._check_taps(taps)
+        b, L = ids.shape
+        n = anchors.shape[1]
+        blocks = build_blocks(ids, loss_mask, anchors, keep, B, cfg.mask_token_id)
+        mask = training_mask(anchors, keep, L, B, cfg.attention)
+        with torch.no_grad():
+            embeds = self.embed(blocks.input_ids.view(b, n * B))
+        h = self.net.backbone.forward_train(embeds, blocks.positions.view(b, n * B), taps, mask).view(b, n, B, -1)
+        sel = blocks.valid
+        logits = self._lm_logits(h[sel])  # [M, V]
+        head, conf_head = self.net.head, self.net.confidence
+        if head is not None:
+            logits = logits + head.bias(head.block_features(blocks.prev, h)[sel]).float()
+        conf_logits = None
+        if conf_head is not None:
+            prev_embed = head.embed(blocks.prev[sel]) if head is not None else None
+            conf_logits = conf_head(h[sel], prev_embed).float()
+        where = sel.nonzero()  # [M, 3] (sequence, block, slot)
+        with torch.no_grad():
+            target_logits = self._lm_logits(last[where[:, 0], blocks.positions[sel]])  # p_t at position a+k
+        return BlockOutputs(logits, target_logits, blocks.labels[sel], where, conf_logits)
+
+
+def _check_saved_config(name: str, path: Path, target: Target) -> None:
+    """One-line errors for a checkpoint written for another drafter or another target."""
+    try:
+        raw = json.loads((path / "config.json").read_text())
+        values = raw.get("drafter_config", {})
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return  # the base loader reports missing / corrupt files
+    saved = raw.get("drafter")
+    if saved not in (None, name):
+        raise DspecError(f"checkpoint {path} holds a {saved!r} drafter, not {name!r}")
+    for key, want in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size)):
+        got = values.get(key)
+        if got and got != want:
+            label = {"hidden_size": "hidden size", "vocab_size": "vocabulary size"}[key]
+            raise DspecError(f"checkpoint {path}: drafter {label} {got} does not match the target's {want}")
