@@ -1,0 +1,89 @@
+"""``dspec profile-hardware``: measure SPS(B) of the target forward and write the cost table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from dspec_cli.cli import app
+from dspec_cli.errors import DspecError
+
+
+def int_list(text: str, option: str, minimum: int = 1) -> list[int]:
+    """Parse "1,4,16" for ``option``; every value must be >= minimum."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise DspecError(f"{option} must be a comma-separated list of integers, got {text!r}") from None
+    if not values or any(v < minimum for v in values):
+        raise DspecError(f"{option} values must be >= {minimum}, got {text!r}")
+    return values
+
+
+def render_cost_table(table, console: Console, max_rows: int = 24) -> None:
+    """Steps/s per B (rows) and context (columns); long grids are thinned for display."""
+    out = Table(title=f"SPS(B) · {table.model} · {table.device_name} · {table.dtype}")
+    out.add_column("B", justify="right")
+    for ctx in table.contexts:
+        out.add_column(f"ctx {ctx}", justify="right")
+    stride = max(1, -(-len(table.grid) // max_rows))
+    shown = sorted(set(range(0, len(table.grid), stride)) | {len(table.grid) - 1})
+    for i in shown:
+        cells = [f"{table.measured[str(c)][i]:.1f} ±{table.spread[str(c)][i] / 2:.1f}" for c in table.contexts]
+        out.add_row(str(table.grid[i]), *cells)
+    console.print(out)
+
+
+@app.command("profile-hardware")
+def profile_command(
+    target: Optional[str] = typer.Option(None, "--target", help="Target model: local path or Hub id (default: the embedded tiny target)."),
+    max_batch_tokens: int = typer.Option(256, "--max-batch-tokens", help="Largest B (tokens per forward) profiled."),
+    grid: Optional[str] = typer.Option(None, "--grid", help="Explicit B values, e.g. 1,2,4,8 (default: dense 1..16, sparser up to --max-batch-tokens)."),
+    contexts: str = typer.Option("128,512,2048", "--contexts", help="Context lengths in the KV cache."),
+    row_tokens: int = typer.Option(8, "--row-tokens", help="New tokens per row (γ + 1); B tokens use ceil(B / row-tokens) rows."),
+    repeats: int = typer.Option(10, "--repeats", help="Timed forwards per point (median and IQR)."),
+    warmup: int = typer.Option(2, "--warmup", help="Untimed forwards per point."),
+    device: str = typer.Option("cpu", "--device"),
+    dtype: str = typer.Option("auto", "--dtype"),
+    seed: int = typer.Option(0, "--seed"),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the cost table here (what --cost-table reads)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of the SPS(B) curves here."),
+) -> None:
+    """Profile steps per second SPS(B) of the target for token-batch sizes B and context lengths."""
+    from dspec_cli.hardware import default_grid, profile_sps
+    from dspec_cli.target import Target
+
+    points = int_list(grid, "--grid") if grid else default_grid(max_batch_tokens)
+    ctx = int_list(contexts, "--contexts")
+    if repeats < 1:
+        raise DspecError(f"--repeats must be >= 1, got {repeats}")
+    if warmup < 0:
+        raise DspecError(f"--warmup must be >= 0, got {warmup}")
+    if row_tokens < 1:
+        raise DspecError(f"--row-tokens must be >= 1, got {row_tokens}")
+    tgt = Target.load(target, dtype=dtype, device=device)
+    err = Console(stderr=True)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True) as bar:
+        task = bar.add_task("profiling SPS(B)", total=len(set(points)) * len(set(ctx)))
+
+        def advance(c: int, b: int) -> None:
+            bar.update(task, advance=1, description=f"profiling SPS(B) · context {c} · B={b}")
+
+        table = profile_sps(tgt.model, grid=points, contexts=ctx, repeats=repeats, warmup=warmup,
+                            row_tokens=row_tokens, model_name=target or "embedded:tiny-target", seed=seed,
+                            progress=advance)
+    out = Console()
+    render_cost_table(table, out if out.is_terminal else Console(width=200))
+    if json_path is not None:
+        table.save(json_path)
+        err.print(f"wrote {json_path}")
+    if plot is not None:
+        from dspec_cli.plots import sps_plot
+
+        err.print(f"wrote {sps_plot(table, plot)}")

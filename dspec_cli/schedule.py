@@ -1,0 +1,263 @@
+"""Verification-length schedulers (DSpark §3.2.2, §5.2) and an offline load simulation.
+
+A scheduler is called once per engine round as ``scheduler(proposal, lmax) -> ℓ [R]`` with
+0 <= ℓ_r <= lmax_r. To stay lossless it must be *non-anticipating*: whether x_{r,k} is
+verified (ℓ_r >= k) may depend on c_{r,1..k} (c_k sees x_{k−1}, never x_k), on other rows
+and on earlier rounds, but never on c_{r,k+1..} (those depend on x_k).
+
+* ``fixed``: ℓ = lmax.
+* ``threshold``: cut at the first position with c_k < t.
+* ``hardware``: Algorithm 1. Survival products a_{r,j} = Π_{i≤j} c_{r,i} are sorted
+  globally (descending, ties in row-major order) and admitted greedily while the expected
+  throughput Θ = τ·SPS(B), τ = R + Σ admitted a, B = R + #admitted, keeps increasing; the
+  first non-improving candidate stops the search. Row r's later candidates (j > k) never
+  sort before (r, k), so admitting (r, k) only looks at values >= a_{r,k}: causal.
+* ``async``: §5.2. The batch capacity K is chosen by an unconstrained global argmax of Θ
+  over the sorted survival products of the round ``delay`` (= 2) calls earlier (with the
+  current R); the current round admits its K largest survival products (a top-K, same
+  ordering). Until ``delay`` rounds of history exist, K comes from Algorithm 1 on the
+  current round. History lives in the scheduler object; :meth:`Scheduler.reset` clears it.
+
+Candidates with a_{r,j} = 0 are never admitted. An optional :class:`Calibration` is applied
+to the confidences first (for drafters whose confidences are not calibrated by the drafter
+itself, e.g. the Σq² heuristic).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import ClassVar
+
+import torch
+
+from dspec_cli.calibration import Calibration, Rounds
+from dspec_cli.drafter import Proposal
+from dspec_cli.errors import DspecError
+from dspec_cli.hardware import CostTable
+
+# --------------------------------------------------------------------------------------
+# Building blocks (vectorised; no host syncs)
+# --------------------------------------------------------------------------------------
+
+
+def survival(confidence: torch.Tensor, lmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a [R, γ] float64 = cumulative products, valid [R, γ]: j < lmax_r and a > 0)."""
+    a = confidence.double().cumprod(1)
+    j = torch.arange(confidence.shape[1], device=confidence.device)
+    return a, (j < lmax[:, None]) & (a > 0)
+
+
+def sorted_candidates(a: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Valid candidates first, by a descending (stable: row-major on ties).
+
+    Returns (values [Rγ] with invalid entries 0, row of each [Rγ], number of valid candidates []).
+    """
+    keyed = a.masked_fill(~valid, -1.0).flatten()
+    values, order = keyed.sort(descending=True, stable=True)
+    return values.clamp(min=0), torch.div(order, a.shape[1], rounding_mode="floor"), valid.sum()
+
+
+def throughput(values: torch.Tensor, num_rows: int, sps: torch.Tensor) -> torch.Tensor:
+    """Θ after admitting the first i sorted candidates, i = 0..Rγ: [Rγ + 1] (sps indexed by B)."""
+    tau = num_rows + torch.cat([values.new_zeros(1), values.cumsum(0)])
+    batch = num_rows + torch.arange(values.shape[0] + 1, device=values.device)
+    return tau * sps[batch]
+
+
+def early_stop_count(values: torch.Tensor, num_valid: torch.Tensor, num_rows: int, sps: torch.Tensor) -> torch.Tensor:
+    """Algorithm 1: admitted candidates before the first one that does not raise Θ."""
+    theta = throughput(values, num_rows, sps)
+    idx = torch.arange(values.shape[0], device=values.device)
+    improves = (theta[1:] > theta[:-1]) & (idx < num_valid)
+    return improves.long().cumprod(0).sum()
+
+
+def global_capacity(values: torch.Tensor, num_valid: torch.Tensor, num_rows: int, sps: torch.Tensor) -> torch.Tensor:
+    """Unconstrained search: the K in [0, #valid] maximising Θ (first maximum)."""
+    theta = throughput(values, num_rows, sps)
+    allowed = torch.arange(theta.shape[0], device=theta.device) <= num_valid
+    return theta.masked_fill(~allowed, -1.0).argmax()
+
+
+def admit(rows: torch.Tensor, count: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """ℓ [R]: how many of the first ``count`` sorted candidates belong to each row."""
+    take = (torch.arange(rows.shape[0], device=rows.device) < count).long()
+    return torch.zeros(num_rows, dtype=torch.long, device=rows.device).index_add_(0, rows, take)
+
+
+# --------------------------------------------------------------------------------------
+# Schedulers
+# --------------------------------------------------------------------------------------
+
+
+class Scheduler:
+    """Base class: ``scheduler(proposal, lmax [R]) -> ℓ [R]``. Subclasses implement :meth:`lengths`."""
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    needs_cost_table: ClassVar[bool] = False
+
+    def __init__(self, cost_table: CostTable | None = None, *, calibration: Calibration | None = None,
+                 context: float | None = None):
+        if self.needs_cost_table and cost_table is None:
+            raise DspecError(f"scheduler {self.name!r} needs a cost table (dspec profile-hardware; --cost-table)")
+        self.cost_table = cost_table
+        self.calibration = calibration
+        self.context = context  # context length for SPS lookups (None: mean over profiled contexts)
+
+    def __call__(self, proposal: Proposal, lmax: torch.Tensor) -> torch.Tensor:
+        if proposal.confidence is None:
+            raise ValueError(f"scheduler {self.name!r} needs proposal.confidence")
+        conf = proposal.confidence  # [R, γ]
+        if self.calibration is not None:
+            conf = self.calibration.apply(conf)
+        return self.lengths(conf, lmax.to(conf.device))
+
+    def lengths(self, confidence: torch.Tensor, lmax: torch.Tensor) -> torch.Tensor:  # [R, γ], [R] -> [R]
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Forget state kept across rounds (a new run)."""
+
+    def _sps(self, max_tokens: int, device: torch.device) -> torch.Tensor:
+        return self.cost_table.sps_curve(max_tokens, self.context, device)
+
+
+class FixedScheduler(Scheduler):
+    name = "fixed"
+    description = "verify every proposed draft (ℓ = lmax)"
+
+    def __call__(self, proposal: Proposal, lmax: torch.Tensor) -> torch.Tensor:
+        return lmax  # needs no confidence
+
+    def lengths(self, confidence: torch.Tensor, lmax: torch.Tensor) -> torch.Tensor:
+        return lmax
+
+
+class ThresholdScheduler(Scheduler):
+    name = "threshold"
+    description = "static threshold: cut at the first position with c_k < t"
+
+    def __init__(self, cost_table: CostTable | None = None, *, threshold: float = 0.5, **kwargs):
+        super().__init__(cost_table, **kwargs)
+        if not 0.0 <= threshold <= 1.0:
+            raise DspecError(f"--threshold must be in [0, 1], got {threshold}")
+        self.threshold = threshold
+
+    def lengths(self, confidence: torch.Tensor, lmax: torch.Tensor) -> torch.Tensor:
+        kept = (confidence >= self.threshold).long().cumprod(1).sum(1)
+        return torch.minimum(kept, lmax)
+
+
+class HardwareScheduler(Scheduler):
+    name = "hardware"
+    description = "DSpark Algorithm 1: global greedy admission by survival, early stop on τ·SPS(B)"
+    needs_cost_table = True
+
+    def lengths(self, confidence: torch.Tensor, lmax: torch.Tensor) -> torch.Tensor:
+        R, gamma = confidence.shape
+        values, rows, num_valid = sorted_candidates(*survival(confidence, lmax))
+        count = early_stop_count(values, num_valid, R, self._sps(R * (gamma + 1), confidence.device))
+        return admit(rows, count, R)
+
+
+class AsyncScheduler(Scheduler):
+    name = "async"
+    description = "DSpark §5.2: capacity K from confidences two rounds old (global search), top-K now"
+    needs_cost_table = True
+
+    def __init__(self, cost_table: CostTable | None = None, *, delay: int = 2, **kwargs):
+        super().__init__(cost_table, **kwargs)
+        if delay < 1:
+            raise DspecError(f"delay must be >= 1, got {delay}")
+        self.delay = delay
+        self._history: deque = deque(maxlen=delay)  # (sorted values, #valid) of past rounds
+
+    def reset(self) -> None:
+        self._history.clear()
+
+    def lengths(self, confidence: torch.Tensor, lmax: torch.Tensor) -> torch.Tensor:
+        R, gamma = confidence.shape
+        values, rows, num_valid = sorted_candidates(*survival(confidence, lmax))
+        if len(self._history) == self.delay:
+            old_values, old_valid = self._history[0]
+            sps = self._sps(R + old_values.shape[0], confidence.device)
+            capacity = global_capacity(old_values, old_valid, R, sps)
+        else:  # warm-up: the causal Algorithm 1 on the current round
+            capacity = early_stop_count(values, num_valid, R, self._sps(R * (gamma + 1), confidence.device))
+        self._history.append((values, num_valid))
+        return admit(rows, torch.minimum(capacity, num_valid), R)
+
+
+BUILTIN_SCHEDULERS = (FixedScheduler, ThresholdScheduler, HardwareScheduler, AsyncScheduler)
+
+
+def build_scheduler(name: str, cost_table: CostTable | None = None, **options) -> Scheduler:
+    """A registered scheduler by name (plugins included); options go to its constructor."""
+    from dspec_cli import plugins
+
+    cls = plugins.get_scheduler_class(name)
+    try:
+        return cls(cost_table, **options)
+    except TypeError as exc:  # an option this scheduler does not take
+        raise DspecError(f"scheduler {name!r}: {exc}") from None
+
+
+# --------------------------------------------------------------------------------------
+# Offline simulation (the paper's Fig. 8, bottom row)
+# --------------------------------------------------------------------------------------
+
+
+def simulate_load(
+    scheduler: Scheduler,
+    rounds: Rounds,
+    cost_table: CostTable,
+    *,
+    concurrency: int,
+    steps: int = 200,
+    generator: torch.Generator | None = None,
+) -> dict:
+    """Run ``scheduler`` on R = ``concurrency`` rounds sampled from recorded traces, ``steps`` times.
+
+    A round verified to ℓ commits min(accepted, ℓ) + 1 tokens (its recorded outcome cut at ℓ).
+    Returns the mean draft length ℓ and verification budget ℓ + 1 per request, committed
+    tokens per request per step (τ), the predicted τ from the survival products, and the
+    throughput Σ tokens / Σ step time with step time 1/SPS(B), B = Σ(ℓ_r + 1); plus plain
+    decoding's R·SPS(R) for reference.
+    """
+    if concurrency < 1:
+        raise DspecError(f"--concurrency values must be >= 1, got {concurrency}")
+    if steps < 1:
+        raise DspecError(f"--steps must be >= 1, got {steps}")
+    if len(rounds) == 0:
+        raise DspecError("no recorded rounds to sample from")
+    scheduler.reset()
+    R, gamma = concurrency, rounds.block_size
+    index = torch.randint(len(rounds), (steps, R), generator=generator)
+    tokens = torch.zeros(R, gamma, dtype=torch.long)
+    draft = committed = predicted = seconds = 0.0
+    for t in range(steps):
+        batch = rounds.select(index[t])
+        prop = Proposal(tokens=tokens, lengths=batch.verified, confidence=batch.confidence)
+        ell = scheduler(prop, batch.verified).cpu()
+        a = scheduler.calibration.apply(batch.confidence) if scheduler.calibration else batch.confidence
+        keep = torch.arange(gamma) < ell[:, None]
+        draft += float(ell.sum())
+        committed += float((torch.minimum(batch.accepted, ell) + 1).sum())
+        predicted += float(R + (a.cumprod(1) * keep).sum())
+        seconds += 1.0 / cost_table.sps(R + int(ell.sum()), scheduler.context)
+    n = steps * R
+    plain = R * cost_table.sps(R, scheduler.context)
+    tps = committed / seconds
+    return {
+        "scheduler": scheduler.name,
+        "concurrency": R,
+        "steps": steps,
+        "mean_draft_len": draft / n,
+        "budget": 1 + draft / n,
+        "tau": committed / n,
+        "predicted_tau": predicted / n,
+        "tokens_per_s": tps,
+        "plain_tokens_per_s": plain,
+        "speedup": tps / plain,
+    }

@@ -1,0 +1,275 @@
+"""Calibration metrics, Sequential Temperature Scaling, calibration.json, traces, the threshold
+sweep, and ``dspec calibrate`` end to end on tiny models."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+from tiny_models import tiny_qwen3, tiny_tokenizer
+
+from dspec_cli.calibration import (
+    Calibration,
+    Rounds,
+    apply_temperatures,
+    auroc,
+    brier,
+    calibrate,
+    ece,
+    fit_sts,
+    load_traces,
+    position_metrics,
+    reliability,
+    save_traces,
+    threshold_sweep,
+)
+from dspec_cli.cli import main
+from dspec_cli.engine import RequestResult
+from dspec_cli.errors import DspecError
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def synthetic(n: int, temps: list[float], seed: int = 0) -> tuple[Rounds, torch.Tensor]:
+    """Rounds whose true conditional acceptance is c*; reported c = σ(logit(c*) / temps) (miscalibrated)."""
+    g = _gen(seed)
+    gamma = len(temps)
+    true = 0.25 + 0.7 * torch.rand(n, gamma, generator=g, dtype=torch.float64)
+    accepted = (torch.rand(n, gamma, generator=g, dtype=torch.float64) < true).long().cumprod(1).sum(1)
+    reported = apply_temperatures(true, temps)
+    return Rounds(reported, torch.full((n,), gamma), accepted), true
+
+
+# --------------------------------------------------------------------------------------
+# Metrics
+# --------------------------------------------------------------------------------------
+
+
+def test_ece_by_hand():
+    pred = torch.tensor([0.12, 0.14, 0.91, 0.93, 0.97])
+    label = torch.tensor([0, 1, 1, 1, 0])
+    # bins: [0.10, 0.15) holds 2 (mean 0.13 vs 0.5), [0.90, 0.95) 2 (0.92 vs 1), [0.95, 1] 1 (0.97 vs 0)
+    expected = (2 * 0.37 + 2 * 0.08 + 0.97) / 5
+    assert ece(pred, label) == pytest.approx(expected)
+    assert ece(torch.tensor([1.0, 0.0]), torch.tensor([1, 0])) == pytest.approx(0.0)  # edges stay in range
+
+
+def test_auroc_matches_pair_counting_with_ties():
+    g = _gen(1)
+    pred = torch.randint(0, 6, (60,), generator=g).double() / 5  # many ties
+    label = torch.rand(60, generator=g) < 0.4
+    pos, neg = pred[label].tolist(), pred[~label].tolist()
+    pairs = sum(1.0 if p > q else 0.5 if p == q else 0.0 for p, q in itertools.product(pos, neg))
+    assert auroc(pred, label) == pytest.approx(pairs / (len(pos) * len(neg)))
+    assert auroc(torch.tensor([0.1, 0.2]), torch.tensor([1, 1])) is None
+    assert brier(torch.tensor([0.5, 1.0]), torch.tensor([1, 1])) == pytest.approx(0.125)
+
+
+def test_position_metrics_use_the_cumulative_product():
+    rounds = Rounds.from_lists([[0.8, 0.5], [0.6], [0.9, 0.9]], [2, 0, 1], block_size=3)
+    m = position_metrics(rounds)
+    assert m["count"] == [3, 2, 0] and m["ece"][2] is None
+    assert m["mean_pred"][1] == pytest.approx((0.4 + 0.81) / 2)  # Π c over rounds that verified position 2
+    assert m["mean_label"] == [pytest.approx(2 / 3), pytest.approx(0.5), None]
+    assert m["ece_mean"] == pytest.approx((3 * m["ece"][0] + 2 * m["ece"][1]) / 5)
+    diagram = reliability(rounds)
+    assert len(diagram) == 3 and sum(diagram[0]["count"]) == 3 and len(diagram[0]["edges"]) == 21
+
+
+def test_rounds_validation():
+    with pytest.raises(DspecError, match=r"record 1: confidence values must lie in \(0, 1\), got 1.0"):
+        Rounds.from_lists([[0.5], [0.5, 1.0]], [0, 1])
+    with pytest.raises(DspecError, match="confidence values must lie in"):
+        Rounds.from_lists([[0.0]], [0])
+    with pytest.raises(DspecError, match=r"accepted must be an integer in \[0, 1\]"):
+        Rounds.from_lists([[0.5]], [2])
+    with pytest.raises(DspecError, match="3 confidences for block size 2"):
+        Rounds.from_lists([[0.5, 0.5, 0.5]], [0], block_size=2)
+
+
+def test_rounds_from_engine_results():
+    res = RequestResult(0, [1], verified=[2, 0, 1], accepted=[1, 0, 1], confidence=[[1.0, 0.3], [], [0.0]])
+    rounds = Rounds.from_results([res], block_size=3)
+    assert len(rounds) == 2 and rounds.verified.tolist() == [2, 1] and rounds.accepted.tolist() == [1, 1]
+    assert 0 < float(rounds.confidence.min()) and float(rounds.confidence.max()) < 1  # clamped into (0, 1)
+
+
+# --------------------------------------------------------------------------------------
+# Sequential Temperature Scaling
+# --------------------------------------------------------------------------------------
+
+
+def test_sts_repairs_miscalibration():
+    rounds, _ = synthetic(20_000, [0.5, 0.7, 1.0, 1.5])  # over- then under-confident
+    cal = calibrate(rounds, "toy")
+    before, after = cal.metrics["before"], cal.metrics["after"]
+    assert after["ece_mean"] < before["ece_mean"] / 4
+    assert all(a <= b + 1e-9 for a, b in zip(after["ece"], before["ece"]))
+    assert cal.temperatures[0] == pytest.approx(2.0, rel=0.15)  # the inverse of the distortion
+    assert after["auroc"][0] == pytest.approx(before["auroc"][0])  # order-preserving at position 1
+
+
+def test_sts_keeps_calibrated_confidences():
+    rounds, _ = synthetic(20_000, [1.0, 1.0, 1.0])
+    temps = fit_sts(rounds)
+    assert all(0.85 < t < 1.2 for t in temps), temps
+    assert position_metrics(rounds.with_temperatures(temps))["ece_mean"] <= position_metrics(rounds)["ece_mean"] + 1e-9
+
+
+def test_sts_fits_left_to_right():
+    """Position 2 is fitted with position 1's temperature already applied."""
+    rounds, _ = synthetic(5000, [0.6, 0.6], seed=3)
+    temps = fit_sts(rounds)
+    first = rounds.with_temperatures([temps[0], 1.0])
+    assert fit_sts(first)[1] == pytest.approx(temps[1])
+    unseen = Rounds.from_lists([[0.5]], [1], block_size=3)
+    assert fit_sts(unseen)[1:] == [1.0, 1.0]  # nobody verified positions 2-3
+
+
+# --------------------------------------------------------------------------------------
+# calibration.json
+# --------------------------------------------------------------------------------------
+
+
+def test_calibration_file_roundtrip_and_checks(tmp_path):
+    rounds, _ = synthetic(2000, [0.5, 1.0, 2.0])
+    cal = calibrate(rounds, "dspark-markov")
+    file = cal.save(tmp_path)
+    raw = json.loads(file.read_text())
+    assert set(raw) == {"drafter", "block_size", "temperatures", "metrics"}
+    assert set(raw["metrics"]) == {"before", "after"} and len(raw["metrics"]["after"]["ece"]) == 3
+    back = Calibration.load(tmp_path, drafter="dspark-markov", block_size=3)
+    assert back.temperatures == cal.temperatures
+    with pytest.raises(DspecError, match="is for drafter 'dspark-markov', not 'dflash'"):
+        Calibration.load(file, drafter="dflash")
+    with pytest.raises(DspecError, match="is for block size 3, not 7"):
+        Calibration.load(file, block_size=7)
+    (tmp_path / "legacy.json").write_text('{"temperatures": [1.5, 2.0]}')
+    legacy = Calibration.load(tmp_path / "legacy.json", drafter="anything", block_size=2)
+    conf = torch.tensor([[0.9, 0.8, 0.7]])
+    assert torch.allclose(legacy.apply(conf), apply_temperatures(conf, [1.5, 2.0, 1.0]))
+    (tmp_path / "bad.json").write_text('{"drafter": "x", "block_size": 2, "temperatures": [1.0, -1]}')
+    with pytest.raises(DspecError, match="temperatures must be a list of positive numbers"):
+        Calibration.load(tmp_path / "bad.json")
+    with pytest.raises(DspecError, match="not found"):
+        Calibration.load(tmp_path / "missing.json")
+
+
+def test_apply_temperatures():
+    conf = torch.tensor([[0.9, 0.2], [0.5, 0.6]])
+    out = apply_temperatures(conf, [2.0])
+    assert torch.allclose(out[:, 1], conf[:, 1])  # past the list: T = 1
+    assert torch.allclose(out[:, 0], torch.sigmoid(torch.logit(conf[:, 0]) / 2))
+    assert torch.allclose(apply_temperatures(out, [0.5]), conf)  # reciprocal temperatures undo
+
+
+# --------------------------------------------------------------------------------------
+# Threshold sweep and traces
+# --------------------------------------------------------------------------------------
+
+
+def test_threshold_sweep():
+    rounds = Rounds.from_lists([[0.9, 0.4, 0.8], [0.3, 0.9]], [3, 0], block_size=3)
+    rows = {r["threshold"]: r for r in threshold_sweep(rounds, [0.0, 0.35, 0.5, 0.95])}
+    assert rows[0.0]["verified_per_step"] == 2.5 and rows[0.0]["accepted_per_step"] == 1.5
+    # t = 0.35: [0.9, 0.4, 0.8] is kept whole, [0.3, 0.9] is cut to nothing
+    assert rows[0.35]["verified_per_step"] == 1.5 and rows[0.35]["rejected_per_step"] == 0.0
+    assert rows[0.5]["accepted_per_step"] == 0.5 and rows[0.5]["acceptance_rate"] == 1.0
+    assert rows[0.95]["verified_per_step"] == 0.0 and rows[0.95]["acceptance_rate"] is None
+    informative, _ = synthetic(5000, [1.0] * 5)
+    rates = [r["acceptance_rate"] for r in threshold_sweep(informative)]
+    assert rates[-1] > rates[0] + 0.2  # pruning low-confidence suffixes raises the acceptance rate
+
+
+def test_traces_roundtrip(tmp_path):
+    rounds = Rounds.from_lists([[0.9, 0.4], [0.3]], [1, 0], block_size=3)
+    path = tmp_path / "t.jsonl"
+    save_traces(path, rounds, drafter="dspark", block_size=3)
+    back, meta = load_traces(path)
+    assert meta == {"drafter": "dspark", "block_size": 3}
+    assert torch.equal(back.confidence, rounds.confidence) and back.accepted.tolist() == [1, 0]
+    line = '{{"drafter": "{}", "confidence": [0.5], "accepted": 0}}\n'
+    path.write_text(line.format("a") + line.format("b"))
+    with pytest.raises(DspecError, match="t.jsonl:2: drafter 'b' differs"):
+        load_traces(path)
+    path.write_text('{"confidence": [0.5]}\n')
+    with pytest.raises(DspecError, match="t.jsonl:1: expected"):
+        load_traces(path)
+
+
+# --------------------------------------------------------------------------------------
+# dspec calibrate
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    for name, seed in (("target", 0), ("draft", 1)):
+        tiny_qwen3(seed).save_pretrained(root / name)
+        tiny_tokenizer().save_pretrained(root / name)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in
+                               ("The quick brown fox", "def add(a, b):", "Numbers like 0 1 2", "User: What is")))
+    return root
+
+
+def run(args, capsys) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+        raise SystemExit(0)
+    out = capsys.readouterr()
+    return exc.value.code or 0, out.out, out.err
+
+
+def _bad(args, capsys, match):
+    code, _, err = run(args, capsys)
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert code != 0 and len(lines) == 1 and "Traceback" not in err, err
+    assert match in lines[0], lines[0]
+
+
+def _base(models, out):
+    return ["calibrate", "--drafter", "draft-model", "--checkpoint", str(models / "draft"), "--target",
+            str(models / "target"), "--dataset", str(models / "prompts.jsonl"), "--max-new-tokens", "24",
+            "--block-size", "3", "--output", str(out)]
+
+
+def test_calibrate_cli(models, tmp_path, capsys):
+    out, report, plots, traces = tmp_path / "calibrated", tmp_path / "c.json", tmp_path / "plots", tmp_path / "t.jsonl"
+    code, stdout, _ = run(_base(models, out) + ["--json", str(report), "--plots", str(plots), "--sweep-threshold",
+                                                "--save-traces", str(traces)], capsys)
+    assert code == 0 and "ECE before" in stdout and "threshold sweep" in stdout
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()  # the checkpoint was copied
+    cal = Calibration.load(out, drafter="draft-model", block_size=3)
+    assert len(cal.temperatures) == 3
+    data = json.loads(report.read_text())
+    for key in ("ece_before", "ece_after", "temperatures", "num_rounds", "threshold_sweep"):
+        assert key in data
+    assert set(data["before"]) >= {"ece", "auroc", "brier"} and len(data["after"]["ece"]) == 3
+    assert data["ece_after"] <= data["ece_before"] + 1e-9
+    assert (plots / "reliability.png").stat().st_size > 1000 and (plots / "threshold_sweep.png").is_file()
+    rounds, meta = load_traces(traces)
+    assert meta == {"drafter": "draft-model", "block_size": 3} and len(rounds) == data["num_rounds"]
+    assert not (models / "draft" / "calibration.json").exists()  # the source checkpoint is untouched
+
+
+def test_calibrate_cli_errors(models, tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for f in (models / "draft").iterdir():
+        (ckpt / f.name).write_bytes(f.read_bytes())
+    args = _base(models, tmp_path / "out")
+    args[args.index("--checkpoint") + 1] = str(ckpt)
+    Calibration("dspark-markov", 3, [1.0] * 3).save(ckpt)
+    _bad(args, capsys, "is for drafter 'dspark-markov', not 'draft-model'")
+    Calibration("draft-model", 7, [1.0] * 7).save(ckpt)
+    _bad(args, capsys, "is for block size 7, not 3")
+    no_output = args[: args.index("--output")]
+    no_output[no_output.index("--checkpoint") + 1] = "some/hub-id"
+    _bad(no_output, capsys, "give --output DIR")
+    _bad(args[:-2] + ["--num-prompts", "0"], capsys, "--num-prompts must be >= 1")

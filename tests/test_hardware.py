@@ -1,0 +1,150 @@
+"""SPS(B) profiling and the cost table: grid, lookups, monotone cleanup, provenance checks,
+``dspec profile-hardware`` on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from tiny_models import FACTORIES, tiny_qwen3, tiny_tokenizer
+
+from dspec_cli.cli import main
+from dspec_cli.errors import DspecError
+from dspec_cli.hardware import CostTable, CostTableMismatch, default_grid, device_name, profile_sps
+
+
+def make_table(measured: dict, grid=(1, 2, 4, 8), **kw) -> CostTable:
+    base = dict(device="cpu", device_name=device_name("cpu"), dtype="float32", model="tiny", torch=torch.__version__)
+    return CostTable(**{**base, **kw}, grid=list(grid), contexts=sorted(int(c) for c in measured),
+                     measured={str(c): v for c, v in measured.items()})
+
+
+def test_default_grid():
+    grid = default_grid(256)
+    assert grid[:16] == list(range(1, 17)) and grid[-1] == 256 and grid == sorted(set(grid))
+    assert 64 in grid and 128 in grid and 65 not in grid  # denser at small B
+    assert default_grid(1) == [1] and default_grid(300)[-2:] == [288, 300]
+    with pytest.raises(DspecError, match="--max-batch-tokens must be >= 1"):
+        default_grid(0)
+
+
+def test_lookup_interpolates_step_time_and_extrapolates():
+    table = make_table({128: [100.0, 50.0, 25.0, 10.0]})
+    assert table.sps(2) == pytest.approx(50.0)
+    assert table.sps(3) == pytest.approx(1 / ((0.02 + 0.04) / 2))  # linear in step time
+    assert table.sps(16) == pytest.approx(5.0)  # past the grid: time grows with B
+    assert table.sps(1, context=10_000) == pytest.approx(100.0)  # contexts clamp
+    curve = table.sps_curve(20)
+    assert curve.shape[0] >= 21 and float(curve[0]) == pytest.approx(100.0)
+    assert [float(curve[b]) for b in (1, 3, 16)] == pytest.approx([table.sps(b) for b in (1, 3, 16)])
+    with pytest.raises(ValueError, match="tokens must be >= 1"):
+        table.sps(0)
+
+
+def test_monotone_cleanup_and_contexts():
+    table = make_table({128: [100.0, 40.0, 60.0, 20.0], 512: [50.0, 25.0, 20.0, 10.0]})
+    assert table.sps(4, context=128) == pytest.approx(40.0)  # the noisy bump at B = 4 is flattened
+    assert table.measured["128"][2] == 60.0  # raw values are kept
+    curve = table.sps_curve(40, context=128)
+    assert bool((curve[2:] <= curve[1:-1] + 1e-12).all())  # non-increasing
+    mid = table.sps(1, context=320)  # halfway between the two contexts: step time averaged
+    assert mid == pytest.approx(1 / ((0.01 + 0.02) / 2))
+    assert table.sps(1) == pytest.approx(mid)  # context=None: mean step time over contexts
+
+
+def test_save_load_and_validation(tmp_path):
+    table = make_table({128: [100.0, 50.0, 25.0, 10.0]}, spread={"128": [1.0, 1.0, 1.0, 1.0]})
+    path = tmp_path / "cost.json"
+    table.save(path)
+    raw = json.loads(path.read_text())
+    assert {"device", "device_name", "dtype", "model", "torch", "grid", "contexts", "sps", "spread"} <= set(raw)
+    back = CostTable.load(path)
+    assert back.sps(3) == pytest.approx(table.sps(3)) and back.source == str(path)
+    raw["sps"]["128"] = [1.0, 2.0]
+    path.write_text(json.dumps(raw))
+    with pytest.raises(DspecError, match=r"sps\[128\] must list one value per grid point"):
+        CostTable.load(path)
+    raw["sps"]["128"] = [1.0, 2.0, 0.0, 1.0]
+    path.write_text(json.dumps(raw))
+    with pytest.raises(DspecError, match="must hold positive numbers"):
+        CostTable.load(path)
+    path.write_text("{")
+    with pytest.raises(DspecError, match="not valid JSON"):
+        CostTable.load(path)
+    with pytest.raises(DspecError, match="file not found"):
+        CostTable.load(tmp_path / "nope.json")
+
+
+def test_check_device_and_model():
+    table = make_table({128: [10.0, 9.0, 8.0, 7.0]}, device_name="NVIDIA H200", model="Qwen/Qwen3-4B")
+    with pytest.warns(CostTableMismatch, match="profiled on 'NVIDIA H200'"):
+        problems = table.check(device="cpu", model="Qwen/Qwen3-4B")
+    assert len(problems) == 1
+    with pytest.raises(DspecError, match="profiled for model 'Qwen/Qwen3-4B', this run uses 'x'"):
+        table.check(model="x", strict=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert make_table({128: [1.0] * 4}).check(device="cpu", model="tiny") == []
+
+
+@pytest.mark.parametrize("family", list(FACTORIES))
+def test_profile_tiny_models(family):
+    calls = []
+    table = profile_sps(FACTORIES[family](), grid=[1, 2, 5, 9], contexts=[4, 16], repeats=3, warmup=1, row_tokens=4,
+                        model_name=family, progress=lambda c, b: calls.append((c, b)))
+    assert table.grid == [1, 2, 5, 9] and table.contexts == [4, 16] and table.model == family
+    assert all(len(v) == 4 and min(v) > 0 for v in table.measured.values())
+    assert all(min(v) >= 0 for v in table.spread.values())
+    assert sorted(calls) == sorted((c, b) for c in (4, 16) for b in (1, 2, 5, 9))
+    assert table.device == "cpu" and table.torch == torch.__version__ and table.dtype == "float32"
+
+
+def test_profile_rejects_contexts_past_the_model():
+    with pytest.raises(DspecError, match="exceeds the model's context of 256"):
+        profile_sps(tiny_qwen3(), grid=[1], contexts=[250], row_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-target")
+    tiny_qwen3().save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def run(args, capsys) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+        raise SystemExit(0)
+    out = capsys.readouterr()
+    return exc.value.code or 0, out.out, out.err
+
+
+def _bad(args, capsys, match):
+    code, _, err = run(args, capsys)
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert code != 0 and len(lines) == 1 and "Traceback" not in err, err
+    assert match in lines[0], lines[0]
+
+
+def test_profile_cli(model_dir, tmp_path, capsys):
+    out, png = tmp_path / "cost.json", tmp_path / "sps.png"
+    code, stdout, _ = run(["profile-hardware", "--target", str(model_dir), "--max-batch-tokens", "6",
+                           "--contexts", "8,32", "--repeats", "2", "--warmup", "0", "--json", str(out),
+                           "--plot", str(png)], capsys)
+    assert code == 0 and "SPS(B)" in stdout
+    table = CostTable.load(out)
+    assert table.grid == [1, 2, 3, 4, 5, 6] and table.contexts == [8, 32] and table.model == str(model_dir)
+    assert table.check(device="cpu", model=str(model_dir)) == []
+    assert png.stat().st_size > 1000
+
+
+def test_profile_cli_bad_input(model_dir, capsys):
+    base = ["profile-hardware", "--target", str(model_dir)]
+    _bad(base + ["--max-batch-tokens", "0"], capsys, "--max-batch-tokens must be >= 1")
+    _bad(base + ["--contexts", "0,8"], capsys, "--contexts values must be >= 1")
+    _bad(base + ["--contexts", "8,abc"], capsys, "--contexts must be a comma-separated list")
+    _bad(base + ["--repeats", "0"], capsys, "--repeats must be >= 1")
+    _bad(base + ["--contexts", "4096", "--grid", "1"], capsys, "exceeds the model's context of 256")
