@@ -33,6 +33,9 @@ class BenchOptions:
     block_size: int = 7
     seed: int = 0
     concurrency: Sequence[int] = (1,)
+    schedulers: Sequence[str] = ("fixed",)
+    cost_table: str | None = None
+    strict: bool = False
     device: str = "cpu"
     dtype: str = "auto"
     warmup: bool = True
@@ -62,6 +65,26 @@ def build_drafter(name: str, target: Target, checkpoint: str | None, block_size:
     return cls.load_default(target, block_size=block_size)
 
 
+def _schedulers(opts: BenchOptions, target: Target) -> list[tuple[str, object]]:
+    """(name, scheduler) pairs; hardware-aware ones need a cost table from `dspec profile-hardware`."""
+    if list(opts.schedulers) == ["fixed"] and not opts.cost_table:
+        return [("fixed", None)]
+    from dspec_cli.hardware import CostTable
+    from dspec_cli.schedule import build_scheduler
+
+    table = None
+    if opts.cost_table:
+        table = CostTable.load(opts.cost_table)
+        table.check(device=target.device, model=opts.target or "embedded:tiny-target", strict=opts.strict)
+    out = []
+    for name in opts.schedulers:
+        plugins.get_scheduler_class(name)  # unknown names list the known ones
+        if name in ("hardware", "async") and table is None:
+            raise DspecError(f"--scheduler {name} needs --cost-table (write one with `dspec profile-hardware --json PATH`)")
+        out.append((name, build_scheduler(name, table)))
+    return out
+
+
 def _timed_generate(engine: SpeculativeEngine, prompts, on_finish) -> tuple[list, float]:
     t0 = time.perf_counter()
     results = engine.generate(prompts, on_finish=on_finish)
@@ -84,6 +107,7 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
     datasets = list(opts.datasets) or [BUILTIN]
     prompt_sets = {d: load_prompts(d, opts.num_prompts) for d in datasets}
     target = Target.load(opts.target, dtype=opts.dtype, device=opts.device)
+    schedulers = _schedulers(opts, target)
     drafters = [
         build_drafter(name, target, opts.checkpoints[i] if opts.checkpoints else None, opts.block_size)
         for i, name in enumerate(opts.drafters)
@@ -97,15 +121,20 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
                 max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, top_k=opts.top_k,
                 top_p=opts.top_p, block_size=opts.block_size, max_batch=conc, seed=opts.seed,
             )
-            engines = [("baseline", SpeculativeEngine(target, None, cfg))]
-            engines += [(name, SpeculativeEngine(target, d, cfg)) for name, d in zip(opts.drafters, drafters)]
+            engines = [("baseline", "-", SpeculativeEngine(target, None, cfg))]
+            engines += [
+                (name, sname, SpeculativeEngine(target, d, cfg, scheduler=sched))
+                for name, d in zip(opts.drafters, drafters)
+                for sname, sched in schedulers
+            ]
             if opts.warmup:
                 warm_cfg = GenerationConfig(**{**cfg.__dict__, "max_new_tokens": min(8, cfg.max_new_tokens)})
-                for _, eng in engines:
+                for _, _, eng in engines:
                     SpeculativeEngine(target, eng.drafter, warm_cfg).generate(ids[:1])
             baseline_tps = None
-            for name, eng in engines:
-                cb = progress(f"{dataset_name(dset)} · {name} · R={conc}", len(ids)) if progress else noop
+            for name, sname, eng in engines:
+                label = name if sname in ("-", "fixed") else f"{name} · {sname}"
+                cb = progress(f"{dataset_name(dset)} · {label} · R={conc}", len(ids)) if progress else noop
                 results, wall = _timed_generate(eng, ids, cb)
                 ntok = generated_tokens(results)
                 tps = ntok / wall if wall > 0 else 0.0
@@ -115,9 +144,13 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
                 acc = acceptance(results, opts.block_size)
                 st = eng.stats
                 busy = st.draft_seconds + st.verify_seconds + st.prefill_seconds + st.other_seconds
+                latency = [r.end_time - r.start_time for r in results if r.end_time > r.start_time]
+                per_user = sum(len(r.output_ids) / t for r, t in zip(results, latency)) / len(latency) if latency else 0.0
+                budgets = [v + 1 for r in results for v in r.verified]
                 runs.append(
                     {
                         "drafter": name,
+                        "scheduler": sname,
                         "dataset": dataset_name(dset),
                         "concurrency": conc,
                         "num_prompts": len(ids),
@@ -130,6 +163,9 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
                         "generated_tokens": ntok,
                         "wall_seconds": wall,
                         "tokens_per_s": tps,
+                        "throughput_tokens_per_s": tps,
+                        "per_user_tokens_per_s": per_user,
+                        "mean_verify_budget": sum(budgets) / len(budgets) if budgets else 0.0,
                         "baseline_tokens_per_s": baseline_tps,
                         "speedup": tps / baseline_tps if baseline_tps else None,
                         "draft_time_share": st.draft_seconds / busy if busy else 0.0,

@@ -70,6 +70,8 @@ class RequestResult:
     accepted: list[int] = field(default_factory=list)  # accepted drafts per round
     proposed: list[int] = field(default_factory=list)  # drafts the drafter offered per round
     confidence: list[list[float]] = field(default_factory=list)  # per round, per verified position
+    start_time: float = 0.0  # perf_counter when the request joined the batch
+    end_time: float = 0.0  # ... and when it finished
 
 
 @dataclass
@@ -144,6 +146,8 @@ class SpeculativeEngine:
         queue = list(range(len(prompts)))
         layer_ids = self.drafter.target_layer_ids if self.drafter is not None else ()
         rows = _Rows(self.target.new_batch(layer_ids), self.drafter.init_state() if self.drafter else None, self.target.device)
+        if hasattr(self.scheduler, "reset"):
+            self.scheduler.reset()  # schedulers with history (async) start fresh per run
         while queue or rows.active:
             if queue and len(rows.active) < cfg.max_batch:
                 admit, queue = queue[: cfg.max_batch - len(rows.active)], queue[cfg.max_batch - len(rows.active) :]
@@ -165,6 +169,9 @@ class SpeculativeEngine:
             ids = [torch.tensor(prompts[i], dtype=torch.long, device=dev) for i in new]
             self.drafter.add_requests(rows.dstate, ids, out.hidden if self.drafter.target_layer_ids else None)
         rows.active += new
+        now = time.perf_counter()
+        for i in new:
+            results[i].start_time = now
         rows.anchors = torch.cat([rows.anchors, first])
         rows.seeds = torch.cat([rows.seeds, new_seeds])
         rows.rounds = torch.cat([rows.rounds, torch.ones_like(new_seeds)])
@@ -188,7 +195,12 @@ class SpeculativeEngine:
             if proposal.confidence is None:
                 proposal.confidence = self.drafter.confidence(rows.dstate, proposal)
             lmax = torch.minimum(proposal.lengths, budget)
-            ell = self.scheduler(proposal, lmax) if self.scheduler is not None else lmax
+            if self.scheduler is None:
+                ell = lmax
+            else:
+                if hasattr(self.scheduler, "context"):  # mean context for cost-table lookups (host-side)
+                    self.scheduler.context = sum(len(results[i].prompt_ids) + len(results[i].output_ids) for i in rows.active) / R
+                ell = self.scheduler(proposal, lmax)
         else:
             proposal, ell = None, torch.zeros(R, dtype=torch.long, device=dev)
         t1 = time.perf_counter()
@@ -305,6 +317,9 @@ class SpeculativeEngine:
         rows.anchors, rows.seeds, rows.rounds = rows.anchors[idx], rows.seeds[idx], rows.rounds[idx]
         finished = [rows.active[r] for r in done]
         rows.active = [rows.active[r] for r in keep]
+        now = time.perf_counter()
+        for i in finished:
+            results[i].end_time = now
         if on_finish is not None:
             for i in finished:
                 on_finish(results[i])

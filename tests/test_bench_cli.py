@@ -101,3 +101,34 @@ def test_vocabulary_mismatch(model_dir, tmp_path, capsys):
 def test_missing_dataset_file(model_dir, capsys):
     _bad(["bench", "--target", str(model_dir), "--drafter", "prompt-lookup", "--dataset", "nope.jsonl"], capsys,
          "dataset nope.jsonl: file not found")
+
+
+def test_bench_schedulers_under_concurrency(model_dir, tmp_path, capsys):
+    table = tmp_path / "cost.json"
+    code, _, err = run(["profile-hardware", "--target", str(model_dir), "--grid", "1,2,4,8,16,32", "--contexts", "32",
+                        "--repeats", "2", "--warmup", "1", "--json", str(table)], capsys)
+    assert code == 0, err
+    report = tmp_path / "bench.json"
+    code, out, err = run(
+        ["bench", "--target", str(model_dir), "--drafter", "draft-model", "--checkpoint", str(model_dir),
+         "--scheduler", "fixed", "--scheduler", "hardware", "--scheduler", "async", "--cost-table", str(table),
+         "--concurrency", "1,4", "--num-prompts", "4", "--max-new-tokens", "10", "--block-size", "3",
+         "--json", str(report)],
+        capsys,
+    )
+    assert code == 0, err
+    runs = json.loads(report.read_text())["runs"]
+    assert {(r["scheduler"], r["concurrency"]) for r in runs} == {(s, c) for s in ("fixed", "hardware", "async") for c in (1, 4)}
+    for r in runs:
+        assert r["throughput_tokens_per_s"] > 0 and r["per_user_tokens_per_s"] > 0
+        assert 1 <= r["mean_verify_budget"] <= 4
+
+
+def test_hardware_scheduler_needs_cost_table(model_dir, capsys):
+    _bad(["bench", "--target", str(model_dir), "--drafter", "prompt-lookup", "--scheduler", "hardware"], capsys,
+         "--scheduler hardware needs --cost-table")
+
+
+def test_concurrency_zero(model_dir, capsys):
+    _bad(["bench", "--target", str(model_dir), "--drafter", "prompt-lookup", "--concurrency", "0"], capsys,
+         "--concurrency values must be >= 1")

@@ -32,14 +32,15 @@ def _fmt(x, spec=".2f") -> str:
 
 def render_table(report: dict, console: Console) -> None:
     table = Table(title=f"dspec bench · target {report['target']} · {report['env']['device']}")
-    for col in ("dataset", "drafter", "R", "τ", "tok/s", "base tok/s", "speedup", "cond. accept by position", "draft %"):
-        left = col in ("dataset", "drafter", "cond. accept by position")
-        table.add_column(col, justify="left" if left else "right", no_wrap=col in ("dataset", "drafter"))
+    for col in ("dataset", "drafter", "scheduler", "R", "τ", "tok/s", "per user", "base tok/s", "speedup", "budget", "cond. accept by position", "draft %"):
+        left = col in ("dataset", "drafter", "scheduler", "cond. accept by position")
+        table.add_column(col, justify="left" if left else "right", no_wrap=col in ("dataset", "drafter", "scheduler"))
     for run in report["runs"]:
         cond = " ".join(_fmt(c, ".2f") for c in run["cond_accept"])
         table.add_row(
-            run["dataset"], run["drafter"], str(run["concurrency"]), _fmt(run["tau"]), _fmt(run["tokens_per_s"], ".1f"),
-            _fmt(run["baseline_tokens_per_s"], ".1f"), _fmt(run["speedup"]) + "x", cond,
+            run["dataset"], run["drafter"], run["scheduler"], str(run["concurrency"]), _fmt(run["tau"]),
+            _fmt(run["tokens_per_s"], ".1f"), _fmt(run["per_user_tokens_per_s"], ".1f"),
+            _fmt(run["baseline_tokens_per_s"], ".1f"), _fmt(run["speedup"]) + "x", _fmt(run["mean_verify_budget"]), cond,
             _fmt(100 * run["draft_time_share"], ".0f"),
         )
     console.print(table)
@@ -59,6 +60,9 @@ def bench_command(
     block_size: int = typer.Option(7, "--block-size", help="γ: most draft tokens verified per round."),
     seed: int = typer.Option(0, "--seed"),
     concurrency: str = typer.Option("1", "--concurrency", help="Concurrent requests, e.g. 1,4,16."),
+    scheduler: list[str] = typer.Option(["fixed"], "--scheduler", help="Verification-length scheduler (repeatable): fixed, threshold, hardware, async."),
+    cost_table: Optional[Path] = typer.Option(None, "--cost-table", help="Cost table from `dspec profile-hardware --json` (hardware/async schedulers)."),
+    strict: bool = typer.Option(False, "--strict", help="A cost table from another device or model is an error, not a warning."),
     device: str = typer.Option("cpu", "--device"),
     dtype: str = typer.Option("auto", "--dtype"),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the full report as JSON here."),
@@ -70,6 +74,7 @@ def bench_command(
         drafters=drafter, target=target, checkpoints=checkpoint, datasets=dataset, num_prompts=num_prompts,
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, block_size=block_size,
         seed=seed, concurrency=_concurrency(concurrency), device=device, dtype=dtype,
+        schedulers=scheduler, cost_table=str(cost_table) if cost_table else None, strict=strict,
     )
     err = Console(stderr=True)
     with Progress(
