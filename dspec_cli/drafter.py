@@ -225,22 +225,59 @@ class TrainableDrafter(Drafter):
         save_file(state, str(Path(path) / "model.safetensors"))
 
     @classmethod
+    def load_default(cls, target: Target, **overrides: Any) -> Drafter:
+        """The embedded drafter ``assets/drafters/<name>/`` if it fits ``target``."""
+        from dspec_cli.target import embedded_path
+
+        path = embedded_path("drafters") / cls.name
+        hint = f"train one with `dspec train --drafter {cls.name} --recipe RECIPE` or pass --checkpoint PATH"
+        if not (path / "config.json").is_file():
+            raise DspecError(f"no trained {cls.name} drafter is embedded; {hint}")
+        try:
+            return cls.from_pretrained(path, target, **overrides)
+        except DspecError as exc:
+            raise DspecError(f"the embedded {cls.name} drafter does not fit this target ({exc}); {hint}") from None
+
+    @classmethod
     def from_pretrained(cls, path: str | Path, target: Target, **overrides: Any) -> Drafter:
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
+        path = Path(path)
+        check_checkpoint_config(cls.name, path, target)
         drafter = super().from_pretrained(path, target, **overrides)
-        weights = Path(path) / "model.safetensors"
+        weights = path / "model.safetensors"
         if not weights.is_file():
             raise DspecError(f"checkpoint {path}: model.safetensors is missing")
         try:
             state = load_file(str(weights), device=str(target.device))
         except (SafetensorError, OSError) as exc:
             raise DspecError(f"checkpoint {path}: model.safetensors is corrupt ({exc})") from None
-        missing, unexpected = drafter.net.load_state_dict(state, strict=False)
+        try:
+            missing, unexpected = drafter.net.load_state_dict(state, strict=False)
+        except RuntimeError as exc:  # size mismatch
+            detail = str(exc).strip().splitlines()[-1].strip()
+            raise DspecError(f"checkpoint {path}: weights do not fit drafter {cls.name!r} ({detail})") from None
         if missing or unexpected:
             raise DspecError(
                 f"checkpoint {path}: weights do not match drafter {cls.name!r} "
                 f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})"
             )
         return drafter
+
+
+def check_checkpoint_config(name: str, path: Path, target: Target) -> None:
+    """One-line errors for a checkpoint written for another drafter or another target."""
+    try:
+        raw = json.loads((path / "config.json").read_text())
+        values = raw.get("drafter_config", {})
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return  # the base loader reports missing / corrupt files
+    saved = raw.get("drafter")
+    if saved not in (None, name):
+        raise DspecError(f"checkpoint {path} holds a {saved!r} drafter, not {name!r}")
+    for key, want in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size)):
+        got = values.get(key)
+        if got and got != want:
+            label = {"hidden_size": "hidden size", "vocab_size": "vocabulary size"}[key]
+            raise DspecError(f"checkpoint {path}: drafter {label} {got} does not match the target's {want}")

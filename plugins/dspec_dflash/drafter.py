@@ -46,7 +46,7 @@ from dspec_cli.backbone import (
 from dspec_cli.drafter import DrafterConfig, DraftState, Proposal, Sampler, TrainableDrafter
 from dspec_cli.errors import DspecError
 from dspec_cli.heads import ConfidenceHead, build_head
-from dspec_cli.target import Target, embedded_path
+from dspec_cli.target import Target
 from dspec_dflash.loss import block_losses
 
 _MASK_TOKENS = ("<|mask|>", "<|MASK|>", "<mask>")
@@ -190,26 +190,8 @@ class DFlashDrafter(TrainableDrafter):
 
     # -- checkpoints -----------------------------------------------------------------------
     @classmethod
-    def load_default(cls, target: Target, **overrides: Any) -> DFlashDrafter:
-        """The embedded drafter ``assets/drafters/<name>/`` if it fits ``target``."""
-        path = embedded_path("drafters") / cls.name
-        hint = f"train one with `dspec train --drafter {cls.name} ...` or pass --checkpoint PATH"
-        if not (path / "config.json").is_file():
-            raise DspecError(f"no trained {cls.name} drafter is embedded; {hint}")
-        try:
-            return cls.from_pretrained(path, target, **overrides)
-        except DspecError as exc:
-            raise DspecError(f"the embedded {cls.name} drafter does not fit this target ({exc}); {hint}") from None
-
-    @classmethod
     def from_pretrained(cls, path: str | Path, target: Target, **overrides: Any) -> DFlashDrafter:
-        path = Path(path)
-        _check_saved_config(cls.name, path, target)
-        try:
-            drafter = super().from_pretrained(path, target, **overrides)
-        except RuntimeError as exc:  # load_state_dict size mismatch
-            detail = str(exc).strip().splitlines()[-1].strip()
-            raise DspecError(f"checkpoint {path}: weights do not fit drafter {cls.name!r} ({detail})") from None
+        drafter = super().from_pretrained(path, target, **overrides)
         drafter.load_calibration(path)
         return drafter
 
@@ -376,19 +358,3 @@ class DFlashDrafter(TrainableDrafter):
             target_logits = self._lm_logits(last[where[:, 0], blocks.positions[sel]])  # p_t at position a+k
         return BlockOutputs(logits, target_logits, blocks.labels[sel], where, conf_logits)
 
-
-def _check_saved_config(name: str, path: Path, target: Target) -> None:
-    """One-line errors for a checkpoint written for another drafter or another target."""
-    try:
-        raw = json.loads((path / "config.json").read_text())
-        values = raw.get("drafter_config", {})
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return  # the base loader reports missing / corrupt files
-    saved = raw.get("drafter")
-    if saved not in (None, name):
-        raise DspecError(f"checkpoint {path} holds a {saved!r} drafter, not {name!r}")
-    for key, want in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size)):
-        got = values.get(key)
-        if got and got != want:
-            label = {"hidden_size": "hidden size", "vocab_size": "vocabulary size"}[key]
-            raise DspecError(f"checkpoint {path}: drafter {label} {got} does not match the target's {want}")

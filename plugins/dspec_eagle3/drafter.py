@@ -28,7 +28,7 @@ import torch
 from dspec_cli.backbone import BackboneConfig, ContextCache, resolve_backbone_config
 from dspec_cli.drafter import DrafterConfig, DraftState, DraftTree, Proposal, Sampler, TrainableDrafter
 from dspec_cli.errors import DspecError
-from dspec_cli.target import Target, embedded_path
+from dspec_cli.target import Target
 from dspec_eagle3.loss import ttt_losses, ttt_outputs
 from dspec_eagle3.model import Eagle3Net, build_vocab_mapping
 from dspec_eagle3.tree import best_path, select_tree
@@ -160,26 +160,8 @@ class Eagle3Drafter(TrainableDrafter):
 
     # -- checkpoints -----------------------------------------------------------------------
     @classmethod
-    def load_default(cls, target: Target, **overrides: Any) -> Eagle3Drafter:
-        """The embedded drafter ``assets/drafters/eagle3/`` if it fits ``target``."""
-        path = embedded_path("drafters") / cls.name
-        hint = f"train one with `dspec train --drafter {cls.name} --recipe RECIPE` or pass --checkpoint PATH"
-        if not (path / "config.json").is_file():
-            raise DspecError(f"no trained {cls.name} drafter is embedded; {hint}")
-        try:
-            return cls.from_pretrained(path, target, **overrides)
-        except DspecError as exc:
-            raise DspecError(f"the embedded {cls.name} drafter does not fit this target ({exc}); {hint}") from None
-
-    @classmethod
     def from_pretrained(cls, path: str | Path, target: Target, **overrides: Any) -> Eagle3Drafter:
-        path = Path(path)
-        _check_saved_config(cls.name, path, target)
-        try:
-            drafter = super().from_pretrained(path, target, **overrides)
-        except RuntimeError as exc:  # load_state_dict size mismatch
-            detail = str(exc).strip().splitlines()[-1].strip()
-            raise DspecError(f"checkpoint {path}: weights do not fit drafter {cls.name!r} ({detail})") from None
+        drafter = super().from_pretrained(path, target, **overrides)
         ids = drafter.net.draft_ids()
         if ids is not None and not (
             bool((ids[1:] > ids[:-1]).all()) and 0 <= int(ids[0]) and int(ids[-1]) < drafter.config.vocab_size
@@ -414,19 +396,3 @@ class _Run:
         mask = torch.cat([self.cache.visible()[:, None, :].expand(R, Q, -1), local_mask], dim=2)[:, None]
         return net.layer(a, g, cos, sin, keys, values, mask)
 
-
-def _check_saved_config(name: str, path: Path, target: Target) -> None:
-    """One-line errors for a checkpoint written for another drafter or another target."""
-    try:
-        raw = json.loads((path / "config.json").read_text())
-        values = raw.get("drafter_config", {})
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return  # the base loader reports missing / corrupt files
-    saved = raw.get("drafter")
-    if saved not in (None, name):
-        raise DspecError(f"checkpoint {path} holds a {saved!r} drafter, not {name!r}")
-    for key, want in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size)):
-        got = values.get(key)
-        if got and got != want:
-            label = key.replace("_", " ")
-            raise DspecError(f"checkpoint {path}: drafter {label} {got} does not match the target's {want}")

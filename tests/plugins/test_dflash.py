@@ -253,9 +253,8 @@ def test_checkpoint_mismatch_errors(target, tmp_path):
 
 
 def test_load_default(target, tmp_path, monkeypatch):
-    import dspec_dflash.drafter as module
 
-    monkeypatch.setattr(module, "embedded_path", lambda name: tmp_path / name)
+    monkeypatch.setattr("dspec_cli.target.embedded_path", lambda name: tmp_path / name)
     cls = get_drafter_class("dflash")
     with pytest.raises(DspecError, match="no trained dflash drafter is embedded; train one with `dspec train --drafter dflash"):
         cls.load_default(target)

@@ -460,7 +460,7 @@ def test_checkpoint_errors(target, tmp_path):
     build(target).save_pretrained(tmp_path)
     with pytest.raises(DspecError, match="hidden size 64 does not match the target's 32"):
         Eagle3Drafter.from_pretrained(tmp_path, _other_target(hidden_size=32, head_dim=8))
-    with pytest.raises(DspecError, match="vocab size 384 does not match the target's 400"):
+    with pytest.raises(DspecError, match="vocabulary size 384 does not match the target's 400"):
         Eagle3Drafter.from_pretrained(tmp_path, _other_target(vocab_size=400))
     (tmp_path / "model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(DspecError, match="corrupt"):
@@ -479,9 +479,8 @@ def test_checkpoint_errors(target, tmp_path):
 
 
 def test_load_default_without_embedded_drafter(target, monkeypatch, tmp_path):
-    import dspec_eagle3.drafter as mod
 
-    monkeypatch.setattr(mod, "embedded_path", lambda name: tmp_path / name)
+    monkeypatch.setattr("dspec_cli.target.embedded_path", lambda name: tmp_path / name)
     with pytest.raises(DspecError, match="dspec train --drafter eagle3"):
         Eagle3Drafter.load_default(target)
     build(target).save_pretrained(tmp_path / "drafters" / "eagle3")
