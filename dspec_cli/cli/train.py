@@ -1,0 +1,91 @@
+"""``dspec train``: train a drafter from a TOML recipe (single process or under torchrun)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from dspec_cli.cli import app
+
+
+class RichProgress:
+    """Progress bar with loss, τ_probabilistic and tokens/s (rank 0 only)."""
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.bar: Progress | None = None
+        self.task = None
+
+    def start(self, total: int, done: int, title: str) -> None:
+        self.bar = Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
+            TimeElapsedColumn(), TimeRemainingColumn(), console=self.console,
+        )
+        self.bar.start()
+        self.task = self.bar.add_task(title, total=total, completed=done, stats="")
+
+    def update(self, row: dict) -> None:
+        stats = f"loss {row['loss']:.4f}"
+        tau = row.get("tau_probabilistic", row.get("tau"))
+        if tau is not None:
+            stats += f" · τ {tau:.2f}"
+        stats += f" · {row['tokens_per_s']:,.0f} tok/s"
+        self.bar.update(self.task, completed=row["step"], stats=stats)
+
+    def note(self, text: str) -> None:
+        self.console.print(text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+@app.command("train")
+def train_command(
+    overrides: Optional[list[str]] = typer.Argument(None, help="Recipe overrides, e.g. train.lr=3e-4 drafter.num_anchors=256."),
+    drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter to train (default: the recipe's drafter.name)."),
+    recipe: Optional[Path] = typer.Option(None, "--recipe", "-r", help="TOML recipe (optional with --resume)."),
+    target: Optional[str] = typer.Option(None, "--target", help="Expected target; must match the recipe's target.name."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Run folder (default: runs/<recipe folder>-<drafter>)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in --output from its latest checkpoint."),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Total optimizer steps (= train.max_steps)."),
+    stop_after: Optional[int] = typer.Option(None, "--stop-after", help="Stop with a checkpoint after this many steps."),
+    json_log: Optional[Path] = typer.Option(None, "--json-log", help="Metrics JSONL (default: OUT/train_log.jsonl)."),
+    feature_cache: Optional[Path] = typer.Option(None, "--feature-cache", help="Folder caching target features (reused when present)."),
+) -> None:
+    """Train a drafter for a target: online target features, AdamW + warmup/cosine, atomic checkpoints."""
+    from transformers.utils import logging as hf_logging
+
+    from dspec_cli.training import TrainOptions, train
+
+    hf_logging.disable_progress_bar()
+    opts = TrainOptions(
+        recipe=recipe, drafter=drafter, overrides=overrides or [], output=output, target=target, resume=resume,
+        max_steps=max_steps, stop_after=stop_after, json_log=json_log, feature_cache=feature_cache,
+    )
+    err = Console(stderr=True)
+    bar = RichProgress(err)
+    try:
+        result = train(opts, bar)
+    finally:
+        bar.close()
+    if int(os.environ.get("RANK", "0")) != 0:  # torchrun: rank 0 reports
+        return
+    summary = ", ".join(f"{k} {result.metrics[k]:.4g}" for k in ("loss", "tau_probabilistic") if k in result.metrics)
+    if result.finished:
+        print(f"trained {result.step} steps ({summary}); drafter checkpoint: {result.output}")
+    else:
+        print(f"stopped at step {result.step}/{result.total_steps} ({summary}); "
+              f"continue with: dspec train --resume --output {result.output}")
