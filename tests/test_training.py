@@ -411,3 +411,18 @@ def test_tiny_recipe_trains_a_real_drafter_and_resumes_exactly(tmp_path, tiny_di
     drafter = plugins.get_drafter_class(name).from_pretrained(full.output, target)
     engine = SpeculativeEngine(target, drafter, GenerationConfig(max_new_tokens=8, temperature=1.0))
     assert len(engine.generate([target.render_prompt("hello")])[0].output_ids) >= 1
+
+
+def test_eagle3_reduced_vocabulary_trains_through_the_pipeline(tmp_path, tiny_dir):
+    """The loop calls prepare_training, so eagle3 builds d2t/t2d from the training data."""
+    recipe = TESTS.parent / "recipes" / "tiny" / "eagle3.toml"
+    data = write_conversations(tmp_path / "conv.jsonl", 8)
+    overrides = [f"target.name={tiny_dir}", "target.vocab_size=0", "target.hidden_size=0", "target.num_layers=0",
+                 f"data.path={data}", "data.max_length=96", "drafter.target_layer_ids=[0, 1, 2]",
+                 "drafter.draft_vocab_size=64", "drafter.ttt_length=3", "train.global_batch=4", "train.micro_batch=2",
+                 "train.max_steps=2", "train.save_every=2"]
+    result = train(TrainOptions(recipe=recipe, output=tmp_path / "run", overrides=overrides))
+    from dspec_cli.target import Target
+
+    drafter = plugins.get_drafter_class("eagle3").from_pretrained(result.output, Target.load(str(tiny_dir)))
+    assert drafter.net.draft_ids().numel() == 64
