@@ -40,8 +40,8 @@ class GenerationConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.block_size < 0:
-            raise DspecError(f"--block-size must be >= 1, got {self.block_size}")
+        if self.block_size < 0:  # 0 = no drafting (plain decoding)
+            raise DspecError(f"--block-size must be >= 0, got {self.block_size}")
         if self.max_new_tokens < 1:
             raise DspecError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -129,7 +129,6 @@ class SpeculativeEngine:
         self.scheduler = scheduler
         self.stop_ids = set(target.eos_token_ids if stop_ids is None else stop_ids)
         self.stats = RunStats()
-        self._stop = torch.tensor(sorted(self.stop_ids) or [-1], device=target.device)
 
     # -- public ------------------------------------------------------------------------
     def generate(

@@ -92,7 +92,7 @@ def test_bad_input(target):
         eng.generate([[]])
     with pytest.raises(DspecError, match="exceeds the target's context"):
         eng.generate([[1] * 300])
-    with pytest.raises(DspecError, match="block-size"):
+    with pytest.raises(DspecError, match="block-size must be >= 0"):
         GenerationConfig(block_size=-1)
 
 
