@@ -94,7 +94,12 @@ class Target:
         device: str | torch.device = "cpu",
         chat_template: bool | None = None,
     ) -> Target:
-        """Load a local path or Hub id (None: the embedded default at ``DEFAULT_TARGET_PATH``)."""
+        """Load a local path or Hub id (None: the embedded default at ``DEFAULT_TARGET_PATH``).
+
+        ``dtype="auto"`` is float32 on CPU (half-precision matmuls there give logits that depend on
+        how many tokens a forward holds, which can flip greedy near-ties between verification and
+        plain decoding) and the checkpoint's own dtype elsewhere.
+        """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if name_or_path is None:
@@ -102,6 +107,8 @@ class Target:
                 raise DspecError(f"embedded default target not found at {DEFAULT_TARGET_PATH}")
             name_or_path = str(DEFAULT_TARGET_PATH)
         torch_dtype = _parse_dtype(dtype)
+        if torch_dtype == "auto" and torch.device(device).type == "cpu":
+            torch_dtype = torch.float32  # CPUs: fp32 keeps verification numerically batch-invariant
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 name_or_path, dtype=torch_dtype, attn_implementation="sdpa"
