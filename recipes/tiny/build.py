@@ -1,0 +1,103 @@
+"""Build the embedded default target and its draft model from offline text, seeded.
+
+    python recipes/tiny/build.py [--stage corpus|tokenizer|target|draft|export|all]
+                                 [--minutes 30] [--draft-minutes 8] [--out work-data/tiny]
+
+Stages write under --out: corpus/ (text), tokenizer.json, data/ (uint16 token arrays),
+target/ and draft/ (checkpoints + logs); export writes dspec_cli/assets/tiny-{target,draft-model}.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+
+STAGES = ("corpus", "tokenizer", "target", "draft", "export")
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def stage_corpus(args) -> None:
+    import corpus
+    t = time.time()
+    stats = corpus.build(args.out, args.seed)
+    _log(f"corpus: {len(stats['streams'])} streams, prompts {stats['prompts']}, "
+         f"{time.time() - t:.0f}s")
+
+
+def stage_tokenizer(args) -> None:
+    import bpe
+    t = time.time()
+    tok = bpe.train_tokenizer(args.out / "corpus", args.out / "tokenizer.json")
+    _log(f"tokenizer trained in {time.time() - t:.0f}s")
+    stats = bpe.encode_corpus(tok, args.out / "corpus", args.out / "data")
+    _log("encoded: " + ", ".join(f"{k} {v['tokens']}" for k, v in stats.items()))
+
+
+def stage_train(args, size: str, minutes: float) -> None:
+    import train
+    init_from = None
+    if args.continue_training:
+        final = args.out / size / "final"
+        if not final.exists():
+            raise SystemExit(f"error: --continue needs {final}")
+        init_from = final.with_name(f"phase{len(list(final.parent.glob('phase*'))) + 1}")
+        final.rename(init_from)
+    train.train(size=size, out_dir=args.out / size, data_dir=args.out / "data",
+                tokenizer_file=args.out / "tokenizer.json", minutes=minutes,
+                max_steps=args.max_steps, seed=args.seed, bf16=not args.fp32,
+                init_from=init_from)
+
+
+def stage_export(args) -> None:
+    import export
+    assets = REPO / "dspec_cli" / "assets"
+    for size, name in (("target", "tiny-target"), ("draft", "tiny-draft-model")):
+        if (args.out / size / "final").exists():
+            export.export(size=size, run_dir=args.out / size, data_dir=args.out / "data",
+                          tokenizer_file=args.out / "tokenizer.json", dest=assets / name,
+                          seed=args.seed)
+            _log(f"exported {size} -> {assets / name}")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--stage", choices=STAGES + ("all",), default="all")
+    p.add_argument("--minutes", type=float, default=30.0, help="target training budget (wall)")
+    p.add_argument("--draft-minutes", type=float, default=8.0, help="draft training budget")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="stop after this many steps as well (deterministic runs)")
+    p.add_argument("--out", type=Path, default=REPO / "work-data" / "tiny")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fp32", action="store_true", help="disable bf16 autocast")
+    p.add_argument("--continue", dest="continue_training", action="store_true",
+                   help="target/draft: continue from <out>/<size>/final for another budget")
+    args = p.parse_args(argv)
+    if args.minutes <= 0 or args.draft_minutes <= 0:
+        raise SystemExit("error: --minutes and --draft-minutes must be > 0")
+    args.out = args.out.resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    _log(f"args: {json.dumps({k: str(v) for k, v in vars(args).items()})}")
+    todo = STAGES if args.stage == "all" else (args.stage,)
+    for stage in todo:
+        if stage == "corpus":
+            stage_corpus(args)
+        elif stage == "tokenizer":
+            stage_tokenizer(args)
+        elif stage == "target":
+            stage_train(args, "target", args.minutes)
+        elif stage == "draft":
+            stage_train(args, "draft", args.draft_minutes)
+        else:
+            stage_export(args)
+
+
+if __name__ == "__main__":
+    main()
