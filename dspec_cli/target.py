@@ -203,7 +203,7 @@ class Target:
         pos = (col[None, :] - start[:, None]).clamp(min=0)  # [R_new, P]
         real = col[None, :] >= start[:, None]  # [R_new, P]
         fresh = batch.empty_like(len(lens))
-        logits, taps = self._forward(fresh, ids, pos, causal_visibility(real), last_only=True)
+        logits, taps = self._forward(fresh, ids, pos, causal_visibility(real), last_only=True, dense=len(lens) == 1)
         fresh.record_prefill(real, pos, lens)
         first_row = batch.num_rows
         batch.extend(fresh)
@@ -326,7 +326,8 @@ class Target:
         ids = torch.zeros(rows * q, dtype=torch.long, device=dev)
         ids = ids.index_copy(0, flat, tokens.to(dev, torch.long)).view(rows, q)
         pos = batch.committed[:, None] + depth  # [R, q]
-        logits, taps = self._forward(batch, ids, pos, vis, last_only=False)
+        dense = parents is None and rows == 1 and batch.holes == 0
+        logits, taps = self._forward(batch, ids, pos, vis, last_only=False, dense=dense)
         counts = _counts(n, dev)
         real = torch.arange(q, device=dev)[None, :] < counts[:, None]
         batch.open_step(real, pos, PendingStep(start=batch.num_slots, n=n, parents=parents))
@@ -337,12 +338,19 @@ class Target:
             rows=out_rows,
         )
 
-    def _forward(self, batch: TargetBatch, ids, pos, vis, last_only: bool):
-        """One cached forward of ids [R, q] at positions pos [R, q]; returns (logits, taps [R, q, n·d])."""
-        full, sliding = batch.attention_masks(pos, vis, self._window)
-        if self._layout == "mixed":
+    def _forward(self, batch: TargetBatch, ids, pos, vis, last_only: bool, dense: bool = False):
+        """One cached forward of ids [R, q] at positions pos [R, q]; returns (logits, taps [R, q, n·d]).
+
+        ``dense``: one row, no holes, causal new tokens — slots equal positions, so the model's
+        own causal masking is exact and we pass no mask (sdpa's fast path; matters at R = 1).
+        """
+        if dense:
+            mask = None
+        elif self._layout == "mixed":
+            full, sliding = batch.attention_masks(pos, vis, self._window)
             mask = {"full_attention": self._as_mask(full), "sliding_attention": self._as_mask(sliding)}
         else:
+            full, sliding = batch.attention_masks(pos, vis, self._window)
             mask = self._as_mask(sliding if self._layout == "sliding" else full)
         kwargs = {self._cache_kw: batch.cache, "attention_mask": mask, "position_ids": pos, "use_cache": True}
         if last_only and self._keep_kw:

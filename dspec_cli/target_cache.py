@@ -183,10 +183,20 @@ class TargetBatch:
     def maybe_compact(self) -> None:
         """Compact when the reclaimable slots (S minus the longest row) exceed ``compact_fraction``
         of S, or S exceeds ``max_slots``."""
-        reclaim = self.num_slots - max(self.lengths, default=0)
+        width = max(self.lengths, default=0)
+        if width < self.num_slots and not bool(self.valid[:, width:].any()):
+            self._trim(width)  # trailing slots that no row uses (e.g. rejected drafts at R = 1): a slice
+        reclaim = self.num_slots - width
         too_long = self.max_slots is not None and self.num_slots > self.max_slots
         if reclaim > 0 and (reclaim > self.compact_fraction * self.num_slots or too_long):
             self.compact()
+
+    def _trim(self, width: int) -> None:
+        """Drop slots >= ``width`` (unused by every row) from every layer."""
+        for layer in self._kv_layers():
+            layer.keys = layer.keys[:, :, :width]
+            layer.values = layer.values[:, :, :width]
+        self.valid, self.pos = self.valid[:, :width], self.pos[:, :width]
 
     def compact(self) -> None:
         """Gather each row's valid slots to the left (keys and values of every layer); S becomes
