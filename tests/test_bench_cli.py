@@ -6,26 +6,13 @@ import json
 
 import pytest
 import torch
-from tiny_models import tiny_qwen3, tiny_tokenizer
+from tiny_models import run_cli as run, assert_cli_error as _bad, tiny_tokenizer
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from dspec_cli.cli import main
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-target")
-    tiny_qwen3().save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return path
 
 
-def run(args, capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(args)
-        raise SystemExit(0)
-    out = capsys.readouterr()
-    return exc.value.code or 0, out.out, out.err
 
 
 def test_bench_runs_and_writes_json(model_dir, tmp_path, capsys):
@@ -50,12 +37,6 @@ def test_bench_runs_and_writes_json(model_dir, tmp_path, capsys):
     assert data["env"]["torch"] == torch.__version__
 
 
-def _bad(args, capsys, match):
-    code, _, err = run(args, capsys)
-    assert code != 0
-    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    assert match in lines[0], lines[0]
 
 
 def test_unknown_drafter(model_dir, capsys):

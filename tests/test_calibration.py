@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from tiny_models import tiny_qwen3, tiny_tokenizer
+from tiny_models import run_cli as run, assert_cli_error as _bad, tiny_qwen3, tiny_tokenizer
 
 from dspec_cli.calibration import (
     Calibration,
@@ -25,7 +25,6 @@ from dspec_cli.calibration import (
     save_traces,
     threshold_sweep,
 )
-from dspec_cli.cli import main
 from dspec_cli.engine import RequestResult
 from dspec_cli.errors import DspecError
 
@@ -218,19 +217,8 @@ def models(tmp_path_factory):
     return root
 
 
-def run(args, capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(args)
-        raise SystemExit(0)
-    out = capsys.readouterr()
-    return exc.value.code or 0, out.out, out.err
 
 
-def _bad(args, capsys, match):
-    code, _, err = run(args, capsys)
-    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
-    assert code != 0 and len(lines) == 1 and "Traceback" not in err, err
-    assert match in lines[0], lines[0]
 
 
 def _base(models, out):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dspec_cli.engine import GenerationConfig, SpeculativeEngine
-from dspec_cli.plugins import get_drafter_class, registry
+from dspec_cli.plugins import registry
 from dspec_cli.target import Target
 from dspec_cli.testing import assert_continuations_match, exact_continuations
 

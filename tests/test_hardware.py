@@ -8,9 +8,8 @@ import warnings
 
 import pytest
 import torch
-from tiny_models import FACTORIES, tiny_qwen3, tiny_tokenizer
+from tiny_models import run_cli as run, assert_cli_error as _bad, FACTORIES, tiny_qwen3
 
-from dspec_cli.cli import main
 from dspec_cli.errors import DspecError
 from dspec_cli.hardware import CostTable, CostTableMismatch, default_grid, device_name, profile_sps
 
@@ -106,27 +105,10 @@ def test_profile_rejects_contexts_past_the_model():
         profile_sps(tiny_qwen3(), grid=[1], contexts=[250], row_tokens=8)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-target")
-    tiny_qwen3().save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return path
 
 
-def run(args, capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(args)
-        raise SystemExit(0)
-    out = capsys.readouterr()
-    return exc.value.code or 0, out.out, out.err
 
 
-def _bad(args, capsys, match):
-    code, _, err = run(args, capsys)
-    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
-    assert code != 0 and len(lines) == 1 and "Traceback" not in err, err
-    assert match in lines[0], lines[0]
 
 
 def test_profile_cli(model_dir, tmp_path, capsys):

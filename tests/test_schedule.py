@@ -9,12 +9,11 @@ import json
 
 import pytest
 import torch
-from tiny_models import tiny_qwen3, tiny_target, tiny_tokenizer
+from tiny_models import run_cli as run, assert_cli_error as _bad, tiny_qwen3, tiny_target, tiny_tokenizer
 
 from dspec_cli import plugins
 from dspec_cli import testing as T
 from dspec_cli.calibration import Calibration, Rounds, save_traces
-from dspec_cli.cli import main
 from dspec_cli.drafter import Proposal
 from dspec_cli.engine import GenerationConfig, SpeculativeEngine
 from dspec_cli.errors import DspecError
@@ -374,19 +373,8 @@ def test_simulate_load():
         simulate_load(FixedScheduler(), rounds, flat, concurrency=0)
 
 
-def run(args, capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(args)
-        raise SystemExit(0)
-    out = capsys.readouterr()
-    return exc.value.code or 0, out.out, out.err
 
 
-def _bad(args, capsys, match):
-    code, _, err = run(args, capsys)
-    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
-    assert code != 0 and len(lines) == 1 and "Traceback" not in err, err
-    assert match in lines[0], lines[0]
 
 
 @pytest.fixture()

@@ -128,3 +128,49 @@ def tiny_target(family: str = "qwen3", seed: int = 0):
     from dspec_cli.target import Target
 
     return Target(FACTORIES[family](seed), tiny_tokenizer())
+
+
+TRAIN_TEXTS = [
+    "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun.",
+    "Speculative decoding drafts several tokens with a small model and verifies them.",
+]
+
+
+def training_batch(target, layer_ids) -> tuple[dict, dict]:
+    """A drafter training batch from TRAIN_TEXTS: two right-padded rows, loss after the first 4
+    tokens, with the target features ``training_loss`` expects."""
+    tok = tiny_tokenizer()
+    rows = [tok.encode(t) for t in TRAIN_TEXTS]
+    L = max(map(len, rows))
+    ids = torch.zeros(len(rows), L, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for r, row in enumerate(rows):
+        ids[r, : len(row)] = torch.tensor(row)
+        attn[r, : len(row)] = 1
+    loss_mask = attn.clone()
+    loss_mask[:, :4] = 0
+    taps = torch.stack([target.forward_full(ids[r : r + 1], layer_ids)[1] for r in range(len(rows))])
+    with torch.no_grad():
+        last = target.model.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state
+    return {"input_ids": ids, "loss_mask": loss_mask, "attention_mask": attn}, {"taps": taps, "last_hidden": last}
+
+
+def run_cli(args, capsys) -> tuple[int, str, str]:
+    """Run ``dspec ARGS`` in-process: (exit code, stdout, stderr)."""
+    import pytest
+
+    from dspec_cli.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+        raise SystemExit(0)
+    out = capsys.readouterr()
+    return exc.value.code or 0, out.out, out.err
+
+
+def assert_cli_error(args, capsys, match: str) -> None:
+    """``dspec ARGS`` fails with exactly one stderr line containing ``match`` and no traceback."""
+    code, _, err = run_cli(args, capsys)
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert code != 0 and len(lines) == 1 and "Traceback" not in err, err
+    assert match in lines[0], lines[0]

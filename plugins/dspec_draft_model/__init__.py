@@ -9,7 +9,6 @@ verification the draft cache is rolled back to the committed prefix.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 

@@ -17,7 +17,6 @@ taps[-1] as the new pending features.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tiny_models import tiny_target, tiny_tokenizer
+from tiny_models import training_batch, tiny_target, tiny_tokenizer
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from dspec_cli import sampling
@@ -324,22 +324,6 @@ def test_tree_greedy_equals_plain_greedy(target):
 # -- training --------------------------------------------------------------------------------
 
 
-def training_batch(target: Target, layer_ids) -> tuple[dict, dict]:
-    """Two right-padded rows; loss on everything after the first 4 tokens."""
-    tok = tiny_tokenizer()
-    rows = [tok.encode(t) for t in TEXTS]
-    L = max(map(len, rows))
-    ids = torch.zeros(len(rows), L, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    for r, row in enumerate(rows):
-        ids[r, : len(row)] = torch.tensor(row)
-        attn[r, : len(row)] = 1
-    loss_mask = attn.clone()
-    loss_mask[:, :4] = 0
-    taps = torch.stack([target.forward_full(ids[r : r + 1], layer_ids)[1] for r in range(len(rows))])
-    with torch.no_grad():
-        last = target.model.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state
-    return {"input_ids": ids, "loss_mask": loss_mask, "attention_mask": attn}, {"taps": taps, "last_hidden": last}
 
 
 def test_ttt_mask_structure():
