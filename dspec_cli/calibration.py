@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from dspec_cli.data import jsonl_objects
 from dspec_cli.errors import DspecError
 
 NUM_BINS = 20
@@ -367,20 +368,10 @@ def save_traces(path: str | Path, rounds: Rounds, *, drafter: str, block_size: i
 
 def load_traces(path: str | Path) -> tuple[Rounds, dict]:
     """Read a trace file: (rounds, {"drafter", "block_size"}) — both must agree across lines."""
-    path = Path(path)
-    if not path.is_file():
-        raise DspecError(f"traces {path}: file not found")
     confs, accepted, where = [], [], []
     meta: dict = {}
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        loc = f"{path}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DspecError(f"{loc}: not valid JSON ({exc.msg})") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("confidence"), list) or "accepted" not in obj:
+    for loc, obj in jsonl_objects(path, kind="traces"):
+        if not isinstance(obj.get("confidence"), list) or "accepted" not in obj:
             raise DspecError(f"{loc}: expected {{\"confidence\": [...], \"accepted\": n}}")
         for key in ("drafter", "block_size"):
             if key in obj:

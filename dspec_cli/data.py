@@ -36,7 +36,7 @@ def _first_user_turn(obj: dict, where: str) -> tuple[str, tuple[str, ...]]:
     raise DspecError(f"{where}: line has no 'turns' (or 'conversations') field")
 
 
-def _jsonl_objects(path: str | Path) -> Iterator[tuple[str, dict]]:
+def jsonl_objects(path: str | Path, kind: str = "dataset") -> Iterator[tuple[str, dict]]:
     """(``file:line``, object) per non-blank line; a malformed line is an error naming file and line."""
     if str(path) == BUILTIN:
         text = resources.files("dspec_cli").joinpath("assets/prompts.jsonl").read_text()
@@ -44,7 +44,7 @@ def _jsonl_objects(path: str | Path) -> Iterator[tuple[str, dict]]:
     else:
         p = Path(path)
         if not p.is_file():
-            raise DspecError(f"dataset {path}: file not found")
+            raise DspecError(f"{kind} {path}: file not found")
         text, name = p.read_text(encoding="utf-8"), str(p)
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -62,7 +62,7 @@ def _jsonl_objects(path: str | Path) -> Iterator[tuple[str, dict]]:
 def load_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
     """Read a prompt file; a malformed line is an error naming file and line (never skipped)."""
     prompts: list[Prompt] = []
-    for where, obj in _jsonl_objects(path):
+    for where, obj in jsonl_objects(path):
         first, turns = _first_user_turn(obj, where)
         if not first.strip():
             raise DspecError(f"{where}: the first turn is empty")
@@ -123,7 +123,7 @@ def load_conversations(path: str | Path, limit: int | None = None) -> list[Conve
     """
     convs: list[Conversation] = []
     seen: dict[str, str] = {}
-    for where, obj in _jsonl_objects(path):
+    for where, obj in jsonl_objects(path):
         if limit and len(convs) >= limit:
             break
         cid = obj.get("id", f"{Path(str(path)).stem}-{where.rsplit(':', 1)[1]}")
