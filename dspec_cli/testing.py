@@ -738,3 +738,24 @@ def assert_continuations_match(samples: torch.Tensor, exact: Continuations, *, a
     if result.p_value < alpha:
         raise AssertionError(f"distribution mismatch (alpha = {alpha:g})\n" + result.describe(name))
     return result
+
+
+def check_engine_lossless(target, drafter, prompts: Sequence[Sequence[int]], *, per_prompt: int, sampling: dict,
+                          block_size: int = 3, max_batch: int | None = None, seed: int = 11, scheduler=None,
+                          name: str = "engine") -> list:
+    """End-to-end check: the first 3 tokens the engine generates for each prompt (``per_prompt``
+    seeded samples, 4 new tokens so round 1 verifies up to 2 drafts) match exact target
+    sampling at ``sampling``. Returns every request result, for extra assertions."""
+    from dspec_cli.engine import GenerationConfig, SpeculativeEngine
+
+    cfg = GenerationConfig(max_new_tokens=4, block_size=block_size, max_batch=max_batch or per_prompt, seed=seed,
+                           **sampling)
+    engine = SpeculativeEngine(target, drafter, cfg, scheduler=scheduler, stop_ids=[])
+    out = []
+    for i, prompt in enumerate(prompts):
+        results = engine.generate([prompt] * per_prompt, seeds=[i * 10**6 + s for s in range(per_prompt)])
+        samples = torch.tensor([r.output_ids[:3] for r in results])
+        exact = exact_continuations(target, prompt, depth=3, min_prob=2e-4, **sampling)
+        assert_continuations_match(samples, exact, name=f"{name} prompt {i} {sampling}")
+        out += results
+    return out

@@ -11,7 +11,7 @@ from dspec_cli.errors import DspecError
 from dspec_cli.metrics import acceptance
 from dspec_cli.plugins import get_drafter_class
 from dspec_cli.target import Target
-from dspec_cli.testing import assert_continuations_match, exact_continuations
+from dspec_cli.testing import assert_continuations_match, check_engine_lossless, exact_continuations
 
 PROMPTS = ["Speculative decoding drafts", "The quick brown fox", "Numbers like 0 1 2", "def add(a, b):"]
 
@@ -101,16 +101,9 @@ def test_bad_input(target):
 def test_lossless_end_to_end(target, name, sampling):
     """3-token continuations from the engine match exact target sampling (chi-square, 24k samples)."""
     prompts = [target.render_prompt(p) for p in PROMPTS[:3]]
-    per_prompt = 8000
     drafter = make_drafter(name, target, block_size=3)
-    cfg = GenerationConfig(max_new_tokens=4, block_size=3, max_batch=4000, seed=11, **sampling)
-    engine = SpeculativeEngine(target, drafter, cfg, stop_ids=[])
     # 4 new tokens: round 1 verifies up to 2 drafts, so tokens 2-3 exercise draft positions 1-2
-    for i, prompt in enumerate(prompts):
-        results = engine.generate([prompt] * per_prompt, seeds=[i * 10**6 + s for s in range(per_prompt)])
-        samples = torch.tensor([r.output_ids[:3] for r in results])
-        exact = exact_continuations(target, prompt, depth=3, min_prob=2e-4, **sampling)
-        assert_continuations_match(samples, exact, name=f"{name} prompt {i} {sampling}")
+    results = check_engine_lossless(target, drafter, prompts, per_prompt=8000, max_batch=4000, sampling=sampling, name=name)
     assert sum(sum(r.verified) for r in results) > 0  # drafts were really verified
 
 

@@ -17,7 +17,7 @@ from dspec_cli.errors import DspecError
 from dspec_cli.plugins import get_drafter_class
 from dspec_cli.target import Target
 from dspec_cli.sampling import logits_to_probs
-from dspec_cli.testing import assert_continuations_match, chi_square_gof, exact_continuations
+from dspec_cli.testing import check_engine_lossless, chi_square_gof
 from dspec_dflash.loss import block_losses
 
 PROMPTS = ["Speculative decoding drafts", "The quick brown fox", "Numbers like 0 1 2"]
@@ -57,14 +57,8 @@ def check_greedy(target: Target, drafter) -> None:
 def check_lossless(target: Target, drafter, sampling: dict, num_prompts: int, per_prompt: int) -> None:
     """3-token continuations from the engine match exact target sampling (chi-square)."""
     prompts = [target.render_prompt(p) for p in PROMPTS[:num_prompts]]
-    cfg = GenerationConfig(max_new_tokens=4, block_size=3, max_batch=per_prompt, seed=11, **sampling)
-    engine = SpeculativeEngine(target, drafter, cfg, stop_ids=[])
-    for i, prompt in enumerate(prompts):
-        results = engine.generate([prompt] * per_prompt, seeds=[i * 10**6 + s for s in range(per_prompt)])
-        samples = torch.tensor([r.output_ids[:3] for r in results])
-        exact = exact_continuations(target, prompt, depth=3, min_prob=2e-4, **sampling)
-        assert_continuations_match(samples, exact, name=f"{drafter.name} prompt {i} {sampling}")
-        assert sum(sum(r.verified) for r in results) > 0
+    results = check_engine_lossless(target, drafter, prompts, per_prompt=per_prompt, sampling=sampling, name=drafter.name)
+    assert sum(sum(r.verified) for r in results) > 0
 
 
 class SeededSampler:

@@ -17,7 +17,7 @@ from dspec_cli.engine import GenerationConfig, RoundSampler, SpeculativeEngine
 from dspec_cli.errors import DspecError
 from dspec_cli.plugins import get_drafter_class
 from dspec_cli.target import Target
-from dspec_cli.testing import assert_continuations_match, exact_continuations, gof_test
+from dspec_cli.testing import check_engine_lossless, gof_test
 from dspec_cli.verify import verify_tree
 from dspec_eagle3 import Eagle3Config, Eagle3Drafter, build_vocab_mapping, default_layer_ids, ttt_attention_mask
 from dspec_eagle3.loss import ttt_outputs
@@ -218,14 +218,8 @@ def test_draft_tokens_follow_draft_probs(target):
 def check_lossless(target: Target, drafter, sampling_cfg: dict, num_prompts: int, per_prompt: int) -> None:
     """3-token continuations from the engine match exact target sampling (chi-square)."""
     prompts = [target.render_prompt(p) for p in PROMPTS[:num_prompts]]
-    cfg = GenerationConfig(max_new_tokens=4, block_size=3, max_batch=per_prompt, seed=11, **sampling_cfg)
-    engine = SpeculativeEngine(target, drafter, cfg, stop_ids=[])
-    for i, prompt in enumerate(prompts):
-        results = engine.generate([prompt] * per_prompt, seeds=[i * 10**6 + s for s in range(per_prompt)])
-        samples = torch.tensor([r.output_ids[:3] for r in results])
-        exact = exact_continuations(target, prompt, depth=3, min_prob=2e-4, **sampling_cfg)
-        assert_continuations_match(samples, exact, name=f"eagle3 prompt {i} {sampling_cfg}")
-        assert sum(sum(r.accepted) for r in results) > 0  # drafts were really accepted
+    results = check_engine_lossless(target, drafter, prompts, per_prompt=per_prompt, sampling=sampling_cfg, name="eagle3")
+    assert sum(sum(r.accepted) for r in results) > 0  # drafts were really accepted
 
 
 @pytest.mark.parametrize(
