@@ -1,4 +1,9 @@
-"""Training checkpoints and model cards.
+"""The drafter checkpoint format (docs/checkpoints.md) and training checkpoints.
+
+A drafter checkpoint is a folder: ``config.json`` (:func:`checkpoint_config`), ``model.safetensors``
+(trainable weights only), optional ``calibration.json``, ``cost_table.json`` and ``bench.json``,
+and a ``README.md`` model card (:mod:`dspec_cli.model_card`). :func:`check_checkpoint_config`
+validates a folder against a target; every field it reads is optional, so older checkpoints load.
 
 Layout of a training output directory::
 
@@ -16,6 +21,7 @@ is replaced atomically, so an interrupted save never leaves a half-written ``ste
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -27,8 +33,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from dspec_cli.calibration import CALIBRATION_FILE, Calibration
 from dspec_cli.errors import DspecError
+from dspec_cli.hardware import CostTable
 
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+COST_TABLE_FILE = "cost_table.json"  # a dspec_cli.hardware.CostTable
+BENCH_FILE = "bench.json"  # a `dspec bench --json` report
+CARD_FILE = "README.md"
+PUBLISHED_FILES = (CONFIG_FILE, WEIGHTS_FILE, CALIBRATION_FILE, COST_TABLE_FILE, BENCH_FILE, CARD_FILE)
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 STATE = "trainer_state.json"
@@ -167,54 +181,115 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-# -- model card ----------------------------------------------------------------------------------
+# -- the drafter checkpoint format ---------------------------------------------------------------
 
 
-def write_model_card(out: Path, info: dict[str, Any]) -> None:
-    """README.md for a trained drafter: what it is, what it was trained on, final metrics."""
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 of the vocabulary (token -> id, sorted by token) and the sorted special tokens."""
+    data = {"vocab": sorted(tokenizer.get_vocab().items()), "special": sorted(map(str, tokenizer.all_special_tokens))}
+    return hashlib.sha256(json.dumps(data, separators=(",", ":")).encode()).hexdigest()
+
+
+def target_id(target) -> str:
+    """How config.json names a target: "embedded", a Hub id (also for a Hub-cache snapshot), an
+    absolute local path, or "" when unknown (a model built in memory)."""
+    from dspec_cli.recipes import EMBEDDED
+    from dspec_cli.target import DEFAULT_TARGET_PATH
+
+    name = str(getattr(target.model.config, "_name_or_path", "") or "")
+    if not name:
+        return ""
+    cached = re.search(r"models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$", name)
+    if cached:
+        return f"{cached.group(1)}/{cached.group(2)}"
+    path = Path(name)
+    if not path.exists():
+        return name  # a Hub id that transformers resolved itself
+    path = path.resolve()
+    return EMBEDDED if path == DEFAULT_TARGET_PATH.resolve() else str(path)
+
+
+def checkpoint_config(drafter) -> dict[str, Any]:
+    """config.json of ``drafter``: name, dspec version, architectures, its target, its hyper-parameters."""
     from dspec_cli import __version__
 
-    target, drafter = info["target"], info["drafter"]
-    metrics = ", ".join(f"{k} {v:.4g}" for k, v in info["metrics"].items() if isinstance(v, int | float))
-    front = ["---", "library_name: dspec", "tags:", "- speculative-decoding", f"- {drafter}"]
-    if info.get("target_is_hub"):
-        front.append(f"base_model: {target}")
-    front.append("---")
-    data = info["data"]
-    lines = [
-        *front,
-        "",
-        f"# {drafter} drafter for {target}",
-        "",
-        f"A `{drafter}` speculative-decoding drafter trained with `dspec train` (dspec {__version__}). "
-        "Output is lossless: the target verifies every drafted token.",
-        "",
-        "| | |",
-        "|---|---|",
-        f"| drafter | `{drafter}` |",
-        f"| target | `{target}` |",
-        f"| training data | `{data['path']}`: {data['samples']} conversations ({data['skipped']} skipped), "
-        f"{data['tokens']} tokens, {data['loss_tokens']} assistant tokens |",
-        f"| steps | {info['step']} of {info['total_steps']} ({info['epochs']:.2f} epochs), "
-        f"global batch {info['global_batch']} |",
-        f"| optimizer | AdamW, lr {info['lr']:g}, {info['schedule']} schedule, warmup {info['warmup_ratio']:g} |",
-        f"| world size | {info['world_size']} |",
-        f"| final metrics | {metrics or '-'} |",
-        "",
-        "## Use",
-        "",
-        "```",
-        f"dspec bench --drafter {drafter} --checkpoint <this folder>"
-        + ("" if info.get("target_is_embedded") else f" --target {target}"),
-        "```",
-        "",
-        "## Recipe",
-        "",
-        "The training recipe with command-line overrides applied (TOML structure as JSON):",
-        "",
-        "```json",
-        json.dumps(info["recipe"], indent=2),
-        "```",
-        "",
-    ]
-    (out / "README.md").write_text("\n".join(lines))
+    target = drafter.target
+    info: dict[str, Any] = {"name_or_path": target_id(target), "vocab_size": target.vocab_size,
+                            "hidden_size": target.hidden_size, "num_hidden_layers": target.num_layers}
+    if target.tokenizer is not None:
+        info["tokenizer_sha256"] = tokenizer_fingerprint(target.tokenizer)
+    arch = "Dspec" + "".join(part.capitalize() for part in re.split(r"[^A-Za-z0-9]+", drafter.name)) + "Drafter"
+    return {"drafter": drafter.name, "dspec_version": __version__, "architectures": [arch], "target": info,
+            "drafter_config": drafter.config.to_dict()}
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """A checkpoint folder's config.json as a dict; one-line errors when missing or malformed."""
+    file = Path(path) / CONFIG_FILE
+    if not file.is_file():
+        raise DspecError(f"checkpoint {path}: {CONFIG_FILE} is missing")
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DspecError(f"checkpoint {path}: {CONFIG_FILE} is not valid JSON ({exc})") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("drafter_config", {}), dict):
+        raise DspecError(f"checkpoint {path}: {CONFIG_FILE} must be an object with a 'drafter_config' object")
+    return raw
+
+
+def config_target(raw: dict[str, Any]) -> dict[str, Any]:
+    """The ``target`` section of a config.json ({} in checkpoints written before it existed)."""
+    return raw["target"] if isinstance(raw.get("target"), dict) else {}
+
+
+_SIZES = (("hidden_size", "hidden size", "hidden_size"), ("vocab_size", "vocabulary size", "vocab_size"),
+          ("num_hidden_layers", "target layer count", "num_layers"))
+
+
+def check_checkpoint_config(name: str, path: Path, target) -> None:
+    """One-line errors for a checkpoint of another drafter, for another target (sizes, tokenizer),
+    or with a malformed calibration.json / cost_table.json."""
+    raw = read_config(path)
+    saved = raw.get("drafter")
+    if saved not in (None, name):
+        raise DspecError(f"checkpoint {path} holds a {saved!r} drafter, not {name!r}")
+    stored = {**{k: raw["drafter_config"].get(k) for k in ("hidden_size", "vocab_size")}, **config_target(raw)}
+    for key, label, attr in _SIZES:
+        got, want = stored.get(key), getattr(target, attr)
+        if got and got != want:
+            raise DspecError(f"checkpoint {path}: drafter {label} {got} does not match the target's {want}")
+    fingerprint = stored.get("tokenizer_sha256")
+    if fingerprint and target.tokenizer is not None:
+        mine = tokenizer_fingerprint(target.tokenizer)
+        if mine != fingerprint:
+            raise DspecError(
+                f"checkpoint {path}: the target's tokenizer differs from the drafter's "
+                f"(fingerprint {mine[:12]} vs {fingerprint[:12]}): token ids would not match"
+            )
+    if (path / CALIBRATION_FILE).is_file():
+        Calibration.load(path / CALIBRATION_FILE, drafter=name)
+    if (path / COST_TABLE_FILE).is_file():
+        CostTable.load(path / COST_TABLE_FILE)
+
+
+def validate_checkpoint(path: Path, target: str | None = None, device: str = "cpu") -> dict[str, Any]:
+    """Load the checkpoint in ``path`` against its target (``target``, else the one config.json
+    names, else the embedded one) exactly as bench would; return its config."""
+    from dspec_cli import plugins
+    from dspec_cli.recipes import EMBEDDED
+    from dspec_cli.target import Target
+
+    path = Path(path)
+    if not path.is_dir():
+        raise DspecError(f"checkpoint {path}: no such folder")
+    raw = read_config(path)
+    if not isinstance(raw.get("drafter"), str):
+        raise DspecError(f"checkpoint {path}: {CONFIG_FILE} names no drafter (not a dspec drafter checkpoint)")
+    cls = plugins.get_drafter_class(raw["drafter"])
+    name = target or config_target(raw).get("name_or_path")
+    try:
+        tgt = Target.load(None if name in (None, "", EMBEDDED) else name, dtype="bfloat16", device=device)
+    except DspecError as exc:
+        raise DspecError(f"{exc} (pass --target to validate against another copy of the target)") from None
+    cls.from_pretrained(path, tgt)
+    return raw

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
+from dspec_cli.checkpoint import CONFIG_FILE, WEIGHTS_FILE, check_checkpoint_config, checkpoint_config, read_config
 from dspec_cli.errors import DspecError
 
 if TYPE_CHECKING:
@@ -145,23 +146,14 @@ class Drafter:
     def from_pretrained(cls, path: str | Path, target: Target, **overrides: Any) -> Drafter:
         """Load a checkpoint folder written by :meth:`save_pretrained`."""
         path = Path(path)
-        cfg_file = path / "config.json"
-        if not cfg_file.is_file():
-            raise DspecError(f"checkpoint {path}: config.json is missing")
-        try:
-            raw = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as exc:
-            raise DspecError(f"checkpoint {path}: config.json is not valid JSON ({exc})") from None
-        values = raw.get("drafter_config", {})
-        values.update(overrides)
-        return cls.build(cls.config_class.from_dict(values, where=str(cfg_file)), target)
+        values = {**read_config(path).get("drafter_config", {}), **overrides}
+        return cls.build(cls.config_class.from_dict(values, where=str(path / CONFIG_FILE)), target)
 
     def save_pretrained(self, path: str | Path) -> None:
+        """Write config.json (:func:`~dspec_cli.checkpoint.checkpoint_config`)."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        (path / "config.json").write_text(
-            json.dumps({"drafter": self.name, "drafter_config": self.config.to_dict()}, indent=2) + "\n"
-        )
+        (path / CONFIG_FILE).write_text(json.dumps(checkpoint_config(self), indent=2) + "\n")
 
     # -- the decoding cycle ----------------------------------------------------------
     @property
@@ -222,7 +214,7 @@ class TrainableDrafter(Drafter):
 
         super().save_pretrained(path)
         state = {k: v.detach().contiguous().cpu() for k, v in self.net.state_dict().items()}
-        save_file(state, str(Path(path) / "model.safetensors"))
+        save_file(state, str(Path(path) / WEIGHTS_FILE))
 
     @classmethod
     def load_default(cls, target: Target, **overrides: Any) -> Drafter:
@@ -243,16 +235,20 @@ class TrainableDrafter(Drafter):
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
+        from dspec_cli.interop import load_foreign
+
         path = Path(path)
+        if (foreign := load_foreign(cls, path, target, overrides)) is not None:
+            return foreign  # another project's layout (DeepSpec, z-lab DFlash, EAGLE-3), converted in memory
         check_checkpoint_config(cls.name, path, target)
         drafter = super().from_pretrained(path, target, **overrides)
-        weights = path / "model.safetensors"
+        weights = path / WEIGHTS_FILE
         if not weights.is_file():
-            raise DspecError(f"checkpoint {path}: model.safetensors is missing")
+            raise DspecError(f"checkpoint {path}: {WEIGHTS_FILE} is missing")
         try:
             state = load_file(str(weights), device=str(target.device))
         except (SafetensorError, OSError) as exc:
-            raise DspecError(f"checkpoint {path}: model.safetensors is corrupt ({exc})") from None
+            raise DspecError(f"checkpoint {path}: {WEIGHTS_FILE} is corrupt ({exc})") from None
         try:
             missing, unexpected = drafter.net.load_state_dict(state, strict=False)
         except RuntimeError as exc:  # size mismatch
@@ -265,19 +261,3 @@ class TrainableDrafter(Drafter):
             )
         return drafter
 
-
-def check_checkpoint_config(name: str, path: Path, target: Target) -> None:
-    """One-line errors for a checkpoint written for another drafter or another target."""
-    try:
-        raw = json.loads((path / "config.json").read_text())
-        values = raw.get("drafter_config", {})
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return  # the base loader reports missing / corrupt files
-    saved = raw.get("drafter")
-    if saved not in (None, name):
-        raise DspecError(f"checkpoint {path} holds a {saved!r} drafter, not {name!r}")
-    for key, want in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size)):
-        got = values.get(key)
-        if got and got != want:
-            label = {"hidden_size": "hidden size", "vocab_size": "vocabulary size"}[key]
-            raise DspecError(f"checkpoint {path}: drafter {label} {got} does not match the target's {want}")

@@ -38,10 +38,10 @@ from dspec_cli.checkpoint import (
     save_checkpoint,
     seed_all,
     trim_log,
-    write_model_card,
 )
 from dspec_cli.drafter import TrainableDrafter
 from dspec_cli.errors import DspecError
+from dspec_cli.model_card import write_model_card
 from dspec_cli.recipes import EMBEDDED, Recipe, apply_overrides, load_recipe, resume_conflicts
 from dspec_cli.train_data import DataOrder, FeatureCache, Features, TrainData, load_train_data
 
@@ -438,7 +438,6 @@ class _Run:
         name = r.target.name
         return {
             "drafter": self.cls.name, "target": name, "target_is_embedded": name == EMBEDDED,
-            "target_is_hub": name != EMBEDDED and not Path(name).exists(),
             "data": {"path": r.data.path, "samples": len(data), "skipped": data.skipped,
                      "tokens": data.num_tokens, "loss_tokens": data.num_loss_tokens},
             "step": step, "total_steps": self.total, "epochs": step * r.train.global_batch / len(data),

@@ -53,11 +53,16 @@ def main(argv: list[str] | None = None) -> None:
     # our own progress bars replace the libraries' (weight loading, downloads)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_VERBOSITY", "error")  # e.g. retry notices: errors arrive as one line
     if "transformers" in sys.modules:  # already imported (in-process use): switch them off directly
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
         hf_logging.set_verbosity_error()
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import logging as hub_logging
+
+        hub_logging.set_verbosity_error()
     _register_commands()
     try:
         app(args=argv, standalone_mode=False)

@@ -56,10 +56,17 @@ def _output_dir(checkpoint: str | None, output: Path | None) -> Path:
     raise DspecError("give --output DIR: there is no local --checkpoint folder to write calibration.json into")
 
 
+def _copy_source(checkpoint: str, folder: Path) -> bool:
+    """Copy a local checkpoint folder, or a drafter checkpoint from the Hub (not a draft LM from the Hub)."""
+    from dspec_cli.checkpoint import read_config
+
+    return Path(checkpoint).is_dir() or (folder / "config.json").is_file() and "drafter" in read_config(folder)
+
+
 @app.command("calibrate")
 def calibrate_command(
     drafter: str = typer.Option(..., "--drafter", "-d", help="Drafter name (see `dspec drafters`)."),
-    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="Drafter checkpoint folder (default: the drafter's default)."),
+    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="Drafter checkpoint: folder or Hub id (default: the drafter's default)."),
     dataset: str = typer.Option(..., "--dataset", help="Held-out jsonl prompts ({\"turns\": [...]} lines), or 'builtin'."),
     num_prompts: Optional[int] = typer.Option(None, "--num-prompts", help="Use the first N prompts."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
@@ -92,6 +99,7 @@ def calibrate_command(
     from dspec_cli.calibration import save_traces as write_traces
     from dspec_cli.data import load_prompts
     from dspec_cli.engine import GenerationConfig
+    from dspec_cli.hub import resolve_checkpoint
     from dspec_cli.target import Target
 
     if num_prompts is not None and num_prompts < 1:
@@ -100,13 +108,13 @@ def calibrate_command(
         raise DspecError(f"--block-size must be >= 1, got {block_size}")
     cls = plugins.get_drafter_class(drafter)
     out_dir = _output_dir(checkpoint, output)
-    ckpt_dir = Path(checkpoint) if checkpoint and Path(checkpoint).is_dir() else None
+    ckpt_dir = resolve_checkpoint(checkpoint) if checkpoint else None  # a Hub id -> its cached snapshot
     old_file = ckpt_dir / CALIBRATION_FILE if ckpt_dir else None
     old = Calibration.load(old_file, drafter=cls.name) if old_file and old_file.is_file() else None
     prompts = load_prompts(dataset, num_prompts)
     tgt = Target.load(target, dtype=dtype, device=device)
     overrides = {"block_size": block_size} if block_size is not None else {}
-    model = cls.from_pretrained(checkpoint, tgt, **overrides) if checkpoint else cls.load_default(tgt, **overrides)
+    model = cls.from_pretrained(ckpt_dir, tgt, **overrides) if ckpt_dir else cls.load_default(tgt, **overrides)
     gamma = model.config.block_size
     if old is not None:
         old.check(cls.name, gamma)
@@ -121,7 +129,7 @@ def calibrate_command(
     if old is not None and "confidence" in cls.capabilities:  # the drafter applied the old temperatures: undo
         rounds.confidence = apply_temperatures(rounds.confidence, [1.0 / t for t in old.temperatures])
     cal = calibrate(rounds, cls.name)
-    if ckpt_dir is not None and out_dir.resolve() != ckpt_dir.resolve():
+    if ckpt_dir is not None and _copy_source(checkpoint, ckpt_dir) and out_dir.resolve() != ckpt_dir.resolve():
         shutil.copytree(ckpt_dir, out_dir, dirs_exist_ok=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     cal_file = cal.save(out_dir)

@@ -23,7 +23,7 @@ def regenerate_command(
     prompts: Optional[str] = typer.Option(None, "--prompts", help="jsonl of {\"turns\": [...]} or ShareGPT {\"conversations\": [...]} lines."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Output jsonl; re-running skips ids already there."),
     drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter that speeds generation up (output is lossless)."),
-    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="Checkpoint of --drafter."),
+    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="Checkpoint of --drafter: folder or Hub id."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Per assistant turn (default 4096)."),
     temperature: Optional[float] = typer.Option(None, "--temperature", help="Default 0.7 (Qwen3 non-thinking)."),
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Default 0.8."),

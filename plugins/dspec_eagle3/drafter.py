@@ -48,6 +48,7 @@ class Eagle3Config(BackboneConfig, DrafterConfig):
     tree_top_k: int = 10  # children expanded per node and frontier width per depth
     tree_depth: int = 7  # deepest draft node (also capped by the round's max_len)
     tree_total_tokens: int = 60  # verified tokens per request, root included (N_r <= this − 1)
+    qk_norm: bool = True  # per-head q/k RMSNorm (Qwen3 style); False = Llama style (SpecForge)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -121,7 +122,8 @@ class Eagle3Drafter(TrainableDrafter):
         self.target_head = target.model.get_output_embeddings()  # training targets only
         self.softcap = getattr(target.config, "final_logit_softcapping", None)
         reduced = cfg.draft_vocab_size > 0
-        self.net = Eagle3Net(cfg, len(cfg.target_layer_ids), cfg.draft_vocab_size or cfg.vocab_size, reduced)
+        draft_vocab = cfg.draft_vocab_size or cfg.vocab_size
+        self.net = Eagle3Net(cfg, len(cfg.target_layer_ids), draft_vocab, reduced, cfg.qk_norm)
         self.net.to(device=target.device, dtype=target.dtype)
         self._init_lm_head()  # a reduced vocabulary starts as ids 0..N−1 until fitted or loaded
         self.vocab_fitted = not reduced

@@ -9,9 +9,10 @@ Position t of the draft reads g_t and the next token x_{t+1} and predicts x_{t+2
     o_t  = u_t + mlp(post_attention_layernorm(u_t))                the next step's g
     logits_t = lm_head(norm(o_t))                                  over the draft vocabulary
 
-Attention is Qwen3-style (GQA, q/k RMSNorm per head, RoPE); the layer's q/k/v projections
-read the 2d-wide a_t. The shared pieces (RMSNorm, Rotary, MLP) come from
-:mod:`dspec_cli.backbone`. The target's embedding is not part of this module.
+Attention is Qwen3-style (GQA, q/k RMSNorm per head, RoPE; ``qk_norm=False`` drops the q/k
+norms, as SpecForge's Llama EAGLE-3); the layer's q/k/v projections read the 2d-wide a_t.
+The shared pieces (RMSNorm, Rotary, MLP) come from :mod:`dspec_cli.backbone`. The target's
+embedding is not part of this module.
 
 Reduced draft vocabulary (EAGLE's d2t/t2d): the LM head scores N < V target ids; ``d2t``
 [N] holds offsets, ``target_id = draft_id + d2t[draft_id]``, and is saved with the weights.
@@ -76,9 +77,10 @@ def ttt_attention_mask(key_valid: torch.Tensor, step: int, impl: str = "dense"):
 
 
 class FusedAttention(nn.Module):
-    """Queries, keys and values from the 2d-wide fused input; output width d."""
+    """Queries, keys and values from the 2d-wide fused input; output width d. Per-head q/k
+    RMSNorm (Qwen3 style) unless ``qk_norm`` is False (Llama style, as SpecForge's EAGLE-3)."""
 
-    def __init__(self, cfg: BackboneConfig):
+    def __init__(self, cfg: BackboneConfig, qk_norm: bool = True):
         super().__init__()
         d, hd, bias = cfg.hidden_size, cfg.head_dim, bool(cfg.attention_bias)
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
@@ -86,8 +88,8 @@ class FusedAttention(nn.Module):
         self.k_proj = nn.Linear(2 * d, self.kv_heads * hd, bias=bias)
         self.v_proj = nn.Linear(2 * d, self.kv_heads * hd, bias=bias)
         self.o_proj = nn.Linear(self.heads * hd, d, bias=bias)
-        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if qk_norm else nn.Identity()
 
     def project_kv(self, a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """a [..., 2d], cos/sin [..., hd] -> post-RoPE K and V [..., Hkv, hd]."""
@@ -106,13 +108,13 @@ class FusedAttention(nn.Module):
 class Eagle3Net(nn.Module):
     """Trainable EAGLE-3 weights (see the module docstring). ``draft_vocab`` = N (V if full)."""
 
-    def __init__(self, cfg: BackboneConfig, num_taps: int, draft_vocab: int, reduced: bool):
+    def __init__(self, cfg: BackboneConfig, num_taps: int, draft_vocab: int, reduced: bool, qk_norm: bool = True):
         super().__init__()
         d = cfg.hidden_size
         self.fc = nn.Linear(num_taps * d, d, bias=False)
         self.embed_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.self_attn = FusedAttention(cfg)
+        self.self_attn = FusedAttention(cfg, qk_norm)
         self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
         self.norm = RMSNorm(d, cfg.rms_norm_eps)

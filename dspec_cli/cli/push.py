@@ -1,0 +1,61 @@
+"""``dspec push``: validate a drafter checkpoint and publish it to the Hugging Face Hub in one commit."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
+from dspec_cli.cli import app
+
+
+@app.command("push")
+def push_command(
+    checkpoint: Path = typer.Argument(..., help="Drafter checkpoint folder (config.json, model.safetensors, ...)."),
+    repo_id: str = typer.Option(..., "--repo-id", help="Hub repository NS/NAME (created when missing)."),
+    private: bool = typer.Option(False, "--private", help="Create the repository as private."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Branch to commit to (created from main when missing; default main)."),
+    endpoint: Optional[str] = typer.Option(None, "--endpoint", help="Hub URL (default: HF_ENDPOINT, else https://huggingface.co)."),
+    token: Optional[str] = typer.Option(None, "--token", help="Hub token (default: HF_TOKEN, else the `hf auth login` token); never printed."),
+    target: Optional[str] = typer.Option(None, "--target", help="Validate against this target (default: the one config.json names)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+) -> None:
+    """Check that CHECKPOINT loads against its target, refresh its model card, upload it in one commit."""
+    from dspec_cli import __version__
+    from dspec_cli.checkpoint import CARD_FILE, PUBLISHED_FILES, validate_checkpoint
+    from dspec_cli.hub import push_folder, push_repo_id
+    from dspec_cli.model_card import refresh_model_card
+
+    push_repo_id(repo_id)  # a bad id fails before anything loads
+    err = Console(stderr=True)
+    with err.status(f"validating {checkpoint}"):
+        config = validate_checkpoint(checkpoint, target)
+    files = [name for name in PUBLISHED_FILES if name != CARD_FILE and (checkpoint / name).is_file()]
+    card = refresh_model_card(checkpoint, config, repo_id)
+    total = sum((checkpoint / name).stat().st_size for name in files) + len(card.encode())
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn(),
+                  console=err, transient=True) as bar:
+        task = bar.add_task(f"uploading to {repo_id}", total=total)
+        result = push_folder(
+            checkpoint, repo_id, files, card, private=private, revision=revision, endpoint=endpoint, token=token,
+            message=f"Upload {config['drafter']} drafter (dspec {__version__})",
+            on_file=lambda name, size: bar.update(task, advance=size, description=f"uploaded {name}"),
+        )
+    if as_json:
+        json.dump(vars(result), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return
+    err.print(f"committed {len(result.files)} files to {result.repo_id}@{result.revision}: {result.commit_url}",
+              soft_wrap=True, highlight=False)
+    print(result.url)

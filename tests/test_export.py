@@ -1,0 +1,98 @@
+"""``dspec export``: the folder each engine reads loads back through the interop loaders with
+identical proposals, the printed serve command carries the right fields, refusals are one line."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+import torch
+from test_interop import GAMMA, build, proposal
+from tiny_models import assert_cli_error, run_cli
+
+from dspec_cli.plugins import get_drafter_class
+from dspec_cli.target import Target
+
+VARIANTS = {  # name -> (drafter, overrides, layout, vLLM method, SGLang algorithm, SGLang flags)
+    "dspark": ("dspark-markov", dict(markov_rank=16), "Qwen3DSparkModel", "dspark", "DSPARK",
+               ["--speculative-dspark-block-size", str(GAMMA)]),
+    "zlab-dflash": ("dflash", dict(anchor_predicts=False), "DFlashDraftModel", "dflash", "DFLASH",
+                    ["--speculative-num-draft-tokens", str(GAMMA + 1)]),
+    "eagle3": ("eagle3", dict(qk_norm=False), "LlamaForCausalLMEagle3", "eagle3", "EAGLE3",
+               ["--speculative-num-steps", str(GAMMA), "--speculative-eagle-topk", "1",
+                "--speculative-num-draft-tokens", str(GAMMA + 1)]),
+}
+
+
+@pytest.fixture(scope="module")
+def target(model_dir) -> Target:
+    return Target.load(str(model_dir))
+
+
+def saved(target: Target, folder, name: str, **overrides):
+    build(name, target, **overrides).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
+def test_export_round_trip(target, model_dir, tmp_path, capsys, variant, fmt):
+    name, overrides, layout, method, algorithm, flags = VARIANTS[variant]
+    ckpt, out = saved(target, tmp_path / "ckpt", name, **overrides), tmp_path / "out"
+    code, stdout, _ = run_cli(["export", str(ckpt), "--format", fmt, "--output", str(out), "--target", str(model_dir),
+                               "--json", str(tmp_path / "report.json")], capsys)
+    assert code == 0
+    argv = shlex.split(stdout.strip())
+    model, tgt = str(out.resolve()), str(model_dir.resolve())
+    if fmt == "vllm":
+        assert argv[:3] == ["vllm", "serve", tgt] and argv[3] == "--speculative-config"
+        assert json.loads(argv[4]) == {"method": method, "model": model, "num_speculative_tokens": GAMMA}
+    else:
+        assert argv[:3] == ["python", "-m", "sglang.launch_server"]
+        assert argv[3:] == ["--model-path", tgt, "--speculative-algorithm", algorithm,
+                            "--speculative-draft-model-path", model, *flags]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["layout"] == layout and report["command"] == stdout.strip()
+    assert json.loads((out / "config.json").read_text())["architectures"] == [layout]
+    cls = get_drafter_class(name)
+    ours, back = cls.from_pretrained(ckpt, target), cls.from_pretrained(out, target)  # interop loader
+    for a, b in zip(proposal(target, ours), proposal(target, back)):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_export_of_a_foreign_checkpoint(target, model_dir, tmp_path, capsys):
+    """An exported (foreign) folder exports again to the same files."""
+    ckpt = saved(target, tmp_path / "ckpt", "dspark-markov", markov_rank=16)
+    for src, dst in ((ckpt, tmp_path / "a"), (tmp_path / "a", tmp_path / "b")):
+        args = ["export", str(src), "--format", "vllm", "--output", str(dst), "--target", str(model_dir)]
+        code, _, _ = run_cli(args, capsys)
+        assert code == 0
+    assert (tmp_path / "a" / "config.json").read_text() == (tmp_path / "b" / "config.json").read_text()
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+
+
+REFUSALS = [
+    ("dflash", {}, "has no vLLM/SGLang method"),
+    ("dspark-rnn", dict(markov_rank=16), "vanilla Markov head only, not 'rnn'"),
+    ("eagle3", {}, "LlamaForCausalLMEagle3 has no q/k norms"),
+]
+
+
+@pytest.mark.parametrize("name, overrides, message", REFUSALS)
+def test_export_refusals(target, model_dir, tmp_path, capsys, name, overrides, message):
+    ckpt = saved(target, tmp_path / "ckpt", name, **overrides)
+    assert_cli_error(["export", str(ckpt), "--format", "vllm", "--output", str(tmp_path / "out"),
+                      "--target", str(model_dir)], capsys, message)
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_bad_input(target, model_dir, tmp_path, capsys):
+    ckpt = saved(target, tmp_path / "ckpt", "dspark-markov", markov_rank=16)
+    base = ["--target", str(model_dir)]
+    assert_cli_error(["export", str(ckpt), "--format", "tgi", "--output", str(tmp_path / "o"), *base], capsys,
+                     "--format must be one of vllm, sglang")
+    assert_cli_error(["export", str(ckpt), "--format", "vllm", "--output", str(ckpt), *base], capsys,
+                     "--output must differ from the checkpoint folder")
+    assert_cli_error(["export", str(tmp_path / "nowhere"), "--format", "vllm", "--output", str(tmp_path / "o"), *base],
+                     capsys, "nowhere")
