@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import platform
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -15,6 +19,7 @@ from dspec_cli.data import BUILTIN, dataset_name, load_prompts
 from dspec_cli.drafter import Drafter
 from dspec_cli.engine import GenerationConfig, SpeculativeEngine
 from dspec_cli.errors import DspecError
+from dspec_cli.hub import resolve_checkpoint
 from dspec_cli.metrics import acceptance, generated_tokens
 from dspec_cli.target import Target
 
@@ -58,11 +63,44 @@ def environment(target: Target) -> dict:
     }
 
 
-def build_drafter(name: str, target: Target, checkpoint: str | None, block_size: int) -> Drafter:
-    cls = plugins.get_drafter_class(name)
+def parse_drafter_spec(spec: str) -> tuple[type[Drafter], dict[str, Any]]:
+    """``NAME[:BASE][,KEY=VALUE...]`` -> (drafter class, config overrides); ``:BASE`` means
+    ``base=BASE`` (``ddtree:dspark``). Values take the type of the config field's default."""
+    head, *pairs = re.split(r",(?=\s*[A-Za-z_]\w*\s*=)", spec)  # commas inside values (JSON lists) stay
+    name, colon, base = head.partition(":")
+    cls = plugins.get_drafter_class(name.strip())
+    raw = {"base": base.strip()} if colon else {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        raw[key.strip()] = value.strip()
+    defaults = {f.name: f.default for f in dataclasses.fields(cls.config_class) if f.name != "block_size"}
+    unknown = sorted(set(raw) - set(defaults))
+    if unknown:
+        raise DspecError(
+            f"--drafter {spec!r}: unknown option(s) {', '.join(unknown)}; valid: {', '.join(defaults)} "
+            "(the block size is --block-size)"
+        )
+    return cls, {key: _option_value(spec, key, value, defaults[key]) for key, value in raw.items()}
+
+
+def _option_value(spec: str, key: str, value: str, default: Any) -> Any:
+    try:
+        if isinstance(default, bool):
+            return {"true": True, "1": True, "false": False, "0": False}[value.lower()]
+        if isinstance(default, (int, float, str)):
+            return type(default)(value)
+        return json.loads(value)
+    except (KeyError, ValueError):
+        kind = type(default).__name__ if default is not dataclasses.MISSING else "JSON"
+        raise DspecError(f"--drafter {spec!r}: {key} expects {kind}, got {value!r}") from None
+
+
+def build_drafter(spec: str, target: Target, checkpoint: str | None, block_size: int) -> Drafter:
+    """The drafter ``spec`` (:func:`parse_drafter_spec`) from ``checkpoint`` or its default."""
+    cls, options = parse_drafter_spec(spec)
     if checkpoint:
-        return cls.from_pretrained(checkpoint, target, block_size=block_size)
-    return cls.load_default(target, block_size=block_size)
+        return cls.from_pretrained(resolve_checkpoint(checkpoint), target, block_size=block_size, **options)
+    return cls.load_default(target, block_size=block_size, **options)
 
 
 def _schedulers(opts: BenchOptions, target: Target) -> list[tuple[str, object]]:
@@ -103,7 +141,7 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
     if opts.checkpoints and len(opts.checkpoints) != len(opts.drafters):
         raise DspecError("give one --checkpoint per --drafter (in the same order; '' for the default), or none")
     for name in opts.drafters:
-        plugins.get_drafter_class(name)  # unknown names fail before any model loads
+        parse_drafter_spec(name)  # unknown names and options fail before any model loads
     datasets = list(opts.datasets) or [BUILTIN]
     prompt_sets = {d: load_prompts(d, opts.num_prompts) for d in datasets}
     target = Target.load(opts.target, dtype=opts.dtype, device=opts.device)

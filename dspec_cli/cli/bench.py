@@ -48,7 +48,7 @@ def render_table(report: dict, console: Console) -> None:
 
 @app.command("bench")
 def bench_command(
-    drafter: list[str] = typer.Option(..., "--drafter", "-d", help="Drafter name (repeatable)."),
+    drafter: list[str] = typer.Option(..., "--drafter", "-d", help="Drafter (repeatable): NAME[:BASE][,KEY=VALUE...] with config options, e.g. ddtree:dspark,tree_budget=64."),
     target: Optional[str] = typer.Option(None, "--target", help="Target model: local path or Hub id (default: the embedded tiny target)."),
     checkpoint: list[str] = typer.Option([], "--checkpoint", help="Drafter checkpoint (path or Hub id), one per --drafter in order."),
     dataset: list[str] = typer.Option([], "--dataset", help="jsonl prompt file with {\"turns\": [...]} lines (repeatable; default: built-in prompts)."),
@@ -66,6 +66,7 @@ def bench_command(
     device: str = typer.Option("cpu", "--device"),
     dtype: str = typer.Option("auto", "--dtype"),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the full report as JSON here."),
+    plots: Optional[Path] = typer.Option(None, "--plots", help="Write PNGs here: acceptance by position; with several concurrencies, throughput and budget under load."),
 ) -> None:
     """Measure τ, acceptance by position and speedup over plain decoding of the same target."""
     if num_prompts is not None and num_prompts < 1:
@@ -93,3 +94,10 @@ def bench_command(
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report, indent=2) + "\n")
         err.print(f"wrote {json_path}")
+    if plots is not None and report["runs"]:
+        from dspec_cli.plots import acceptance_plot, load_plots
+
+        written = [acceptance_plot(report["runs"], plots / "acceptance.png")]
+        if len(opts.concurrency) > 1:
+            written += load_plots(report["runs"], plots)
+        err.print("wrote " + ", ".join(str(p) for p in written))

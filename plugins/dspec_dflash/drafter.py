@@ -5,8 +5,10 @@ One implementation: the :mod:`dspec_cli.backbone` backbone plus an optional sequ
 
 Block layout (DeepSpec's variant, notes-deepspec §2): the block is [anchor, mask × (γ−1)] and
 the anchor slot is itself the first prediction position, so γ input slots give γ drafts
-(slot k predicts the token after position a+k). The original DFlash paper feeds anchor + γ
-masks and predicts only the masks; DeepSpec's DFlash baseline and DSpark use the variant here.
+(slot k predicts the token after position a+k). The original DFlash paper (and z-lab's
+checkpoints) feeds anchor + γ masks and predicts only the masks; DeepSpec's DFlash baseline and
+DSpark use the variant here. ``anchor_predicts = False`` selects the original layout for
+inference (z-lab checkpoints, :mod:`dspec_cli.interop`); training uses DeepSpec's only.
 
 The target's input embedding and LM head are shared and frozen: taken from the target at
 build time, never stored in our checkpoints. The mask token id defaults to the tokenizer's
@@ -75,6 +77,7 @@ class BlockDrafterConfig(BackboneConfig, DrafterConfig):
     loss_decay_gamma: float = 4.0
     num_anchors: int = 512  # blocks sampled per training sequence
     attention: str = "auto"  # training attention: auto (flex on CUDA) | dense | flex
+    anchor_predicts: bool = True  # False: [anchor, mask × γ], masks predict (original DFlash)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -245,7 +248,31 @@ class DFlashDrafter(TrainableDrafter):
     @torch.no_grad()
     def block_logits(self, state: BlockDraftState, anchors: torch.Tensor) -> torch.Tensor:
         """Per-slot base logits U [R, γ, V] (float) of one parallel forward: DFlash's marginals."""
-        return self._lm_logits(self._block_hidden(state, anchors))
+        return self.block_marginals(state, anchors)[0]
+
+    @torch.no_grad()
+    def block_marginals(self, state: BlockDraftState, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One parallel forward for tree builders (capability ``marginals``): base logits
+        U [R, γ, V] (float) and slot features h [R, γ, d]; :meth:`head_logits` conditions slot k
+        on the previous token."""
+        h = self._block_hidden(state, anchors)
+        return self._lm_logits(h), h
+
+    def head_logits(self, logits: torch.Tensor, h: torch.Tensor, prev: torch.Tensor, head_state):
+        """Slot logits after the sequential head: U_k [..., V] (float) and h_k [..., d], both
+        broadcast against the previous tokens prev [...] (slot 0: the anchor), with the head
+        state None at slot 0, else the tensor [..., s] this returned for the slot before
+        (aligned with prev). Returns (logits [..., V] float, next state); no head: (U_k, None)."""
+        head = self.net.head
+        if head is None:
+            return logits, None
+        h = h.expand(*prev.shape, h.shape[-1])
+        if head_state is None:
+            head_state = head.init_state(prev.numel(), h)
+            if head_state is not None:
+                head_state = head_state.view(*prev.shape, -1)
+        feat, head_state = head.step(head_state, prev, h)
+        return logits + head.bias(feat).float(), head_state
 
     @torch.no_grad()
     def propose(self, state: BlockDraftState, anchors: torch.Tensor, max_len: int, sampler: Sampler) -> Proposal:
@@ -255,13 +282,10 @@ class DFlashDrafter(TrainableDrafter):
         R, gamma = anchors.shape[0], min(max_len, self.config.block_size)
         h = self._block_hidden(state, anchors)[:, :gamma]  # [R, γ, d]
         head, conf_head = self.net.head, self.net.confidence
-        prev, hstate = anchors, head.init_state(R, h) if head is not None else None
+        prev, hstate = anchors, None
         tokens, probs, conf = [], [], []
         for k in range(gamma):
-            logits = self._lm_logits(h[:, k])  # [R, V] base logits U_k
-            if head is not None:
-                feat, hstate = head.step(hstate, prev, h[:, k])
-                logits = logits + head.bias(feat).float()
+            logits, hstate = self.head_logits(self._lm_logits(h[:, k]), h[:, k], prev, hstate)  # [R, V]
             if conf_head is not None:
                 prev_embed = head.embed(prev) if head is not None else None
                 conf.append(self._calibrated(conf_head(h[:, k], prev_embed).float(), k))
@@ -285,13 +309,15 @@ class DFlashDrafter(TrainableDrafter):
 
     def _block_hidden(self, state: BlockDraftState, anchors: torch.Tensor) -> torch.Tensor:
         """h [R, γ, d] for blocks [anchor, mask × (γ−1)] after each row's committed context."""
-        cache, B = state.cache, self.config.block_size
+        cache = state.cache
         if anchors.shape != (cache.rows,):
             raise ValueError(f"anchors must be [R={cache.rows}], got {tuple(anchors.shape)}")
-        ids = torch.full((cache.rows, B), self.config.mask_token_id, dtype=torch.long, device=anchors.device)
+        skip = 0 if self.config.anchor_predicts else 1  # original DFlash: the anchor slot predicts nothing
+        slots = self.config.block_size + skip
+        ids = torch.full((cache.rows, slots), self.config.mask_token_id, dtype=torch.long, device=anchors.device)
         ids[:, 0] = anchors
-        pos = cache.lengths[:, None] + torch.arange(B, device=anchors.device)
-        return self.net.backbone.forward_block(self.embed(ids), pos, cache)
+        pos = cache.lengths[:, None] + torch.arange(slots, device=anchors.device)
+        return self.net.backbone.forward_block(self.embed(ids), pos, cache)[:, skip:]
 
     def _lm_logits(self, h: torch.Tensor) -> torch.Tensor:
         """The target's frozen LM head (with its final-logit softcap, if any) -> float logits.
@@ -317,6 +343,8 @@ class DFlashDrafter(TrainableDrafter):
         [b, L, n·d], "last_hidden" [b, L, d]}. ``generator`` seeds the anchor choice.
         """
         cfg = self.config
+        if not cfg.anchor_predicts:
+            raise DspecError("training supports DeepSpec's block layout only (anchor_predicts = true)")
         anchors, keep = sample_anchors(batch["loss_mask"], cfg.num_anchors, generator)
         out = self.block_outputs(batch, target_features, anchors, keep)
         return block_losses(

@@ -41,14 +41,14 @@ class DSparkRNNConfig(DSparkMarkovConfig):
 class DSparkMarkovDrafter(DFlashDrafter):
     name = "dspark-markov"
     config_class = DSparkMarkovConfig
-    capabilities = frozenset({"draft_probs", "confidence", "trainable"})
+    capabilities = frozenset({"draft_probs", "confidence", "marginals", "trainable"})
     description = "DSpark: parallel backbone + low-rank Markov head + confidence head"
 
 
 class DSparkRNNDrafter(DFlashDrafter):
     name = "dspark-rnn"
     config_class = DSparkRNNConfig
-    capabilities = frozenset({"draft_probs", "confidence", "trainable"})
+    capabilities = frozenset({"draft_probs", "confidence", "marginals", "trainable"})
     description = "DSpark: parallel backbone + gated RNN head + confidence head"
 
 

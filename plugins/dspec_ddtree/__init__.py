@@ -1,0 +1,21 @@
+"""``ddtree``: DDTree (Ringel & Romano) — a best-first draft tree over a parallel drafter.
+
+One parallel forward of a ``marginals`` drafter (``dflash``; new here: ``dspark-markov`` and
+``dspark-rnn``, whose children are conditioned on their parent's token by the sequential head)
+gives per-position distributions; the ``tree_budget`` most probable prefixes form the tree,
+which the target verifies in one pass with an ancestor mask (``verify_tree``, sample-and-match:
+lossless at every temperature). See docs/drafters/ddtree.md.
+"""
+
+from __future__ import annotations
+
+from dspec_cli import hookimpl
+from dspec_ddtree.drafter import DDTreeConfig, DDTreeDrafter
+from dspec_ddtree.tree import grow_tree
+
+__all__ = ["DDTreeConfig", "DDTreeDrafter", "grow_tree"]
+
+
+@hookimpl
+def dspec_register_drafters(register):
+    register(DDTreeDrafter)

@@ -1,0 +1,171 @@
+"""The ``ddtree`` drafter: a best-first draft tree over a parallel drafter, verified in one pass.
+
+It wraps a base drafter with the ``marginals`` capability (``dflash``, ``dspark-markov``,
+``dspark-rnn``): one parallel forward of the base gives per-slot logits, the base's sequential
+head (if any) conditions each node's children on the node's own token (and, for the RNN, on
+its path), and :func:`~dspec_ddtree.tree.grow_tree` keeps the ``tree_budget`` best prefixes.
+Scores use the base's own log-probs (T = 1, no top-k/top-p, as in DDTree): the engine's
+sample-and-match walk commits only target samples, so the tree's shape never affects the
+output distribution. State, checkpoints and ``advance`` are the base's: a ddtree checkpoint
+is the base drafter's checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dspec_cli import plugins
+from dspec_cli.drafter import Drafter, DrafterConfig, DraftState, DraftTree, Proposal, Sampler
+from dspec_cli.errors import DspecError
+from dspec_cli.target import Target
+from dspec_ddtree.tree import grow_tree
+from dspec_eagle3.tree import best_path
+
+
+@dataclass
+class DDTreeConfig(DrafterConfig):
+    """DDTree options. ``block_size`` (the deepest node) is the base drafter's γ."""
+
+    base: str = "dflash"  # drafter whose per-position distributions grow the tree
+    tree_budget: int = 32  # draft nodes per tree (the root/anchor not counted)
+    tree_topk: int = 0  # children considered per node; 0 = tree_budget (capped by the vocabulary)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key, low in (("tree_budget", 1), ("tree_topk", 0)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise DspecError(f"{key} must be an integer >= {low}, got {value!r}")
+
+
+def base_class(name: str) -> type[Drafter]:
+    """The installed drafter class ``name``, checked by :func:`check_base`."""
+    try:
+        cls = plugins.get_drafter_class(name)
+    except DspecError:
+        raise DspecError(f"base {name!r} is not an installed drafter; ddtree bases: {_bases()}") from None
+    check_base(cls)
+    return cls
+
+
+def check_base(cls: type[Drafter]) -> None:
+    """A one-line error naming the ``base`` option unless ``cls`` has per-position marginals."""
+    if "marginals" not in cls.capabilities:
+        raise DspecError(f"base {cls.name!r} has no per-position marginals (capability 'marginals'); ddtree bases: {_bases()}")
+
+
+def _bases() -> str:
+    reg = plugins.registry()
+    return ", ".join(sorted(n for n, r in reg.drafters.items() if "marginals" in r.cls.capabilities))
+
+
+def _checkpoint_drafter(path: str | Path) -> str | None:
+    """The drafter name a checkpoint folder's config.json declares (None if unreadable)."""
+    try:
+        name = json.loads((Path(path) / "config.json").read_text()).get("drafter")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) else None
+
+
+class DDTreeDrafter(Drafter):
+    """Best-first draft tree (DDTree) over a ``marginals`` drafter; see the module docstring."""
+
+    name = "ddtree"
+    config_class = DDTreeConfig
+    capabilities = frozenset({"tree"})
+    description = "DDTree: best-first draft tree over a parallel drafter's per-position distributions (dflash, dspark)"
+
+    def __init__(self, config: DDTreeConfig, target: Target, base: Drafter):
+        check_base(type(base))
+        max_ctx = getattr(target.config, "max_position_embeddings", None)
+        if max_ctx and config.tree_budget + 1 > max_ctx:
+            raise DspecError(
+                f"tree_budget {config.tree_budget} does not fit the target's context of {max_ctx} tokens "
+                "(the anchor and every node are verified in one pass)"
+            )
+        if config.tree_topk > target.vocab_size:
+            raise DspecError(f"tree_topk {config.tree_topk} exceeds the vocabulary ({target.vocab_size})")
+        super().__init__(dataclasses.replace(config, base=base.name, block_size=base.config.block_size), target)
+        self.base = base
+
+    # -- construction: everything but the tree options comes from the base -----------------
+    @classmethod
+    def build(cls, config: DDTreeConfig, target: Target) -> DDTreeDrafter:
+        """Over a fresh (untrained) base drafter of block size ``config.block_size``."""
+        base = base_class(config.base)
+        return cls(config, target, base.build(base.config_class(block_size=config.block_size), target))
+
+    @classmethod
+    def load_default(cls, target: Target, **overrides: Any) -> DDTreeDrafter:
+        """Over the base's embedded default drafter."""
+        config = cls.config_class.from_dict(overrides, where="ddtree")
+        base = base_class(config.base).load_default(target, **_base_overrides(overrides))
+        return cls(config, target, base)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, target: Target, **overrides: Any) -> DDTreeDrafter:
+        """Over the base checkpoint at ``path``; the base defaults to the drafter it declares."""
+        saved = _checkpoint_drafter(path)
+        values = {"base": saved, **overrides} if saved else dict(overrides)
+        config = cls.config_class.from_dict(values, where="ddtree")
+        base = base_class(config.base).from_pretrained(path, target, **_base_overrides(overrides))
+        return cls(config, target, base)
+
+    def save_pretrained(self, path: str | Path) -> None:
+        self.base.save_pretrained(path)
+
+    # -- the decoding cycle: the base's state ---------------------------------------------
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        return self.base.target_layer_ids
+
+    def init_state(self) -> DraftState:
+        return self.base.init_state()
+
+    def add_requests(self, state: DraftState, prompts: list[torch.Tensor], hidden: list[torch.Tensor] | None) -> None:
+        self.base.add_requests(state, prompts, hidden)
+
+    def remove_requests(self, state: DraftState, keep: list[int]) -> None:
+        self.base.remove_requests(state, keep)
+
+    def advance(self, state: DraftState, committed, counts, hidden) -> None:
+        """The accepted path (anchor + accepted nodes) enters the base's caches."""
+        self.base.advance(state, committed, counts, hidden)
+
+    @torch.no_grad()
+    def propose(self, state: DraftState, anchors: torch.Tensor, max_len: int, sampler: Sampler) -> Proposal:
+        """A tree of up to ``tree_budget`` nodes and depth min(max_len, γ); the chain fields hold
+        its best path (draft_probs None). ``sampler`` is unused: the walk samples the target."""
+        tree, scores = self.draft_tree(state, anchors, max_len)
+        path, lengths = best_path(tree.tokens, tree.parents, scores, min(max_len, self.config.block_size))
+        return Proposal(tokens=path, lengths=lengths, tree=tree)
+
+    @torch.no_grad()
+    def draft_tree(self, state: DraftState, anchors: torch.Tensor, max_len: int) -> tuple[DraftTree, torch.Tensor]:
+        """The tree after ``anchors`` [R] and its node scores [R, N] (cumulative log-probs)."""
+        if max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        cfg = self.config
+        depth = min(max_len, cfg.block_size)
+        logits, h = self.base.block_marginals(state, anchors)  # [R, γ, V], [R, γ, d]
+
+        def expand(slot: int, tokens: torch.Tensor, head_state):
+            return self.base.head_logits(logits[:, slot, None], h[:, slot, None], tokens, head_state)
+
+        topk = min(cfg.tree_topk or cfg.tree_budget, logits.shape[-1])
+        tokens, parents, scores = grow_tree(expand, anchors, depth, cfg.tree_budget, topk)
+        R, N = tokens.shape
+        num_nodes = torch.full((R,), N, dtype=torch.long, device=anchors.device)
+        return DraftTree(tokens=tokens, parents=parents, num_nodes=num_nodes), scores
+
+
+def _base_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
+    """Of ddtree's overrides, those the base takes (its block size)."""
+    return {k: v for k, v in overrides.items() if k == "block_size"}

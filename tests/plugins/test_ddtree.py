@@ -1,0 +1,315 @@
+"""``ddtree``: the best-first tree (a hand-made example and a heap oracle), its ancestor mask and
+positions, Markov/RNN-corrected children, greedy identity, end-to-end losslessness over dflash
+and dspark (and a biased variant that must fail it), checkpoints, the CLI spec and bad input."""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+
+import pytest
+import torch
+from test_dflash import PROMPTS, SAMPLINGS, build, plain_greedy
+from test_dspark import ForcedSampler, _state_after_prompt, strong
+from tiny_models import assert_cli_error, run_cli, tiny_target
+
+from dspec_cli.engine import GenerationConfig, SpeculativeEngine
+from dspec_cli.errors import DspecError
+from dspec_cli.plugins import get_drafter_class
+from dspec_cli.target_cache import ancestor_visibility
+from dspec_cli.testing import check_engine_lossless
+from dspec_ddtree import DDTreeConfig, DDTreeDrafter, grow_tree
+
+BASES = ["dflash", "dspark-markov"]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("qwen3", seed=0)
+
+
+def ddtree(target, base: str = "dflash", **options) -> DDTreeDrafter:
+    """ddtree over a random base drafter of γ = 4 (``test_dflash.build``)."""
+    return DDTreeDrafter(DDTreeConfig(**options), target, build(base, target))
+
+
+# -- the tree ----------------------------------------------------------------------------------
+
+
+def table_expand(logp: torch.Tensor, path_sum: bool = False):
+    """grow_tree's ``expand`` from a table of child log-probs [D, V, V] indexed by (slot, key):
+    key = the node's token, or (``path_sum``) the sum of its path's tokens mod V, carried as
+    the per-node state like an RNN head's."""
+    V = logp.shape[1]
+
+    def expand(slot, tokens, state):  # tokens [R, W]
+        if not path_sum:
+            return logp[slot][tokens], None
+        total = tokens if state is None else state + tokens  # [R, W]
+        return logp[slot][total % V], total
+
+    return expand
+
+
+def heap_oracle(child_logp, anchor: int, depth: int, budget: int, topk: int) -> dict:
+    """The DDTree reference, one heap pop per node: {path (anchor first): score}, in pop order.
+    child_logp(path) -> log-probs [V] of the children of the node spelled by ``path``."""
+
+    def top(path):
+        lp, tok = child_logp(path).topk(topk)
+        return lp.tolist(), tok.tolist()
+
+    kids = {(anchor,): top((anchor,))}
+    heap = [(-kids[(anchor,)][0][0], 0, (anchor,), 0.0)]
+    popped = {}
+    while heap and len(popped) < budget:
+        neg, rank, parent, parent_score = heapq.heappop(heap)
+        lp, tok = kids[parent]
+        path = parent + (tok[rank],)
+        popped[path] = -neg
+        if rank + 1 < topk:
+            heapq.heappush(heap, (-(parent_score + lp[rank + 1]), rank + 1, parent, parent_score))
+        if len(path) - 1 < depth:
+            kids[path] = top(path)
+            heapq.heappush(heap, (neg - kids[path][0][0], 0, path, -neg))
+    return popped
+
+
+def tree_paths(anchor: int, tokens, parents, scores) -> dict:
+    """{path (anchor first): score} of one row of a tree."""
+    paths, out = {0: (anchor,)}, {}
+    for i, (t, p, s) in enumerate(zip(tokens.tolist(), parents.tolist(), scores.tolist())):
+        paths[i + 1] = paths[p] + (t,)
+        out[paths[i + 1]] = s
+    return out
+
+
+def max_depth(parents: torch.Tensor) -> int:
+    depth = [0]
+    for p in parents.tolist():
+        depth.append(depth[p] + 1)
+    return max(depth)
+
+
+HAND = torch.tensor([[0.3, 0.05, 0.5, 0.15], [0.1, 0.04, 0.06, 0.8], [0.2, 0.4, 0.05, 0.35]])  # p_slot(token)
+
+
+def test_hand_made_tree_follows_the_heap():
+    """Independent per-slot marginals (DFlash), K = 2, budget 5: the heap pops (2) .5, (2,3) .4,
+    (0) .3, (0,3) .24, (2,3,1) .16; the tree holds exactly those, depth-major, parents first."""
+    logp = HAND.log()[:, None, :].expand(3, 4, 4)
+    anchor = torch.tensor([1])
+    tokens, parents, scores = grow_tree(table_expand(logp), anchor, 3, 5, 2)
+    assert tokens.tolist() == [[2, 0, 3, 3, 1]] and parents.tolist() == [[0, 0, 1, 2, 3]]
+    torch.testing.assert_close(scores.exp(), torch.tensor([[0.5, 0.3, 0.4, 0.24, 0.16]]))
+    popped = heap_oracle(lambda path: logp[len(path) - 1, 0], 1, 3, 5, 2)
+    assert list(popped) == [(1, 2), (1, 2, 3), (1, 0), (1, 0, 3), (1, 2, 3, 1)]
+    assert popped.keys() == tree_paths(1, tokens[0], parents[0], scores[0]).keys()
+    full, _, _ = grow_tree(table_expand(logp), anchor, 3, 100, 2)  # budget above the K-ary tree
+    assert full.shape == (1, 2 + 4 + 8)
+    with pytest.raises(ValueError, match="budget"):
+        grow_tree(table_expand(logp), anchor, 3, 0, 2)
+
+
+@pytest.mark.parametrize("path_sum", [False, True], ids=["markov", "path-state"])
+@pytest.mark.parametrize("budget, topk", [(1, 3), (7, 3), (20, 4), (40, 12)])
+def test_tree_equals_heap_oracle(path_sum, budget, topk):
+    """Children that depend on the parent's token (Markov) or on the whole path (a state, like the
+    RNN head): the depth-batched tree is the heap's set of prefixes, with the same scores."""
+    D, V = 4, 12
+    logp = torch.log_softmax(2 * torch.randn(D, V, V, generator=torch.Generator().manual_seed(budget)), -1)
+    anchors = torch.tensor([0, 5, 11])
+    tokens, parents, scores = grow_tree(table_expand(logp, path_sum), anchors, D, budget, topk)
+    assert tokens.shape == (3, budget)
+    assert ((parents >= 0) & (parents <= torch.arange(budget))).all()  # node i+1's parent precedes it
+    key = (lambda path: sum(path) % V) if path_sum else (lambda path: path[-1])
+    for r, a in enumerate(anchors.tolist()):
+        want = heap_oracle(lambda path: logp[len(path) - 1, key(path)], a, D, budget, topk)
+        got = tree_paths(a, tokens[r], parents[r], scores[r])
+        assert got.keys() == want.keys()
+        assert all(math.isclose(got[p], want[p], abs_tol=1e-4) for p in want)
+
+
+def test_tree_compiles_to_ancestor_mask_and_positions(target):
+    """The target verifies the tree with visibility = ancestors and self, position = committed
+    length + depth: every node's logits equal a plain forward of the prompt and the node's path."""
+    vis = ancestor_visibility(torch.tensor([[-1, 0, 0, 1, 2, 3]]))[0]  # root + the hand-made tree
+    want = torch.zeros(6, 6, dtype=torch.bool)
+    for node, ancestors in enumerate([[0], [0, 1], [0, 2], [0, 1, 3], [0, 2, 4], [0, 1, 3, 5]]):
+        want[node, ancestors] = True
+    assert torch.equal(vis, want) and (vis.sum(-1) - 1).tolist() == [0, 1, 1, 2, 2, 3]
+
+    drafter = ddtree(target, "dspark-markov", tree_budget=12, tree_topk=3)
+    prompt = target.render_prompt(PROMPTS[0])
+    batch = target.new_batch(drafter.target_layer_ids)
+    out = target.prefill(batch, [prompt])
+    state = drafter.init_state()
+    drafter.add_requests(state, [torch.tensor(prompt)], out.hidden)
+    anchor = out.logits.argmax(-1)
+    tree = drafter.propose(state, anchor, 4, None).tree
+    assert tree.num_nodes.tolist() == [12] and max_depth(tree.parents[0]) >= 2
+    tokens = torch.cat([anchor, tree.tokens[0]])
+    parents = torch.cat([torch.tensor([-1]), tree.parents[0]])
+    logits = target.verify_tree(batch, tokens, parents, torch.tensor([13])).logits
+    paths = {0: [int(anchor)]}
+    for i in range(1, 13):
+        paths[i] = paths[int(parents[i])] + [int(tokens[i])]
+    for i in range(13):
+        full, _ = target.forward_full(torch.tensor([prompt + paths[i]]))
+        torch.testing.assert_close(logits[i], full[-1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["dspark-markov", "dspark-rnn"])
+def test_children_are_the_sequential_heads_conditionals(target, name):
+    """Over DSpark, a node's children are the top tokens of the head-corrected distribution given
+    the node's token (RNN: its path), and each child's score adds log q(child): q as sampled by
+    the base drafter's own sequential propose with that prefix forced."""
+    base = strong(build(name, target))
+    drafter = DDTreeDrafter(DDTreeConfig(tree_budget=24, tree_topk=4), target, base)
+    state = _state_after_prompt(target, base, "The quick brown fox")
+    anchors = torch.tensor([17])
+    tree, scores = drafter.draft_tree(state, anchors, 4)
+    uncorrected = base.block_logits(state, anchors)[0].log_softmax(-1)  # [γ, V] backbone only
+    tokens, parents = tree.tokens[0].tolist(), tree.parents[0].tolist()
+    paths, score = {0: []}, {0: 0.0}
+    head_matters = False
+    for i, (x, p) in enumerate(zip(tokens, parents)):
+        k = len(paths[p])
+        forced = torch.tensor([paths[p] + [0] * (4 - k)])
+        q = base.propose(state, anchors, k + 1, ForcedSampler(forced)).draft_probs[0, k]  # [V]
+        assert math.isclose(float(scores[0, i]) - score[p], float(q[x].log()), abs_tol=1e-4)
+        siblings = {t for t, pp in zip(tokens, parents) if pp == p}
+        assert siblings == set(q.topk(len(siblings)).indices.tolist())
+        head_matters |= not math.isclose(float(q[x].log()), float(uncorrected[k, x]), abs_tol=1e-2)
+        paths[i + 1], score[i + 1] = paths[p] + [x], float(scores[0, i])
+    assert head_matters and max(map(len, paths.values())) >= 2
+
+
+# -- the engine --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("base", BASES)
+@pytest.mark.parametrize("R", [1, 8])
+def test_greedy_equals_plain_greedy(target, base, R):
+    prompts = [target.render_prompt(p) for p in PROMPTS] * 3
+    greedy = {tuple(p): plain_greedy(target, p, 16) for p in prompts}
+    cfg = GenerationConfig(max_new_tokens=16, temperature=0.0, block_size=4, max_batch=R)
+    results = SpeculativeEngine(target, ddtree(target, base), cfg, stop_ids=[]).generate(prompts)
+    for prompt, res in zip(prompts, results):
+        assert res.output_ids == greedy[tuple(prompt)]
+    assert {v for r in results for v in r.verified} == {0, 32}  # the default budget (0: the last token)
+    assert sum(a for r in results for a in r.accepted) > 0
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_batch_invariant(target, base):
+    """Seeded outputs are the same at R = 1, 8 and 24 (so one chi-square covers every R)."""
+    prompts = [target.render_prompt(p) for p in PROMPTS] * 8
+    drafter = ddtree(target, base)
+    outs = []
+    for R in (1, 8, 24):
+        cfg = GenerationConfig(max_new_tokens=8, temperature=1.0, block_size=4, max_batch=R, seed=5)
+        results = SpeculativeEngine(target, drafter, cfg, stop_ids=[]).generate(prompts)
+        outs.append([r.output_ids for r in results])
+    assert outs[0] == outs[1] == outs[2]
+    assert sum(a for r in results for a in r.accepted) > 0
+
+
+def check_lossless(target, base: str, sampling: dict, R: int | None, per_prompt: int, **options) -> None:
+    prompts = [target.render_prompt(PROMPTS[0])]
+    results = check_engine_lossless(target, ddtree(target, base, **options), prompts, per_prompt=per_prompt,
+                                    max_batch=R, sampling=sampling, name=f"ddtree:{base} R={R}")
+    assert sum(sum(r.accepted) for r in results) > 0  # tree nodes were really accepted
+
+
+@pytest.mark.parametrize("base", BASES)
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_lossless_quick(target, base, sampling):
+    check_lossless(target, base, sampling, None, 4000, tree_budget=8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("base", BASES)
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+@pytest.mark.parametrize("R", [1, 8])
+def test_lossless_end_to_end(target, base, sampling, R):
+    check_lossless(target, base, sampling, R, 3000)
+
+
+def test_lossless_check_catches_a_tree_verified_without_its_mask(target, monkeypatch):
+    """The same check fails when every tree node sees the whole tree (no ancestor mask)."""
+    monkeypatch.setattr(
+        "dspec_cli.target.ancestor_visibility",
+        lambda parents: torch.ones(*parents.shape, parents.shape[1], dtype=torch.bool, device=parents.device),
+    )
+    with pytest.raises(AssertionError, match="distribution mismatch"):
+        check_lossless(target, "dflash", dict(temperature=1.0), None, 4000, tree_budget=8)
+
+
+# -- configuration, checkpoints, CLI -----------------------------------------------------------
+
+
+def test_registered_and_checkpoints(target, tmp_path, monkeypatch):
+    assert get_drafter_class("ddtree") is DDTreeDrafter and "tree" in DDTreeDrafter.capabilities
+    assert {"marginals"} <= get_drafter_class("dspark").capabilities & get_drafter_class("dspark-rnn").capabilities
+    drafter = ddtree(target, "dspark-markov", tree_budget=8)
+    drafter.save_pretrained(tmp_path / "ckpt")  # a ddtree checkpoint is its base's
+    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["drafter"] == "dspark-markov"
+    loaded = DDTreeDrafter.from_pretrained(tmp_path / "ckpt", target, tree_budget=8)  # base from the checkpoint
+    assert (loaded.config.base, loaded.config.block_size, loaded.config.tree_budget) == ("dspark-markov", 4, 8)
+    state = _state_after_prompt(target, drafter, "Numbers like 0 1 2")
+    trees = [d.draft_tree(state, torch.tensor([17]), 4)[0] for d in (drafter, loaded)]
+    assert torch.equal(trees[0].tokens, trees[1].tokens) and torch.equal(trees[0].parents, trees[1].parents)
+    with pytest.raises(DspecError, match="holds a 'dspark-markov' drafter, not 'dflash'"):
+        DDTreeDrafter.from_pretrained(tmp_path / "ckpt", target, base="dflash")
+    monkeypatch.setattr("dspec_cli.target.embedded_path", lambda name: tmp_path / name)
+    with pytest.raises(DspecError, match="no trained dflash drafter is embedded"):
+        DDTreeDrafter.load_default(target)
+    drafter.save_pretrained(tmp_path / "drafters" / "dspark-markov")
+    assert DDTreeDrafter.load_default(target, base="dspark", block_size=3).base.config.block_size == 3
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(tree_budget=0), "tree_budget must be an integer >= 1, got 0"),
+        (dict(tree_budget=256), "tree_budget 256 does not fit the target's context of 256 tokens"),
+        (dict(tree_topk=-1), "tree_topk must be an integer >= 0"),
+        (dict(tree_topk=385), "tree_topk 385 exceeds the vocabulary (384)"),
+        (dict(base="eagle3"), "base 'eagle3' has no per-position marginals (capability 'marginals'); ddtree bases: dflash, dspark-markov, dspark-rnn"),
+        (dict(base="prompt-lookup"), "base 'prompt-lookup' has no per-position marginals"),
+        (dict(base="draft-model"), "base 'draft-model' has no per-position marginals"),
+        (dict(base="ddtree"), "base 'ddtree' has no per-position marginals"),
+        (dict(base="nope"), "base 'nope' is not an installed drafter; ddtree bases: dflash"),
+    ],
+)
+def test_bad_input(target, options, message):
+    with pytest.raises(DspecError) as err:
+        DDTreeDrafter.build(DDTreeConfig(**options), target)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_cli_bench(target, model_dir, tmp_path, capsys):
+    """`--drafter ddtree` takes the base from the checkpoint; `ddtree:BASE,KEY=VALUE` sets options."""
+    build("dspark-markov", target).save_pretrained(tmp_path / "dspark")
+    report = tmp_path / "bench.json"
+    specs = ["ddtree", "ddtree:dspark,tree_budget=8,tree_topk=2"]
+    code, _, _ = run_cli(
+        ["bench", "--target", str(model_dir), "--drafter", specs[0], "--drafter", specs[1], "--checkpoint",
+         str(tmp_path / "dspark"), "--checkpoint", str(tmp_path / "dspark"), "--num-prompts", "2",
+         "--max-new-tokens", "8", "--block-size", "4", "--json", str(report)],
+        capsys,
+    )
+    assert code == 0
+    runs = {r["drafter"]: r for r in json.loads(report.read_text())["runs"]}
+    assert set(runs) == set(specs) and all(r["tau"] >= 1 for r in runs.values())
+    assert runs[specs[0]]["mean_verified"] > 8 >= runs[specs[1]]["mean_verified"]  # budgets 32 and 8
+    for spec, message in [
+        ("ddtree:eagle3", "base 'eagle3' has no per-position marginals"),
+        ("ddtree,tree_budget=0", "tree_budget must be an integer >= 1, got 0"),
+        ("ddtree,budget=8", "unknown option(s) budget; valid: target_layer_ids, base, tree_budget, tree_topk"),
+        ("ddtree,tree_budget=lots", "tree_budget expects int, got 'lots'"),
+        ("ddtree,block_size=3", "unknown option(s) block_size"),
+    ]:
+        assert_cli_error(["bench", "--target", str(model_dir), "--drafter", spec], capsys, message)
