@@ -23,9 +23,12 @@ from dspec_cli.drafter import Drafter, Proposal
 from dspec_cli.errors import DspecError
 from dspec_cli.target import Target
 from dspec_cli.verify import VerifyResult, verify_chain, verify_greedy, verify_tree
+from dspec_cli.verify.reference import NOISE_SALT
 
-# purposes ("salts") of the counter-based random streams
-_SALT_FIRST, _SALT_DRAFT, _SALT_COIN, _SALT_NOISE = 11, 23, 37, 53
+# purposes ("salts") of the counter-based random streams. The final-token noise is the tree
+# walk's (verify_tree draws depth d with (seed, offset + d, NOISE_SALT)), so a row's token is the
+# same whether its round is plain, a chain or a tree, whatever the rest of the batch does.
+_SALT_FIRST, _SALT_DRAFT, _SALT_COIN, _SALT_NOISE = 11, 23, 37, NOISE_SALT
 _ROUND_STRIDE = 4096  # offsets per request round: round * stride + position
 
 
@@ -179,71 +182,75 @@ class SpeculativeEngine:
         self.stats.prefill_seconds += time.perf_counter() - t0
 
     def _round(self, rows: _Rows, results: list[RequestResult]) -> None:
-        cfg, dev = self.config, self.target.device
-        R = len(rows.active)
         t0 = time.perf_counter()
-        # 1. draft
-        remaining = torch.tensor(
-            [cfg.max_new_tokens - len(results[i].output_ids) for i in rows.active], dtype=torch.long, device=dev
-        )
-        budget = (remaining - 1).clamp(min=0, max=cfg.block_size)  # drafts beyond the budget are wasted
-        if self.drafter is not None and cfg.block_size > 0 and int(budget.max()) > 0:
-            max_len = int(budget.max())
-            sampler = RoundSampler(cfg, rows.seeds, rows.rounds, max_len)
-            proposal = self.drafter.propose(rows.dstate, rows.anchors, max_len, sampler)
-            if proposal.confidence is None:
-                proposal.confidence = self.drafter.confidence(rows.dstate, proposal)
-            lmax = torch.minimum(proposal.lengths, budget)
-            if self.scheduler is None:
-                ell = lmax
-            else:
-                if hasattr(self.scheduler, "context"):  # mean context for cost-table lookups (host-side)
-                    self.scheduler.context = sum(len(results[i].prompt_ids) + len(results[i].output_ids) for i in rows.active) / R
-                ell = self.scheduler(proposal, lmax)
-        else:
-            proposal, ell = None, torch.zeros(R, dtype=torch.long, device=dev)
+        proposal, ell = self._draft(rows, results)
         t1 = time.perf_counter()
         if proposal is not None and proposal.tree is not None:
             res, committed, keep, hidden = self._verify_tree(rows, proposal)
             t2 = time.perf_counter()
-            nodes = proposal.tree.num_nodes.to(dev)
-            self._book(rows, results, res, proposal, nodes, t0, t1, t2, int(nodes.sum()) + R)
+            nodes = proposal.tree.num_nodes.to(self.target.device)
+            self._book(rows, results, res, proposal, nodes, t0, t1, t2, int(nodes.sum()) + len(rows.active))
             if self.drafter is not None:
                 self.drafter.advance(rows.dstate, committed, keep, hidden)
             return
         # 2. verify: [anchor, x_1..x_ℓ] per row, flattened
+        ell_list = ell.tolist()
         n = ell + 1
-        total = int(n.sum())
-        starts = torch.cumsum(n, 0) - n  # [R]
-        flat_row = torch.repeat_interleave(torch.arange(R, device=dev), n, output_size=total)
-        flat_pos = torch.arange(total, device=dev) - starts[flat_row]  # 0 = anchor
-        is_draft = flat_pos > 0
-        tokens = rows.anchors[flat_row].clone()
+        width = max(ell_list)
+        grid = rows.anchors[:, None]  # [R, 1 + width]: anchor, then the verified drafts
         if proposal is not None:
-            tokens[is_draft] = proposal.tokens[flat_row[is_draft], flat_pos[is_draft] - 1]
+            grid = torch.cat([grid, proposal.tokens[:, :width].to(grid.dtype)], dim=1)
+        tokens = _ragged(grid, n, [e + 1 for e in ell_list])
         out = self.target.verify(rows.batch, tokens, n)
-        drafts = tokens[is_draft]
-        if proposal is None:  # nothing drafted: a plain decoding step
-            res = _plain_step(self._sample(out.logits, rows.seeds, rows.rounds * _ROUND_STRIDE, _SALT_NOISE))
-        elif cfg.greedy:
-            res = verify_greedy(out.logits, drafts, ell, validate=False)
-        else:
-            probs = sampling.logits_to_probs(out.logits, cfg.temperature, cfg.top_k, cfg.top_p)
-            q = None
-            if proposal.draft_probs is not None:
-                q = proposal.draft_probs[flat_row[is_draft], flat_pos[is_draft] - 1]
-            base = rows.rounds * _ROUND_STRIDE
-            coins = sampling.uniform(rows.seeds[flat_row[is_draft]], base[flat_row[is_draft]] + flat_pos[is_draft], salt=_SALT_COIN)
-            noise = sampling.exponential(rows.seeds, base, probs.shape[-1], salt=_SALT_NOISE)
-            res = verify_chain(probs, drafts, q, ell, uniforms=coins, noise=noise, validate=False)
+        res = self._accept(rows, out, grid, proposal, ell, ell_list)
         # 3. commit: anchor + accepted drafts enter the caches; the last token is the new anchor
         keep = res.accepted + 1
         self.target.commit(rows.batch, keep)
         if self.drafter is not None:
-            sel = flat_pos < keep[flat_row]
-            self.drafter.advance(rows.dstate, tokens[sel], keep, out.hidden[sel] if out.hidden is not None else None)
+            keep_list = keep.tolist()
+            hidden = out.hidden
+            if hidden is not None:  # committed entries of the flat verify layout
+                hidden = hidden[_ragged(_prefix_mask(keep, grid.shape[1]), n, [e + 1 for e in ell_list])]
+            self.drafter.advance(rows.dstate, _ragged(grid, keep, keep_list), keep, hidden)
         t2 = time.perf_counter()
-        self._book(rows, results, res, proposal, ell, t0, t1, t2, total)
+        self._book(rows, results, res, proposal, ell, t0, t1, t2, tokens.numel())
+
+    def _draft(self, rows: _Rows, results: list[RequestResult]) -> tuple[Proposal | None, torch.Tensor]:
+        """1. draft: the drafter proposes, the scheduler picks ℓ [R] (zeros without a drafter)."""
+        cfg, dev = self.config, self.target.device
+        R = len(rows.active)
+        # drafts beyond the token budget are wasted
+        budget = [min(max(cfg.max_new_tokens - len(results[i].output_ids) - 1, 0), cfg.block_size) for i in rows.active]
+        if self.drafter is None or max(budget) == 0:
+            return None, torch.zeros(R, dtype=torch.long, device=dev)
+        max_len = cfg.block_size  # not max(budget): a draft tree's shape must not depend on other rows
+        sampler = RoundSampler(cfg, rows.seeds, rows.rounds, max_len)
+        proposal = self.drafter.propose(rows.dstate, rows.anchors, max_len, sampler)
+        if proposal.confidence is None:
+            proposal.confidence = self.drafter.confidence(rows.dstate, proposal)
+        lmax = torch.minimum(proposal.lengths, torch.tensor(budget, dtype=torch.long, device=dev))
+        if self.scheduler is None:
+            return proposal, lmax
+        if hasattr(self.scheduler, "context"):  # mean context for cost-table lookups (host-side)
+            self.scheduler.context = sum(len(results[i].prompt_ids) + len(results[i].output_ids) for i in rows.active) / R
+        return proposal, self.scheduler(proposal, lmax)
+
+    def _accept(self, rows: _Rows, out, grid, proposal: Proposal | None, ell, ell_list: list[int]) -> VerifyResult:
+        """Verify the chains: grid [R, 1 + max ℓ] (anchor, drafts), target output of the flat chains."""
+        cfg = self.config
+        width = grid.shape[1] - 1
+        if width == 0:  # no row verifies a draft: a plain decoding step (the same token verify would give)
+            return _plain_step(self._sample(out.logits, rows.seeds, rows.rounds * _ROUND_STRIDE, _SALT_NOISE))
+        drafts = _ragged(grid[:, 1:], ell, ell_list)
+        if cfg.greedy:
+            return verify_greedy(out.logits, drafts, ell, validate=False)
+        probs = sampling.logits_to_probs(out.logits, cfg.temperature, cfg.top_k, cfg.top_p)
+        q = None if proposal.draft_probs is None else _ragged(proposal.draft_probs[:, :width], ell, ell_list)
+        base = rows.rounds * _ROUND_STRIDE  # [R]
+        at = base[:, None] + torch.arange(1, width + 1, device=base.device)  # [R, width]: draft k at base + k
+        coins = _ragged(sampling.uniform(rows.seeds[:, None], at, salt=_SALT_COIN), ell, ell_list)
+        noise = sampling.exponential(rows.seeds, base, probs.shape[-1], salt=_SALT_NOISE)
+        return verify_chain(probs, drafts, q, ell, uniforms=coins, noise=noise, validate=False)
 
     def _verify_tree(self, rows: _Rows, proposal: Proposal):
         """Verify one draft tree per row in one target pass (sample-and-match walk)."""
@@ -357,6 +364,21 @@ class SpeculativeEngine:
                 )
             if max(p) >= vocab or min(p) < 0:
                 raise DspecError(f"prompt {i} has token ids outside the target vocabulary (size {vocab})")
+
+
+def _ragged(grid: torch.Tensor, counts: torch.Tensor, count_list: list[int]) -> torch.Tensor:
+    """The first counts[r] entries of each row of grid [R, W, ...], rows concatenated: [Σcounts, ...].
+
+    counts [R] long, count_list its host copy (when every row is full this is a reshape).
+    """
+    if min(count_list, default=0) == grid.shape[1]:
+        return grid.reshape(-1, *grid.shape[2:])
+    return grid[_prefix_mask(counts, grid.shape[1])]
+
+
+def _prefix_mask(counts: torch.Tensor, width: int) -> torch.Tensor:
+    """[R, width] bool: column j < counts[r]."""
+    return torch.arange(width, device=counts.device)[None, :] < counts[:, None]
 
 
 def _plain_step(tokens: torch.Tensor) -> VerifyResult:

@@ -14,6 +14,8 @@ token ``v`` with probability ``probs[v] / Σ probs``, so unnormalised weights ne
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 __all__ = [
@@ -63,20 +65,41 @@ def logits_to_probs(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0) -
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
-    n, vocab = logits.shape
-    dev = logits.device
+    if not any(isinstance(v, torch.Tensor) and v.dim() > 0 for v in (temperature, top_k, top_p)):
+        return _scalar_probs(logits.float(), float(temperature), int(top_k), float(top_p))
+    n, dev = logits.shape[0], logits.device
     logits = logits.float()
     temp = _row_param(temperature, n, dev, torch.float32)
     k = _row_param(top_k, n, dev, torch.long)
     p = _row_param(top_p, n, dev, torch.float32)
     if n and bool((temp < 0).any() | (k < 0).any() | (p <= 0).any() | (p > 1).any()):
-        raise ValueError("logits_to_probs: need temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
+        raise ValueError(_BAD_PARAMS)
     greedy = temp == 0  # [N, 1]
     probs = torch.softmax(logits / torch.where(greedy, torch.ones_like(temp), temp), dim=-1)
     if not (_is_scalar(top_k, 0) and _is_scalar(top_p, 1.0)):
         probs = _top_k_top_p(probs, k, p)
-    onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    return torch.where(greedy, onehot, probs)
+    return torch.where(greedy, _one_hot_argmax(logits), probs)
+
+
+_BAD_PARAMS = "logits_to_probs: need temperature >= 0, top_k >= 0 and 0 < top_p <= 1"
+
+
+def _scalar_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """logits_to_probs for one setting shared by every row (no per-row tensors, no host sync)."""
+    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+        raise ValueError(_BAD_PARAMS)
+    if temperature == 0:
+        return _one_hot_argmax(logits)
+    probs = torch.softmax(logits if temperature == 1 else logits / temperature, dim=-1)
+    if top_k == 0 and top_p == 1:
+        return probs
+    n, dev = logits.shape[0], logits.device
+    return _top_k_top_p(probs, _row_param(top_k, n, dev, torch.long), _row_param(top_p, n, dev, torch.float32))
+
+
+def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[N, V] float32 one-hot on the first argmax of each row of logits [N, V]."""
+    return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
 
 
 def _top_k_top_p(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -98,43 +121,66 @@ def _top_k_top_p(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> t
 # --------------------------------------------------------------------------------------
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2^32 for x in [0, 2^32) on int64 without overflow.
+def _mul32(x, c: int):
+    """(x * c) mod 2^32 for x in [0, 2^32) on int64 without overflow (ints or tensors).
 
     c is used as its signed 32-bit representative (|c| < 2^31), so |x * c| < 2^63, and the
     two's-complement mask gives the residue mod 2^32: one multiply and one and.
     """
-    return (x * (c - (1 << 32) if c >= 1 << 31 else c)) & _M32
+    y = x * (c - (1 << 32) if c >= 1 << 31 else c)
+    y &= _M32
+    return y
 
 
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    """Bijective 32-bit avalanche mix (xor-shift / multiply rounds)."""
-    h = h ^ (h >> 16)
+def _fmix32(h):
+    """Bijective 32-bit avalanche mix (xor-shift / multiply rounds). Updates a tensor ``h`` in place."""
+    h ^= h >> 16
     h = _mul32(h, 0x85EBCA6B)
-    h = h ^ (h >> 13)
+    h ^= h >> 13
     h = _mul32(h, 0xC2B2AE35)
-    return h ^ (h >> 16)
+    h ^= h >> 16
+    return h
 
 
-def _absorb(h: torch.Tensor, word: torch.Tensor) -> torch.Tensor:
-    """Fold a 32-bit word into a 32-bit lane state (bijective in each argument)."""
-    return _fmix32((h + _mul32(word, _GOLDEN)) & _M32)
+def _absorb(h, word):
+    """Fold a 32-bit word into a 32-bit lane state (bijective in each argument; ints or tensors)."""
+    return _absorb_spread(h, _mul32(word, _GOLDEN))
 
 
-def _words(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Low and high 32-bit halves of int64 values (two's complement for negatives)."""
-    return x & _M32, (x >> 32) & _M32
+def _absorb_spread(h, spread):
+    """:func:`_absorb` of a word already spread as ``_mul32(word, _GOLDEN)``."""
+    h = h + spread
+    h &= _M32
+    return _fmix32(h)
 
 
-def _lanes(seeds: torch.Tensor, offsets: torch.Tensor, salt) -> list[torch.Tensor]:
-    """Two independent 32-bit hash states of (seed, offset, salt), broadcast together."""
-    seeds, offsets, salt = torch.broadcast_tensors(
-        seeds.long(), offsets.long(), torch.as_tensor(salt, dtype=torch.long, device=seeds.device)
-    )
-    words = (salt & _M32, *_words(seeds), *_words(offsets))
+def _lanes(seeds: torch.Tensor, offsets: torch.Tensor, salt) -> torch.Tensor:
+    """Two independent 32-bit hash states [2, *shape] of (seed, offset, salt), broadcast together.
+
+    Both lanes run in one tensor. A few keys on a CPU are hashed on the host with the same
+    integer functions: a handful of tensor calls instead of about sixty.
+    """
+    salt = torch.as_tensor(salt, dtype=torch.long, device=seeds.device)
+    seeds, offsets, salt = torch.broadcast_tensors(seeds.long(), offsets.long(), salt)
+    if seeds.device.type == "cpu" and seeds.numel() <= _HOST_KEYS:
+        keys = zip(salt.flatten().tolist(), seeds.flatten().tolist(), offsets.flatten().tolist())
+        lanes = [_host_lanes(*key) for key in keys]  # [numel][2]
+        return torch.tensor(lanes, dtype=torch.long).view(-1, 2).T.reshape(2, *seeds.shape)
+    h = torch.tensor(_LANE_IV, dtype=torch.long, device=seeds.device).view((2,) + (1,) * seeds.dim())
+    words = torch.stack([salt, seeds, seeds >> 32, offsets, offsets >> 32]) & _M32  # low / high halves
+    for spread in _mul32(words, _GOLDEN):
+        h = _absorb_spread(h, spread)
+    return h
+
+
+_HOST_KEYS = 16  # keys hashed on the host (per key ~100 integer operations)
+
+
+def _host_lanes(salt: int, seed: int, offset: int) -> list[int]:
+    """The two lane states of one key with python ints (same words, same order as the tensor path)."""
+    words = [w & _M32 for w in (salt, seed, seed >> 32, offset, offset >> 32)]
     lanes = []
-    for iv in _LANE_IV:
-        h = torch.full_like(seeds, iv)
+    for h in _LANE_IV:
         for w in words:
             h = _absorb(h, w)
         lanes.append(h)
@@ -160,11 +206,16 @@ def exponential(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int, salt=0) 
 
     seeds, offsets: [N] int64. Uses 23 random bits per entry; every value is finite and > 0.
     """
-    state, _ = _lanes(seeds.reshape(-1, 1), offsets.reshape(-1, 1), salt)  # [N, 1]
-    token = torch.arange(vocab, device=state.device, dtype=torch.long)
-    h = _absorb(state, token)  # [N, V]
-    u = ((h >> 9).float() + 0.5) * _TWO_M23  # (0, 1), exact in float32
-    return -torch.log(u)
+    state = _lanes(seeds.reshape(-1, 1), offsets.reshape(-1, 1), salt)[0]  # [N, 1]
+    h = _absorb_spread(state, _token_words(vocab, state.device))  # [N, V]
+    u = (h >> 9).float().add_(0.5).mul_(_TWO_M23)  # (0, 1), exact in float32
+    return u.log_().neg_()
+
+
+@functools.lru_cache(maxsize=8)
+def _token_words(vocab: int, device: torch.device) -> torch.Tensor:
+    """Token ids [V] spread for :func:`_absorb_spread` (cached per vocabulary and device)."""
+    return _mul32(torch.arange(vocab, device=device, dtype=torch.long), _GOLDEN)
 
 
 def sample_from_probs(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

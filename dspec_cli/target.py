@@ -75,6 +75,7 @@ class Target:
         if self._layers is None:
             raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
         self._embed = model.get_input_embeddings()
+        self._param = next(model.parameters())  # device / dtype probe (``module.to`` keeps the object)
         self._window, self._layout = attention_layout(self.config)
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -102,18 +103,19 @@ class Target:
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from dspec_cli.hub import resolve_checkpoint
+
         if name_or_path is None:
             if not DEFAULT_TARGET_PATH.is_dir():
                 raise DspecError(f"embedded default target not found at {DEFAULT_TARGET_PATH}")
             name_or_path = str(DEFAULT_TARGET_PATH)
+        local = str(resolve_checkpoint(name_or_path, what="target"))  # a Hub id -> its cached snapshot
         torch_dtype = _parse_dtype(dtype)
         if torch_dtype == "auto" and torch.device(device).type == "cpu":
             torch_dtype = torch.float32  # CPUs: fp32 keeps verification numerically batch-invariant
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                name_or_path, dtype=torch_dtype, attn_implementation="sdpa"
-            )
-            tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+            model = AutoModelForCausalLM.from_pretrained(local, dtype=torch_dtype, attn_implementation="sdpa")
+            tokenizer = AutoTokenizer.from_pretrained(local)
         except (OSError, ValueError) as err:
             detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise DspecError(f"cannot load target {name_or_path!r}: {detail}") from err
@@ -138,11 +140,11 @@ class Target:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        return self._param.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
+        return self._param.dtype
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -203,7 +205,8 @@ class Target:
         pos = (col[None, :] - start[:, None]).clamp(min=0)  # [R_new, P]
         real = col[None, :] >= start[:, None]  # [R_new, P]
         fresh = batch.empty_like(len(lens))
-        logits, taps = self._forward(fresh, ids, pos, causal_visibility(real), last_only=True, dense=len(lens) == 1)
+        vis = None if len(lens) == 1 else causal_visibility(real)
+        logits, taps = self._forward(fresh, ids, pos, vis, last_only=True)
         fresh.record_prefill(real, pos, lens)
         first_row = batch.num_rows
         batch.extend(fresh)
@@ -220,10 +223,29 @@ class Target:
         rows in order; ``lengths`` [R] may hold 0 for rows that sit this step out.
         """
         n, q, flat = self._ragged(batch, tokens, lengths)
-        col = torch.arange(q, device=self.device)
-        real = col[None, :] < _counts(n, self.device)[:, None]  # [R, q]
-        depth = col[None, :].expand(batch.num_rows, q)
-        return self._step(batch, tokens, n, flat, causal_visibility(real), depth, parents=None)
+        vis = None if self._dense(batch) else causal_visibility(self._real(n, q))
+        depth = torch.arange(q, device=self.device)[None, :]
+        return self._step(batch, tokens, n, q, flat, vis, depth, parents=None)
+
+    @torch.no_grad()
+    def append(self, batch: TargetBatch, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Feed and commit ragged chains in one step (verify + commit of every token, no taps).
+
+        tokens [Σn_r], lengths [R] >= 1 as in :meth:`verify`. Returns the logits [R, V] float after
+        each row's last token: what a drafter's own model needs to draft the next one.
+        """
+        n, q, flat = self._ragged(batch, tokens, lengths)
+        if min(n) < 1:
+            raise ValueError(f"append: every row needs at least one token, got lengths {n}")
+        real = self._real(n, q)
+        vis = None if self._dense(batch) else causal_visibility(real)
+        ids = _grid(tokens.to(self.device, torch.long), batch.num_rows, q, flat)
+        pos = batch.committed[:, None] + torch.arange(q, device=self.device)  # [R, q]
+        logits, _ = self._forward(batch, ids, pos, vis, last_only=flat is None)
+        if flat is not None:  # ragged: each row's last real token
+            logits = logits[torch.arange(len(n), device=self.device), _counts(n, self.device) - 1, None]
+        batch.append_step(real, pos, n)
+        return logits[:, -1].float()
 
     @torch.no_grad()
     def verify_tree(
@@ -236,8 +258,7 @@ class Target:
         if parents.shape != tokens.shape:
             raise ValueError(f"parents must be shaped like tokens, got {tuple(parents.shape)}")
         rows, dev = batch.num_rows, self.device
-        par = torch.full((rows * q,), -1, dtype=torch.long, device=dev)
-        par = par.index_copy(0, flat, parents.to(dev, torch.long)).view(rows, q)  # [R, q]
+        par = _grid(parents.to(dev, torch.long), rows, q, flat, fill=-1)  # [R, q]
         col = torch.arange(q, device=dev)[None, :]
         real = col < _counts(n, dev)[:, None]
         ok = torch.where(col == 0, par == -1, (par >= 0) & (par < col))
@@ -245,7 +266,7 @@ class Target:
             raise ValueError("parents: node 0 of a row must be -1 and node i > 0 needs 0 <= parent < i")
         vis = ancestor_visibility(par)  # [R, q, q]
         depth = vis.sum(dim=-1) - 1
-        return self._step(batch, tokens, n, flat, vis, depth, parents=par)
+        return self._step(batch, tokens, n, q, flat, vis, depth, parents=par)
 
     def commit(self, batch: TargetBatch, keep: torch.Tensor) -> None:
         """Chains: keep the first ``keep[r]`` verified tokens of each row [R]; the rest become holes."""
@@ -301,7 +322,8 @@ class Target:
     # -- internals -------------------------------------------------------------------------------
 
     def _ragged(self, batch: TargetBatch, tokens: torch.Tensor, lengths: torch.Tensor):
-        """Validate a ragged input; return n (host list), q = max n, flat index [Σn] into [R*q]."""
+        """Validate a ragged input; return n (host list), q = max n and the flat index [Σn] into
+        [R*q] (None when every row has q tokens: the flat layout is the [R, q] grid itself)."""
         batch.require_idle("verify")
         rows = batch.num_rows
         if rows == 0:
@@ -309,42 +331,47 @@ class Target:
         if lengths.dim() != 1 or lengths.shape[0] != rows:
             raise ValueError(f"lengths must be [R={rows}], got {tuple(lengths.shape)}")
         n = [int(x) for x in lengths.tolist()]
-        if min(n) < 0 or sum(n) == 0:
+        total, q = sum(n), max(n)
+        if min(n) < 0 or total == 0:
             raise ValueError(f"lengths must be >= 0 with a positive sum, got {n}")
-        if tokens.dim() != 1 or tokens.shape[0] != sum(n):
-            raise ValueError(f"tokens must be [sum(lengths)={sum(n)}], got {tuple(tokens.shape)}")
-        q, dev = max(n), self.device
+        if tokens.dim() != 1 or tokens.shape[0] != total:
+            raise ValueError(f"tokens must be [sum(lengths)={total}], got {tuple(tokens.shape)}")
+        if total == rows * q:
+            return n, q, None
+        dev = self.device
         counts = _counts(n, dev)
         offsets = torch.arange(rows, device=dev) * q - (torch.cumsum(counts, 0) - counts)
-        total = sum(n)
         flat = torch.arange(total, device=dev) + torch.repeat_interleave(offsets, counts, output_size=total)
         return n, q, flat
 
-    def _step(self, batch, tokens, n, flat, vis, depth, parents) -> StepOutput:
-        rows, q = vis.shape[0], vis.shape[1]
-        dev = self.device
-        ids = torch.zeros(rows * q, dtype=torch.long, device=dev)
-        ids = ids.index_copy(0, flat, tokens.to(dev, torch.long)).view(rows, q)
-        pos = batch.committed[:, None] + depth  # [R, q]
-        dense = parents is None and rows == 1 and batch.holes == 0
-        logits, taps = self._forward(batch, ids, pos, vis, last_only=False, dense=dense)
-        counts = _counts(n, dev)
-        real = torch.arange(q, device=dev)[None, :] < counts[:, None]
-        batch.open_step(real, pos, PendingStep(start=batch.num_slots, n=n, parents=parents))
-        out_rows = torch.repeat_interleave(torch.arange(rows, device=dev), counts, output_size=sum(n))
-        return StepOutput(
-            logits=logits.reshape(rows * q, -1).index_select(0, flat).float(),
-            hidden=taps.reshape(rows * q, -1).index_select(0, flat),
-            rows=out_rows,
-        )
+    def _real(self, n: list[int], q: int) -> torch.Tensor:
+        """[R, q] bool: slot j of row r holds one of its n[r] tokens (False: right padding)."""
+        if min(n) == q:
+            return torch.ones(len(n), q, dtype=torch.bool, device=self.device)
+        return torch.arange(q, device=self.device)[None, :] < _counts(n, self.device)[:, None]
 
-    def _forward(self, batch: TargetBatch, ids, pos, vis, last_only: bool, dense: bool = False):
+    @staticmethod
+    def _dense(batch: TargetBatch) -> bool:
+        """One row and no holes: slots equal positions, so the model's own causal mask is exact."""
+        return batch.num_rows == 1 and batch.holes == 0
+
+    def _step(self, batch, tokens, n, q, flat, vis, depth, parents) -> StepOutput:
+        rows, dev = batch.num_rows, self.device
+        ids = _grid(tokens.to(dev, torch.long), rows, q, flat)
+        pos = batch.committed[:, None] + depth  # [R, q]
+        logits, taps = self._forward(batch, ids, pos, vis, last_only=False)
+        batch.open_step(self._real(n, q), pos, PendingStep(start=batch.num_slots, n=n, parents=parents))
+        out_rows = torch.repeat_interleave(torch.arange(rows, device=dev), _counts(n, dev), output_size=sum(n))
+        return StepOutput(logits=_flatten(logits, flat).float(), hidden=_flatten(taps, flat), rows=out_rows)
+
+    def _forward(self, batch: TargetBatch, ids, pos, vis, last_only: bool):
         """One cached forward of ids [R, q] at positions pos [R, q]; returns (logits, taps [R, q, n·d]).
 
-        ``dense``: one row, no holes, causal new tokens — slots equal positions, so the model's
-        own causal masking is exact and we pass no mask (sdpa's fast path; matters at R = 1).
+        ``vis`` [R, q, q]: visibility among the new tokens, None for a dense step (one row, no
+        holes, causal new tokens): slots equal positions, so the model's own causal masking is
+        exact and we pass no mask (sdpa's fast path; matters at R = 1).
         """
-        if dense:
+        if vis is None:
             mask = None
         elif self._layout == "mixed":
             full, sliding = batch.attention_masks(pos, vis, self._window)
@@ -392,6 +419,20 @@ class Target:
 def _counts(n: list[int], device) -> torch.Tensor:
     """Host list of per-row counts -> long tensor [R]."""
     return torch.tensor(n, dtype=torch.long, device=device)
+
+
+def _grid(values: torch.Tensor, rows: int, q: int, flat: torch.Tensor | None, fill: int = 0) -> torch.Tensor:
+    """Flat ragged values [Σn] -> grid [R, q] right-padded with ``fill`` (flat: their index into
+    [R*q]; None: every row is full)."""
+    if flat is None:
+        return values.view(rows, q)
+    return values.new_full((rows * q,), fill).index_copy(0, flat, values).view(rows, q)
+
+
+def _flatten(grid: torch.Tensor, flat: torch.Tensor | None) -> torch.Tensor:
+    """Grid [R, q, ...] -> the flat ragged entries [Σn, ...] (inverse of :func:`_grid`)."""
+    rows_q = grid.reshape(grid.shape[0] * grid.shape[1], *grid.shape[2:])
+    return rows_q if flat is None else rows_q.index_select(0, flat)
 
 
 def _concat(taps: list[torch.Tensor], q: int, dtype, device, rows: int = 1) -> torch.Tensor:

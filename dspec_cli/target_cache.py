@@ -116,6 +116,12 @@ class TargetBatch:
         self.pos = torch.cat([self.pos, pos_new], dim=1)
         self.pending = pending
 
+    def append_step(self, valid_new: torch.Tensor, pos_new: torch.Tensor, added: list[int]) -> None:
+        """Record q slots [R, q] appended and committed at once (``added[r]`` valid ones per row)."""
+        self.valid = torch.cat([self.valid, valid_new], dim=1)
+        self.pos = torch.cat([self.pos, pos_new], dim=1)
+        self._add_committed(added)
+
     def record_prefill(self, valid: torch.Tensor, pos: torch.Tensor, lengths: list[int]) -> None:
         """Record the slots [R, P] a prefill forward wrote into this (empty) batch's cache."""
         self.valid, self.pos, self.lengths = valid, pos, list(lengths)
@@ -124,9 +130,13 @@ class TargetBatch:
     def close_step(self, keep_new: torch.Tensor, added: list[int]) -> None:
         """Finish a verify: ``keep_new`` [R, q] marks the committed slots, ``added`` counts them per row."""
         self.valid[:, self.pending.start :] = keep_new
-        self.committed += torch.tensor(added, dtype=torch.long, device=self.device)
-        self.lengths = [a + b for a, b in zip(self.lengths, added)]
         self.pending = None
+        self._add_committed(added)
+
+    def _add_committed(self, added: list[int]) -> None:
+        """Rows grew by ``added`` committed tokens; trim or compact the holes that leaves."""
+        self.committed = self.committed + torch.tensor(added, dtype=torch.long, device=self.device)
+        self.lengths = [a + b for a, b in zip(self.lengths, added)]
         self.maybe_compact()
 
     def extend(self, other: TargetBatch) -> None:

@@ -108,6 +108,18 @@ class Session:
                 self.seqs[r] += [toks[r][i] for i in p]
                 self.anchors[r] = self.rand(1)[0]
 
+    def append_round(self, max_len: int = 4) -> None:
+        """Target.append: ragged chains (>= 1 token per row) are committed; last-token logits."""
+        chains = [[self.anchors[r]] + self.rand(self.randint(0, max_len)) for r in range(len(self.seqs))]
+        flat = torch.tensor([t for c in chains for t in c])
+        logits = self.t.append(self.batch, flat, torch.tensor([len(c) for c in chains]))
+        assert logits.shape == (len(chains), VOCAB_SIZE)
+        for r, chain in enumerate(chains):
+            full, _ = self.t.forward_full(torch.tensor([self.seqs[r] + chain]))
+            torch.testing.assert_close(logits[r], full[-1], atol=ATOL, rtol=ATOL)
+            self.seqs[r] += chain
+            self.anchors[r] = self.rand(1)[0]
+
     def rollback(self) -> None:
         drop = [self.randint(0, min(4, len(s))) for s in self.seqs]
         self.t.rollback(self.batch, torch.tensor(drop))
@@ -163,6 +175,20 @@ def test_compaction_and_continuous_batching(target):
     s.chain_round()
 
 
+@pytest.mark.parametrize("lens", [[5], [5, 11, 3]])
+def test_append_and_single_row_steps_match_full_forward(target, lens):
+    """append (a drafter's own model), chains and rollbacks; one row takes the mask-free dense path."""
+    s = Session(target, seed=6)
+    s.prefill(lens)
+    for _ in range(3):
+        s.append_round()
+        s.chain_round()
+        s.rollback()
+    s.assert_committed()
+    if len(lens) == 1:
+        assert s.batch.holes == 0  # rejected and rolled-back slots are cut off, never left as holes
+
+
 def test_max_slots_bound_compacts():
     t = Target(tiny_qwen3())
     s = Session(t, seed=4, compact_fraction=1.0, max_slots=16)
@@ -198,6 +224,8 @@ def test_bad_input_raises():
         t.verify(batch, torch.tensor([], dtype=torch.long), torch.tensor([0, 0]))
     with pytest.raises(ValueError, match="tokens"):
         t.verify(batch, torch.tensor([1, 2]), torch.tensor([2, 2]))
+    with pytest.raises(ValueError, match="at least one token"):
+        t.append(batch, torch.tensor([1, 2]), torch.tensor([2, 0]))
     with pytest.raises(ValueError, match="nothing to commit"):
         t.commit(batch, torch.tensor([1, 1]))
     with pytest.raises(ValueError, match="parents"):

@@ -81,20 +81,16 @@ class DraftModelDrafter(Drafter):
         # first step feeds what the draft cache lacks: pending committed ids + the anchor
         feed = [torch.cat([state.pending[r], anchors[r : r + 1]]) for r in range(R)]
         lengths = torch.tensor([f.numel() for f in feed], device=anchors.device)
-        out = self.model.verify(state.batch, torch.cat(feed), lengths)
-        self.model.commit(state.batch, lengths)
-        last = torch.cumsum(lengths, 0) - 1
+        logits = self.model.append(state.batch, torch.cat(feed), lengths)  # [R, V]
+        ones = torch.ones_like(anchors)
         tokens, probs = [], []
-        logits = out.logits[last]
         for k in range(max_len):
             q = sampler.probs(logits)  # [R, V]
             x = sampler.sample(q, k)  # [R]
             tokens.append(x)
             probs.append(q)
             if k + 1 < max_len:
-                out = self.model.verify(state.batch, x, torch.ones_like(x))
-                self.model.commit(state.batch, torch.ones_like(x))
-                logits = out.logits
+                logits = self.model.append(state.batch, x, ones)
         state.pending = [t[:0] for t in state.pending]
         state.fed = max_len - 1
         return Proposal(
