@@ -127,3 +127,53 @@ def schedule_plot(results: Sequence[dict], path: str | Path) -> Path:
         ax.set_xscale("log", base=2)
     top.legend(fontsize=8)
     return _save(fig, path)
+
+
+def _run_label(run: dict) -> str:
+    sched = run.get("scheduler", "fixed")
+    return run["drafter"] if sched in ("-", "fixed") else f"{run['drafter']} · {sched}"
+
+
+def acceptance_plot(runs: Sequence[dict], path: str | Path) -> Path:
+    """The paper's Fig. 2: conditional acceptance by draft position, one panel per dataset,
+    one line per drafter (runs at the lowest concurrency)."""
+    datasets = list(dict.fromkeys(r["dataset"] for r in runs))
+    fig, axes = plt.subplots(1, len(datasets), figsize=(4.2 * len(datasets), 3.6), squeeze=False, sharey=True)
+    for ax, dset in zip(axes.flat, datasets):
+        rows = [r for r in runs if r["dataset"] == dset]
+        low = min(r.get("concurrency", 1) for r in rows)
+        for run in (r for r in rows if r.get("concurrency", 1) == low):
+            pts = [(k + 1, 100 * a) for k, a in enumerate(run["cond_accept"]) if a is not None]
+            if pts:
+                ax.plot(*zip(*pts), "o-", ms=3, label=f"{_run_label(run)} (τ {run['tau']:.2f})")
+        ax.set(title=dset, xlabel="draft position k", ylim=(0, 100))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes.flat[0].set_ylabel("P(accept k | accepted 1..k-1) (%)")
+    return _save(fig, path)
+
+
+def load_plots(runs: Sequence[dict], out_dir: str | Path) -> list[Path]:
+    """Serving under load, per dataset: aggregate against per-user throughput (the paper's
+    Fig. 7; plain decoding dashed) and mean verification budget against concurrency (Fig. 8)."""
+    out_dir, paths = Path(out_dir), []
+    for dset in dict.fromkeys(r["dataset"] for r in runs):
+        rows = [r for r in runs if r["dataset"] == dset]
+        fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+        for label in dict.fromkeys(_run_label(r) for r in rows):
+            series = sorted((r for r in rows if _run_label(r) == label), key=lambda r: r["concurrency"])
+            left.plot([r["per_user_tokens_per_s"] for r in series], [r["throughput_tokens_per_s"] for r in series],
+                      "o-", label=label)
+            right.plot([r["concurrency"] for r in series], [r["mean_verify_budget"] for r in series], "o-", label=label)
+        plain = sorted({(r["concurrency"], r["baseline_tokens_per_s"]) for r in rows if r.get("baseline_tokens_per_s")})
+        if plain:
+            left.plot([tps / c for c, tps in plain], [tps for _, tps in plain], "k--", lw=1, label="plain decoding")
+        left.set(xlabel="per-user tokens / s", ylabel="aggregate tokens / s", title=f"{dset}: throughput")
+        right.set(xlabel="concurrent requests", ylabel="mean verification budget (tokens / request / round)",
+                  title=f"{dset}: budget")
+        right.set_xscale("log", base=2)
+        for ax in (left, right):
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        paths.append(_save(fig, out_dir / f"load-{dset}.png"))
+    return paths

@@ -94,10 +94,11 @@ def test_bench_schedulers_under_concurrency(model_dir, tmp_path, capsys):
         ["bench", "--target", str(model_dir), "--drafter", "draft-model", "--checkpoint", str(model_dir),
          "--scheduler", "fixed", "--scheduler", "hardware", "--scheduler", "async", "--cost-table", str(table),
          "--concurrency", "1,4", "--num-prompts", "4", "--max-new-tokens", "10", "--block-size", "3",
-         "--json", str(report)],
+         "--json", str(report), "--plots", str(tmp_path / "png")],
         capsys,
     )
     assert code == 0, err
+    assert {p.name for p in (tmp_path / "png").iterdir()} == {"acceptance.png", "load-builtin.png"}
     runs = json.loads(report.read_text())["runs"]
     assert {(r["scheduler"], r["concurrency"]) for r in runs} == {(s, c) for s in ("fixed", "hardware", "async") for c in (1, 4)}
     for r in runs:

@@ -1,7 +1,8 @@
 """Build the embedded default target and its draft model from offline text, seeded.
 
     python recipes/tiny/build.py [--stage corpus|tokenizer|target|draft|export|all]
-                                 [--minutes 30] [--draft-minutes 8] [--out work-data/tiny]
+                                 [--minutes 30] [--draft-minutes 8] [--max-steps N]
+                                 [--draft-max-steps N] [--out work-data/tiny]
 
 Stages write under --out: corpus/ (text), tokenizer.json, data/ (uint16 token arrays),
 target/ and draft/ (checkpoints + logs); export writes dspec_cli/assets/tiny-{target,draft-model}.
@@ -41,7 +42,7 @@ def stage_tokenizer(args) -> None:
     _log("encoded: " + ", ".join(f"{k} {v['tokens']}" for k, v in stats.items()))
 
 
-def stage_train(args, size: str, minutes: float) -> None:
+def stage_train(args, size: str, minutes: float, max_steps: int | None) -> None:
     import train
     init_from = None
     if args.continue_training:
@@ -52,7 +53,7 @@ def stage_train(args, size: str, minutes: float) -> None:
         final.rename(init_from)
     train.train(size=size, out_dir=args.out / size, data_dir=args.out / "data",
                 tokenizer_file=args.out / "tokenizer.json", minutes=minutes,
-                max_steps=args.max_steps, seed=args.seed, bf16=not args.fp32,
+                max_steps=max_steps, seed=args.seed, bf16=not args.fp32,
                 init_from=init_from)
 
 
@@ -73,7 +74,9 @@ def main(argv=None) -> None:
     p.add_argument("--minutes", type=float, default=30.0, help="target training budget (wall)")
     p.add_argument("--draft-minutes", type=float, default=8.0, help="draft training budget")
     p.add_argument("--max-steps", type=int, default=None,
-                   help="stop after this many steps as well (deterministic runs)")
+                   help="target: stop after this many steps as well (deterministic runs)")
+    p.add_argument("--draft-max-steps", type=int, default=None,
+                   help="draft: stop after this many steps as well (deterministic runs)")
     p.add_argument("--out", type=Path, default=REPO / "work-data" / "tiny")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fp32", action="store_true", help="disable bf16 autocast")
@@ -92,9 +95,9 @@ def main(argv=None) -> None:
         elif stage == "tokenizer":
             stage_tokenizer(args)
         elif stage == "target":
-            stage_train(args, "target", args.minutes)
+            stage_train(args, "target", args.minutes, args.max_steps)
         elif stage == "draft":
-            stage_train(args, "draft", args.draft_minutes)
+            stage_train(args, "draft", args.draft_minutes, args.draft_max_steps)
         else:
             stage_export(args)
 
