@@ -281,11 +281,12 @@ class DFlashDrafter(TrainableDrafter):
         confidence uses h_k and x_{k−1} only."""
         R, gamma = anchors.shape[0], min(max_len, self.config.block_size)
         h = self._block_hidden(state, anchors)[:, :gamma]  # [R, γ, d]
+        base = self._lm_logits(h)  # [R, γ, V]: one LM-head matmul for the whole block
         head, conf_head = self.net.head, self.net.confidence
         prev, hstate = anchors, None
         tokens, probs, conf = [], [], []
         for k in range(gamma):
-            logits, hstate = self.head_logits(self._lm_logits(h[:, k]), h[:, k], prev, hstate)  # [R, V]
+            logits, hstate = self.head_logits(base[:, k], h[:, k], prev, hstate)  # [R, V]
             if conf_head is not None:
                 prev_embed = head.embed(prev) if head is not None else None
                 conf.append(self._calibrated(conf_head(h[:, k], prev_embed).float(), k))
