@@ -215,10 +215,12 @@ def test_draft_tokens_follow_draft_probs(target):
     assert gof_test(prop.tokens[:, 0], q[0]).p_value > 1e-4
 
 
-def check_lossless(target: Target, drafter, sampling_cfg: dict, num_prompts: int, per_prompt: int) -> None:
+def check_lossless(target: Target, drafter, sampling_cfg: dict, num_prompts: int, per_prompt: int,
+                   max_batch: int | None = None) -> None:
     """3-token continuations from the engine match exact target sampling (chi-square)."""
     prompts = [target.render_prompt(p) for p in PROMPTS[:num_prompts]]
-    results = check_engine_lossless(target, drafter, prompts, per_prompt=per_prompt, sampling=sampling_cfg, name="eagle3")
+    results = check_engine_lossless(target, drafter, prompts, per_prompt=per_prompt, sampling=sampling_cfg,
+                                    max_batch=max_batch, name="eagle3")
     assert sum(sum(r.accepted) for r in results) > 0  # drafts were really accepted
 
 
@@ -292,6 +294,13 @@ def test_tree_proposal(target, draft_vocab):
     short = drafter.propose(drv.state, drv.anchors, 2, sampler(2, 1))  # depth capped by max_len
     p = short.tree.parents
     assert short.tokens.shape[1] == 2 and ((p == 0) | (p.gather(1, (p - 1).clamp(min=0)) == 0)).all()
+
+
+@pytest.mark.parametrize("rows", [8, pytest.param(1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("sampling_cfg", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9)])
+def test_tree_lossless(target, sampling_cfg, rows):
+    """EAGLE-2 trees through the engine (sample-and-match), R concurrent requests."""
+    check_lossless(target, build(target, **TREE), sampling_cfg, num_prompts=1, per_prompt=3000, max_batch=rows)
 
 
 def test_tree_greedy_equals_plain_greedy(target):
