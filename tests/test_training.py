@@ -276,9 +276,10 @@ def test_ctrl_c_stops_at_a_step_boundary_with_a_checkpoint(setup):
         def note(self, text):
             pass
 
+    before = signal.getsignal(signal.SIGINT)  # default, or SIG_IGN under nohup / background jobs
     res = train(TrainOptions(recipe=recipe, output=tmp / "run"), Interrupt())
     assert not res.finished and res.step == 2 and res.checkpoint.name == "step_2"
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) == before  # the previous handler is restored
     full = train(TrainOptions(recipe=recipe, output=tmp / "full"))
     resumed = train(TrainOptions(output=tmp / "run", resume=True))
     assert torch.equal(_weights(full.output)["weight"], _weights(resumed.output)["weight"])
