@@ -154,10 +154,12 @@ def acceptance_plot(runs: Sequence[dict], path: str | Path) -> Path:
 
 
 def load_plots(runs: Sequence[dict], out_dir: str | Path) -> list[Path]:
-    """Serving under load, per dataset: aggregate against per-user throughput (the paper's
-    Fig. 7; plain decoding dashed) and mean verification budget against concurrency (Fig. 8)."""
+    """Serving under load, per dataset (``load.png``, or ``load-<i>.png`` in dataset order):
+    aggregate against per-user throughput (the paper's Fig. 7; plain decoding dashed) and mean
+    verification budget against concurrency (Fig. 8)."""
     out_dir, paths = Path(out_dir), []
-    for dset in dict.fromkeys(r["dataset"] for r in runs):
+    datasets = list(dict.fromkeys(r["dataset"] for r in runs))
+    for i, dset in enumerate(datasets):
         rows = [r for r in runs if r["dataset"] == dset]
         fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
         for label in dict.fromkeys(_run_label(r) for r in rows):
@@ -175,5 +177,5 @@ def load_plots(runs: Sequence[dict], out_dir: str | Path) -> list[Path]:
         for ax in (left, right):
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
-        paths.append(_save(fig, out_dir / f"load-{dset}.png"))
+        paths.append(_save(fig, out_dir / ("load.png" if len(datasets) == 1 else f"load-{i + 1}.png")))
     return paths

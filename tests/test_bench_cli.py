@@ -98,7 +98,7 @@ def test_bench_schedulers_under_concurrency(model_dir, tmp_path, capsys):
         capsys,
     )
     assert code == 0, err
-    assert {p.name for p in (tmp_path / "png").iterdir()} == {"acceptance.png", "load-builtin.png"}
+    assert {p.name for p in (tmp_path / "png").iterdir()} == {"acceptance.png", "load.png"}
     runs = json.loads(report.read_text())["runs"]
     assert {(r["scheduler"], r["concurrency"]) for r in runs} == {(s, c) for s in ("fixed", "hardware", "async") for c in (1, 4)}
     for r in runs:
