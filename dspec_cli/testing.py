@@ -759,3 +759,15 @@ def check_engine_lossless(target, drafter, prompts: Sequence[Sequence[int]], *, 
         assert_continuations_match(samples, exact, name=f"{name} prompt {i} {sampling}")
         out += results
     return out
+
+
+def results_by_concurrency(target, drafter, prompts: Sequence[Sequence[int]], concurrencies: Sequence[int],
+                           **config) -> list[list]:
+    """The engine's results for ``prompts``, once per concurrency (``max_batch``) with the same
+    seeds; equal ``output_ids`` across them show the outputs do not depend on the batch."""
+    from dspec_cli.engine import GenerationConfig, SpeculativeEngine
+
+    return [
+        SpeculativeEngine(target, drafter, GenerationConfig(max_batch=conc, **config), stop_ids=[]).generate(prompts)
+        for conc in concurrencies
+    ]

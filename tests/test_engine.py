@@ -11,7 +11,7 @@ from dspec_cli.errors import DspecError
 from dspec_cli.metrics import acceptance
 from dspec_cli.plugins import get_drafter_class
 from dspec_cli.target import Target
-from dspec_cli.testing import assert_continuations_match, check_engine_lossless, exact_continuations
+from dspec_cli.testing import assert_continuations_match, check_engine_lossless, exact_continuations, results_by_concurrency
 
 PROMPTS = ["Speculative decoding drafts", "The quick brown fox", "Numbers like 0 1 2", "def add(a, b):"]
 
@@ -64,10 +64,9 @@ def test_continuous_batching_is_batch_invariant(target, name):
     """Per-request counter-based randomness: the same seeds give the same tokens at any concurrency."""
     prompts = [target.render_prompt(p) for p in PROMPTS] * 2
     drafter = make_drafter(name, target)
-    outs = []
-    for conc in (1, 3, 8):
-        cfg = GenerationConfig(max_new_tokens=12, temperature=1.0, block_size=4, max_batch=conc, seed=5)
-        outs.append([r.output_ids for r in SpeculativeEngine(target, drafter, cfg, stop_ids=[]).generate(prompts)])
+    runs = results_by_concurrency(target, drafter, prompts, (1, 3, 8), max_new_tokens=12, temperature=1.0,
+                                  block_size=4, seed=5)
+    outs = [[r.output_ids for r in results] for results in runs]
     assert outs[0] == outs[1] == outs[2]
 
 

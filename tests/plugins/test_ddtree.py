@@ -18,7 +18,7 @@ from dspec_cli.engine import GenerationConfig, SpeculativeEngine
 from dspec_cli.errors import DspecError
 from dspec_cli.plugins import get_drafter_class
 from dspec_cli.target_cache import ancestor_visibility
-from dspec_cli.testing import check_engine_lossless
+from dspec_cli.testing import check_engine_lossless, results_by_concurrency
 from dspec_ddtree import DDTreeConfig, DDTreeDrafter, grow_tree
 
 BASES = ["dflash", "dspark-markov"]
@@ -207,13 +207,11 @@ def test_batch_invariant(target, base):
     """Seeded outputs are the same at R = 1, 8 and 24 (so one chi-square covers every R)."""
     prompts = [target.render_prompt(p) for p in PROMPTS] * 8
     drafter = ddtree(target, base)
-    outs = []
-    for R in (1, 8, 24):
-        cfg = GenerationConfig(max_new_tokens=8, temperature=1.0, block_size=4, max_batch=R, seed=5)
-        results = SpeculativeEngine(target, drafter, cfg, stop_ids=[]).generate(prompts)
-        outs.append([r.output_ids for r in results])
+    runs = results_by_concurrency(target, drafter, prompts, (1, 8, 24), max_new_tokens=8, temperature=1.0,
+                                  block_size=4, seed=5)
+    outs = [[r.output_ids for r in results] for results in runs]
     assert outs[0] == outs[1] == outs[2]
-    assert sum(a for r in results for a in r.accepted) > 0
+    assert sum(a for r in runs[-1] for a in r.accepted) > 0
 
 
 def check_lossless(target, base: str, sampling: dict, R: int | None, per_prompt: int, **options) -> None:
