@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 import platform
 import re
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -17,7 +19,7 @@ import torch
 from dspec_cli import __version__, plugins
 from dspec_cli.data import BUILTIN, dataset_name, load_prompts
 from dspec_cli.drafter import Drafter
-from dspec_cli.engine import GenerationConfig, SpeculativeEngine
+from dspec_cli.engine import GenerationConfig, RunStats, SpeculativeEngine
 from dspec_cli.errors import DspecError
 from dspec_cli.hub import resolve_checkpoint
 from dspec_cli.metrics import acceptance, generated_tokens
@@ -44,6 +46,7 @@ class BenchOptions:
     device: str = "cpu"
     dtype: str = "auto"
     warmup: bool = True
+    repeats: int = 1  # timed runs per engine, interleaved; tokens/s is the median
     extra: dict = field(default_factory=dict)
 
 
@@ -63,27 +66,53 @@ def environment(target: Target) -> dict:
     }
 
 
-def parse_drafter_spec(spec: str) -> tuple[type[Drafter], dict[str, Any]]:
-    """``NAME[:BASE][,KEY=VALUE...]`` -> (drafter class, config overrides); ``:BASE`` means
-    ``base=BASE`` (``ddtree:dspark``). Values take the type of the config field's default."""
-    head, *pairs = re.split(r",(?=\s*[A-Za-z_]\w*\s*=)", spec)  # commas inside values (JSON lists) stay
-    name, colon, base = head.partition(":")
-    cls = plugins.get_drafter_class(name.strip())
-    raw = {"base": base.strip()} if colon else {}
+def _split_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """``HEAD[,KEY=VALUE...]`` -> (HEAD, raw options); commas inside values (JSON lists) stay."""
+    head, *pairs = re.split(r",(?=\s*[A-Za-z_]\w*\s*=)", spec)
+    raw = {}
     for pair in pairs:
         key, _, value = pair.partition("=")
         raw[key.strip()] = value.strip()
-    defaults = {f.name: f.default for f in dataclasses.fields(cls.config_class) if f.name != "block_size"}
+    return head, raw
+
+
+def _typed_options(flag: str, spec: str, raw: dict[str, str], defaults: dict[str, Any], hint: str = "") -> dict[str, Any]:
     unknown = sorted(set(raw) - set(defaults))
     if unknown:
-        raise DspecError(
-            f"--drafter {spec!r}: unknown option(s) {', '.join(unknown)}; valid: {', '.join(defaults)} "
-            "(the block size is --block-size)"
-        )
-    return cls, {key: _option_value(spec, key, value, defaults[key]) for key, value in raw.items()}
+        raise DspecError(f"{flag} {spec!r}: unknown option(s) {', '.join(unknown)}; valid: {', '.join(defaults) or 'none'}{hint}")
+    return {key: _option_value(flag, spec, key, value, defaults[key]) for key, value in raw.items()}
 
 
-def _option_value(spec: str, key: str, value: str, default: Any) -> Any:
+def parse_drafter_spec(spec: str) -> tuple[type[Drafter], dict[str, Any]]:
+    """``NAME[:BASE][,KEY=VALUE...]`` -> (drafter class, config overrides); ``:BASE`` means
+    ``base=BASE`` (``ddtree:dspark``). Values take the type of the config field's default."""
+    head, raw = _split_spec(spec)
+    name, colon, base = head.partition(":")
+    cls = plugins.get_drafter_class(name.strip())
+    if colon:
+        raw = {"base": base.strip(), **raw}
+    defaults = {f.name: f.default for f in dataclasses.fields(cls.config_class) if f.name != "block_size"}
+    return cls, _typed_options("--drafter", spec, raw, defaults, " (the block size is --block-size)")
+
+
+def parse_scheduler_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``NAME[,KEY=VALUE...]`` -> (scheduler name, constructor options), e.g. ``hardware,gate=false``.
+    Valid keys are the keyword parameters of the scheduler's constructors (calibration aside)."""
+    head, raw = _split_spec(spec)
+    name = head.strip()
+    cls = plugins.get_scheduler_class(name)
+    defaults: dict[str, Any] = {}
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        for p in inspect.signature(init).parameters.values():
+            if p.kind is p.KEYWORD_ONLY and p.name not in ("calibration", "context") and p.name not in defaults:
+                defaults[p.name] = p.default
+    return name, _typed_options("--scheduler", spec, raw, defaults)
+
+
+def _option_value(flag: str, spec: str, key: str, value: str, default: Any) -> Any:
     try:
         if isinstance(default, bool):
             return {"true": True, "1": True, "false": False, "0": False}[value.lower()]
@@ -91,8 +120,8 @@ def _option_value(spec: str, key: str, value: str, default: Any) -> Any:
             return type(default)(value)
         return json.loads(value)
     except (KeyError, ValueError):
-        kind = type(default).__name__ if default is not dataclasses.MISSING else "JSON"
-        raise DspecError(f"--drafter {spec!r}: {key} expects {kind}, got {value!r}") from None
+        kind = type(default).__name__ if default not in (dataclasses.MISSING, None) else "JSON"
+        raise DspecError(f"{flag} {spec!r}: {key} expects {kind}, got {value!r}") from None
 
 
 def build_drafter(spec: str, target: Target, checkpoint: str | None, block_size: int) -> Drafter:
@@ -115,18 +144,33 @@ def _schedulers(opts: BenchOptions, target: Target) -> list[tuple[str, object]]:
         table = CostTable.load(opts.cost_table)
         table.check(device=target.device, model=opts.target or "embedded:tiny-target", strict=opts.strict)
     out = []
-    for name in opts.schedulers:
-        plugins.get_scheduler_class(name)  # unknown names list the known ones
-        if name in ("hardware", "async") and table is None:
+    for spec in opts.schedulers:
+        name, options = parse_scheduler_spec(spec)  # unknown names list the known ones
+        if plugins.get_scheduler_class(name).needs_cost_table and table is None:
             raise DspecError(f"--scheduler {name} needs --cost-table (write one with `dspec profile-hardware --json PATH`)")
-        out.append((name, build_scheduler(name, table)))
+        out.append((spec, build_scheduler(name, table, **options)))
     return out
 
 
-def _timed_generate(engine: SpeculativeEngine, prompts, on_finish) -> tuple[list, float]:
-    t0 = time.perf_counter()
-    results = engine.generate(prompts, on_finish=on_finish)
-    return results, time.perf_counter() - t0
+def _run_interleaved(engines, ids, repeats: int, conc: int, dset: str, progress) -> list[list[tuple[list, float]]]:
+    """Run every engine ``repeats`` times, round-robin (baseline, drafter 1, ..., baseline, ...),
+    so drifting machine load hits all alike. Returns per engine [(results, tokens/s)] by repeat;
+    each engine's ``stats`` hold its first repeat."""
+    timed: list[list[tuple[list, float]]] = [[] for _ in engines]
+    for rep in range(repeats):
+        for i, (name, sname, eng) in enumerate(engines):
+            label = name if sname in ("-", "fixed") else f"{name} · {sname}"
+            label += f" · R={conc}" + (f" · {rep + 1}/{repeats}" if repeats > 1 else "")
+            cb = progress(f"{dataset_name(dset)} · {label}", len(ids)) if progress else (lambda _res: None)
+            stats = eng.stats
+            eng.stats = RunStats()
+            t0 = time.perf_counter()
+            results = eng.generate(ids, on_finish=cb)
+            wall = time.perf_counter() - t0
+            if rep:
+                eng.stats = stats
+            timed[i].append((results, generated_tokens(results) / wall if wall > 0 else 0.0))
+    return timed
 
 
 def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | None = None) -> dict:
@@ -138,6 +182,8 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
         raise DspecError(f"--block-size must be >= 1, got {opts.block_size}")
     if any(c < 1 for c in opts.concurrency):
         raise DspecError("--concurrency values must be >= 1")
+    if opts.repeats < 1:
+        raise DspecError(f"--repeats must be >= 1, got {opts.repeats}")
     if opts.checkpoints and len(opts.checkpoints) != len(opts.drafters):
         raise DspecError("give one --checkpoint per --drafter (in the same order; '' for the default), or none")
     for name in opts.drafters:
@@ -151,7 +197,6 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
         for i, name in enumerate(opts.drafters)
     ]
     runs = []
-    noop = lambda _res: None  # noqa: E731
     for dset, prompts in prompt_sets.items():
         ids = [target.render_prompt(p.text) for p in prompts]
         for conc in opts.concurrency:
@@ -169,16 +214,12 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
                 warm_cfg = GenerationConfig(**{**cfg.__dict__, "max_new_tokens": min(8, cfg.max_new_tokens)})
                 for _, _, eng in engines:
                     SpeculativeEngine(target, eng.drafter, warm_cfg).generate(ids[:1])
-            baseline_tps = None
-            for name, sname, eng in engines:
-                label = name if sname in ("-", "fixed") else f"{name} · {sname}"
-                cb = progress(f"{dataset_name(dset)} · {label} · R={conc}", len(ids)) if progress else noop
-                results, wall = _timed_generate(eng, ids, cb)
-                ntok = generated_tokens(results)
-                tps = ntok / wall if wall > 0 else 0.0
-                if name == "baseline":
-                    baseline_tps = tps
-                    continue
+            timed = _run_interleaved(engines, ids, opts.repeats, conc, dset, progress)
+            baseline_tps = statistics.median(tps for _, tps in timed[0])
+            for (name, sname, eng), reps in zip(engines[1:], timed[1:]):
+                results, _ = reps[0]  # outputs and statistics: the first repeat; speed: the median
+                tps_runs = [tps for _, tps in reps]
+                tps = statistics.median(tps_runs)
                 acc = acceptance(results, opts.block_size)
                 st = eng.stats
                 busy = st.draft_seconds + st.verify_seconds + st.prefill_seconds + st.other_seconds
@@ -198,14 +239,18 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
                         "top_k": opts.top_k,
                         "block_size": opts.block_size,
                         **acc,
-                        "generated_tokens": ntok,
-                        "wall_seconds": wall,
+                        "generated_tokens": generated_tokens(results),
+                        "repeats": opts.repeats,
+                        "wall_seconds": generated_tokens(results) / tps if tps else 0.0,
                         "tokens_per_s": tps,
+                        "tokens_per_s_runs": tps_runs,
                         "throughput_tokens_per_s": tps,
                         "per_user_tokens_per_s": per_user,
                         "mean_verify_budget": sum(budgets) / len(budgets) if budgets else 0.0,
                         "baseline_tokens_per_s": baseline_tps,
+                        "baseline_tokens_per_s_runs": [tps for _, tps in timed[0]],
                         "speedup": tps / baseline_tps if baseline_tps else None,
+                        "drafted_round_share": st.drafted_rounds / st.rounds if st.rounds else 0.0,
                         "draft_time_share": st.draft_seconds / busy if busy else 0.0,
                         "verify_time_share": st.verify_seconds / busy if busy else 0.0,
                     }

@@ -182,7 +182,9 @@ class Drafter:
     def advance(
         self, state: DraftState, committed: torch.Tensor, counts: torch.Tensor, hidden: torch.Tensor | None
     ) -> None:
-        """Tokens that entered each request's context this round (anchor + accepted drafts).
+        """Tokens that entered each request's context since the last call, row by row in order:
+        the anchor + accepted drafts of the round just verified, or, after rounds the engine ran
+        without drafting (draft gate), the tokens of all those rounds (counts may exceed γ + 1).
 
         committed [Σc_r] long, counts [R] long, hidden [Σc_r, n·d] target taps or None.
         """

@@ -84,6 +84,7 @@ class RunStats:
     prefill_seconds: float = 0.0
     other_seconds: float = 0.0
     rounds: int = 0
+    drafted_rounds: int = 0  # rounds with a proposal (the rest were plain steps: no drafter, gate closed, budget 0)
     verify_tokens: int = 0  # tokens sent to the target in verify passes
 
 
@@ -211,7 +212,11 @@ class SpeculativeEngine:
             hidden = out.hidden
             if hidden is not None:  # committed entries of the flat verify layout
                 hidden = hidden[_ragged(_prefix_mask(keep, grid.shape[1]), n, [e + 1 for e in ell_list])]
-            self.drafter.advance(rows.dstate, _ragged(grid, keep, keep_list), keep, hidden)
+            committed = _ragged(grid, keep, keep_list)
+            if proposal is None:  # no draft this round: the drafter catches up before its next one
+                rows.backlog.append((committed, keep, hidden))
+            else:
+                self.drafter.advance(rows.dstate, committed, keep, hidden)
         t2 = time.perf_counter()
         self._book(rows, results, res, proposal, ell, t0, t1, t2, tokens.numel())
 
@@ -221,19 +226,27 @@ class SpeculativeEngine:
         R = len(rows.active)
         # drafts beyond the token budget are wasted
         budget = [min(max(cfg.max_new_tokens - len(results[i].output_ids) - 1, 0), cfg.block_size) for i in rows.active]
-        if self.drafter is None or max(budget) == 0:
+        sched = self.scheduler
+        if hasattr(sched, "context"):  # mean context for cost-table lookups (host-side)
+            sched.context = sum(len(results[i].prompt_ids) + len(results[i].output_ids) for i in rows.active) / R
+        wants = getattr(sched, "wants_draft", None)
+        if self.drafter is None or max(budget) == 0 or (wants is not None and not wants(R, cfg.block_size)):
             return None, torch.zeros(R, dtype=torch.long, device=dev)
+        t0 = time.perf_counter()
+        rows.catch_up(self.drafter)
         max_len = cfg.block_size  # not max(budget): a draft tree's shape must not depend on other rows
         sampler = RoundSampler(cfg, rows.seeds, rows.rounds, max_len)
         proposal = self.drafter.propose(rows.dstate, rows.anchors, max_len, sampler)
         if proposal.confidence is None:
             proposal.confidence = self.drafter.confidence(rows.dstate, proposal)
         lmax = torch.minimum(proposal.lengths, torch.tensor(budget, dtype=torch.long, device=dev))
-        if self.scheduler is None:
+        if sched is None:
             return proposal, lmax
-        if hasattr(self.scheduler, "context"):  # mean context for cost-table lookups (host-side)
-            self.scheduler.context = sum(len(results[i].prompt_ids) + len(results[i].output_ids) for i in rows.active) / R
-        return proposal, self.scheduler(proposal, lmax)
+        ell = sched(proposal, lmax)
+        observe = getattr(sched, "observe_draft_time", None)
+        if observe is not None:
+            observe(R, time.perf_counter() - t0)
+        return proposal, ell
 
     def _accept(self, rows: _Rows, out, grid, proposal: Proposal | None, ell, ell_list: list[int]) -> VerifyResult:
         """Verify the chains: grid [R, 1 + max ℓ] (anchor, drafts), target output of the flat chains."""
@@ -299,6 +312,7 @@ class SpeculativeEngine:
         rows.anchors = res.tokens.gather(1, res.accepted[:, None]).squeeze(1)
         rows.rounds = rows.rounds + 1
         self.stats.rounds += 1
+        self.stats.drafted_rounds += proposal is not None
         self.stats.verify_tokens += verify_tokens
         self.stats.draft_seconds += t1 - t0
         self.stats.verify_seconds += t2 - t1
@@ -318,6 +332,7 @@ class SpeculativeEngine:
         keep = [r for r in range(len(rows.active)) if r not in set(done)]
         self.target.remove(rows.batch, done)
         if rows.dstate is not None:
+            rows.catch_up(self.drafter)
             self.drafter.remove_requests(rows.dstate, keep)
         idx = torch.tensor(keep, dtype=torch.long, device=rows.anchors.device)
         rows.anchors, rows.seeds, rows.rounds = rows.anchors[idx], rows.seeds[idx], rows.rounds[idx]
@@ -395,9 +410,28 @@ class _Rows:
     dstate: object
     device: torch.device
     active: list[int] = field(default_factory=list)  # request index per row
+    # rounds without a draft not yet passed to drafter.advance: (committed [Σc], counts [R], taps [Σc, ·] | None)
+    backlog: list[tuple] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         empty = torch.empty(0, dtype=torch.long, device=self.device)
         self.anchors = empty  # [R] last sampled token, not yet in the target cache
         self.seeds = empty  # [R] per-request seed
         self.rounds = empty  # [R] per-request round counter (randomness key)
+
+    def catch_up(self, drafter: Drafter) -> None:
+        """One ``drafter.advance`` with every backlogged round's tokens, each row's in order.
+
+        Rows admitted since a backlogged round get count 0 for it (they are appended at the end).
+        """
+        if not self.backlog:
+            return
+        R = len(self.active)
+        dev = self.backlog[0][0].device
+        row_ids = torch.cat([torch.repeat_interleave(torch.arange(c.shape[0], device=dev), c) for _, c, _ in self.backlog])
+        order = torch.sort(row_ids, stable=True).indices
+        committed = torch.cat([t for t, _, _ in self.backlog])[order]
+        hidden = None if self.backlog[0][2] is None else torch.cat([h for _, _, h in self.backlog])[order]
+        counts = torch.bincount(row_ids, minlength=R)
+        self.backlog.clear()
+        drafter.advance(self.dstate, committed, counts, hidden)

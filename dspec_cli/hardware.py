@@ -129,7 +129,10 @@ class CostTable:
     def sps_curve(
         self, max_tokens: int, context: float | None = None, device: torch.device | str = "cpu"
     ) -> torch.Tensor:
-        """SPS(B) indexed by B = 0..n, n >= max_tokens, float64 on ``device`` (entry 0 = SPS(1)); cached."""
+        """SPS(B) indexed by B = 0..n, n >= max_tokens, float64 on ``device`` (entry 0 = SPS(1));
+        cached per device and context (rounded to 16 tokens: schedulers ask every round)."""
+        if context is not None:
+            context = float(16 * round(context / 16))
         key = (context, str(device))
         curve = self._curves.get(key)
         if curve is None or curve.shape[0] <= max_tokens:

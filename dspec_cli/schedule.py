@@ -21,11 +21,20 @@ and on earlier rounds, but never on c_{r,k+1..} (those depend on x_k).
 Candidates with a_{r,j} = 0 are never admitted. An optional :class:`Calibration` is applied
 to the confidences first (for drafters whose confidences are not calibrated by the drafter
 itself, e.g. the Σq² heuristic).
+
+Draft gate (``hardware`` and ``async``; ``gate=False`` turns it off): Algorithm 1 prices a
+round by the target alone, as if drafting were free. Where it is not (a CPU; a drafter costly
+next to the target) :class:`DraftGate` decides *before* drafting whether this round drafts at
+all: from the mean survival curve of recent drafted rounds and the measured drafting time it
+predicts the best Θ = τ / (1/SPS(B) + t_draft) and drafts only if that beats plain decoding's
+R·SPS(R). It looks at earlier rounds only, and a round without a draft is a plain decoding
+step, so the gate cannot bias the output.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -79,6 +88,80 @@ def global_capacity(values: torch.Tensor, num_valid: torch.Tensor, num_rows: int
     return theta.masked_fill(~allowed, -1.0).argmax()
 
 
+def draft_throughput(survival_mean: torch.Tensor, num_rows: int, sps: torch.Tensor, draft_seconds: float) -> float:
+    """Best expected Θ over budgets K >= 1 when every row has the survival curve ā [γ]
+    (non-increasing) and drafting costs ``draft_seconds`` per round: max_K τ_K / (1/SPS(R+K) + t)."""
+    values = survival_mean.double().repeat_interleave(num_rows)  # already sorted: ā_1 ×R, ā_2 ×R, ...
+    tau = num_rows + values.cumsum(0)
+    batch = num_rows + torch.arange(1, values.shape[0] + 1)
+    return float((tau / (1.0 / sps[batch] + draft_seconds)).max())
+
+
+class DraftGate:
+    """Whether a round drafts at all (see the module docstring); state from past rounds only.
+
+    ``draft_seconds`` fixes the drafting cost (deterministic runs, tests); None measures it
+    (EMA per concurrency R, nearest measured R otherwise). While closed, one probe round
+    drafts after ``probe`` closed rounds (the interval doubles after each probe that keeps it
+    closed, up to 64×) so the survival curve and the drafting time stay current.
+    """
+
+    def __init__(self, *, draft_seconds: float | None = None, probe: int = 16, smoothing: float = 0.25):
+        if draft_seconds is not None and draft_seconds < 0:
+            raise DspecError(f"draft_seconds must be >= 0, got {draft_seconds}")
+        if probe < 1:
+            raise DspecError(f"probe must be >= 1, got {probe}")
+        self.draft_seconds, self.probe, self.smoothing = draft_seconds, probe, smoothing
+        self.reset()
+
+    def reset(self) -> None:
+        self.survival: torch.Tensor | None = None  # [γ] EMA of the mean survival curve (CPU float64)
+        self.times: dict[int, float] = {}  # R -> EMA of drafting seconds per round
+        self.interval, self.closed_for = self.probe, 0
+        self.opened = self.closed = 0  # decisions taken
+        self._verdict: tuple[int, bool] | None = None  # (R, prediction) until the next observation
+
+    def observe_survival(self, survival: torch.Tensor) -> None:
+        """Survival products a [R, γ] of a drafted round (calibrated)."""
+        mean = survival.double().mean(0).cpu()
+        self.survival = mean if self.survival is None else self.survival + self.smoothing * (mean - self.survival)
+        self._verdict = None
+
+    def observe_time(self, num_rows: int, seconds: float) -> None:
+        old = self.times.get(num_rows)
+        self.times[num_rows] = seconds if old is None else old + self.smoothing * (seconds - old)
+        self._verdict = None
+
+    def _predict(self, num_rows: int, sps: torch.Tensor) -> bool:
+        """Does drafting beat plain decoding at R = ``num_rows``, going by the past? ``sps``
+        indexed by B (:meth:`CostTable.sps_curve`, >= R·(γ+1) entries)."""
+        seconds = self.draft_seconds
+        if seconds is None and self.times:
+            seconds = self.times[min(self.times, key=lambda r: (abs(r - num_rows), -r))]
+        if self.survival is None or seconds is None:
+            return True  # nothing to predict from yet: draft and measure
+        plain = num_rows * float(sps[num_rows])
+        return draft_throughput(self.survival, num_rows, sps.cpu(), seconds) > plain
+
+    def decide(self, num_rows: int, sps: Callable[[], torch.Tensor]) -> bool:
+        """Draft this round? ``sps()`` gives the SPS curve for :meth:`_predict`. The prediction is
+        reused until R changes or something new is observed (a drafted round)."""
+        if self._verdict is not None and self._verdict[0] == num_rows:
+            is_open = self._verdict[1]
+        else:
+            is_open = self._predict(num_rows, sps())
+            self._verdict = (num_rows, is_open)
+        if is_open:
+            self.interval, self.closed_for = self.probe, 0
+        elif self.closed_for + 1 >= self.interval:  # probe
+            self.interval, self.closed_for, is_open = min(2 * self.interval, 64 * self.probe), 0, True
+        else:
+            self.closed_for += 1
+        self.opened += is_open
+        self.closed += not is_open
+        return is_open
+
+
 def admit(rows: torch.Tensor, count: torch.Tensor, num_rows: int) -> torch.Tensor:
     """ℓ [R]: how many of the first ``count`` sorted candidates belong to each row."""
     take = (torch.arange(rows.shape[0], device=rows.device) < count).long()
@@ -98,12 +181,15 @@ class Scheduler:
     needs_cost_table: ClassVar[bool] = False
 
     def __init__(self, cost_table: CostTable | None = None, *, calibration: Calibration | None = None,
-                 context: float | None = None):
+                 context: float | None = None, gate: DraftGate | None = None):
         if self.needs_cost_table and cost_table is None:
             raise DspecError(f"scheduler {self.name!r} needs a cost table (dspec profile-hardware; --cost-table)")
+        if gate is not None and cost_table is None:
+            raise DspecError(f"scheduler {self.name!r}: the draft gate needs a cost table")
         self.cost_table = cost_table
         self.calibration = calibration
         self.context = context  # context length for SPS lookups (None: mean over profiled contexts)
+        self.gate = gate
 
     def __call__(self, proposal: Proposal, lmax: torch.Tensor) -> torch.Tensor:
         if proposal.confidence is None:
@@ -111,13 +197,28 @@ class Scheduler:
         conf = proposal.confidence  # [R, γ]
         if self.calibration is not None:
             conf = self.calibration.apply(conf)
+        if self.gate is not None:
+            self.gate.observe_survival(conf.double().cumprod(1))
         return self.lengths(conf, lmax.to(conf.device))
+
+    def wants_draft(self, num_rows: int, gamma: int) -> bool:
+        """Called by the engine before drafting a round of ``num_rows`` rows (draft gate)."""
+        if self.gate is None:
+            return True
+        return self.gate.decide(num_rows, lambda: self._sps(num_rows * (gamma + 1), torch.device("cpu")))
+
+    def observe_draft_time(self, num_rows: int, seconds: float) -> None:
+        """Called by the engine after each drafted round with its drafting time."""
+        if self.gate is not None:
+            self.gate.observe_time(num_rows, seconds)
 
     def lengths(self, confidence: torch.Tensor, lmax: torch.Tensor) -> torch.Tensor:  # [R, γ], [R] -> [R]
         raise NotImplementedError
 
     def reset(self) -> None:
         """Forget state kept across rounds (a new run)."""
+        if self.gate is not None:
+            self.gate.reset()
 
     def _sps(self, max_tokens: int, device: torch.device) -> torch.Tensor:
         return self.cost_table.sps_curve(max_tokens, self.context, device)
@@ -149,10 +250,20 @@ class ThresholdScheduler(Scheduler):
         return torch.minimum(kept, lmax)
 
 
-class HardwareScheduler(Scheduler):
-    name = "hardware"
-    description = "DSpark Algorithm 1: global greedy admission by survival, early stop on τ·SPS(B)"
+class _GatedScheduler(Scheduler):
+    """Hardware-aware schedulers: a cost table and, unless ``gate=False``, a :class:`DraftGate`."""
+
     needs_cost_table = True
+
+    def __init__(self, cost_table: CostTable | None = None, *, gate: bool = True, draft_seconds: float | None = None,
+                 probe: int = 16, **kwargs):
+        draft_gate = DraftGate(draft_seconds=draft_seconds, probe=probe) if gate else None
+        super().__init__(cost_table, gate=draft_gate, **kwargs)
+
+
+class HardwareScheduler(_GatedScheduler):
+    name = "hardware"
+    description = "DSpark Algorithm 1: global greedy admission by survival, early stop on τ·SPS(B); draft gate"
 
     def lengths(self, confidence: torch.Tensor, lmax: torch.Tensor) -> torch.Tensor:
         R, gamma = confidence.shape
@@ -161,10 +272,9 @@ class HardwareScheduler(Scheduler):
         return admit(rows, count, R)
 
 
-class AsyncScheduler(Scheduler):
+class AsyncScheduler(_GatedScheduler):
     name = "async"
-    description = "DSpark §5.2: capacity K from confidences two rounds old (global search), top-K now"
-    needs_cost_table = True
+    description = "DSpark §5.2: capacity K from confidences two rounds old (global search), top-K now; draft gate"
 
     def __init__(self, cost_table: CostTable | None = None, *, delay: int = 2, **kwargs):
         super().__init__(cost_table, **kwargs)
@@ -174,6 +284,7 @@ class AsyncScheduler(Scheduler):
         self._history: deque = deque(maxlen=delay)  # (sorted values, #valid) of past rounds
 
     def reset(self) -> None:
+        super().reset()
         self._history.clear()
 
     def lengths(self, confidence: torch.Tensor, lmax: torch.Tensor) -> torch.Tensor:

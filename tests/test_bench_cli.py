@@ -92,18 +92,43 @@ def test_bench_schedulers_under_concurrency(model_dir, tmp_path, capsys):
     report = tmp_path / "bench.json"
     code, out, err = run(
         ["bench", "--target", str(model_dir), "--drafter", "draft-model", "--checkpoint", str(model_dir),
-         "--scheduler", "fixed", "--scheduler", "hardware", "--scheduler", "async", "--cost-table", str(table),
-         "--concurrency", "1,4", "--num-prompts", "4", "--max-new-tokens", "10", "--block-size", "3",
-         "--json", str(report), "--plots", str(tmp_path / "png")],
+         "--scheduler", "fixed", "--scheduler", "hardware,probe=4", "--scheduler", "async,gate=false",
+         "--cost-table", str(table), "--concurrency", "1,4", "--num-prompts", "4", "--max-new-tokens", "10",
+         "--block-size", "3", "--repeats", "2", "--json", str(report), "--plots", str(tmp_path / "png")],
         capsys,
     )
     assert code == 0, err
     assert {p.name for p in (tmp_path / "png").iterdir()} == {"acceptance.png", "load.png"}
     runs = json.loads(report.read_text())["runs"]
-    assert {(r["scheduler"], r["concurrency"]) for r in runs} == {(s, c) for s in ("fixed", "hardware", "async") for c in (1, 4)}
+    schedulers = ("fixed", "hardware,probe=4", "async,gate=false")
+    assert {(r["scheduler"], r["concurrency"]) for r in runs} == {(s, c) for s in schedulers for c in (1, 4)}
     for r in runs:
         assert r["throughput_tokens_per_s"] > 0 and r["per_user_tokens_per_s"] > 0
         assert 1 <= r["mean_verify_budget"] <= 4
+        assert r["repeats"] == 2 and len(r["tokens_per_s_runs"]) == 2 and len(r["baseline_tokens_per_s_runs"]) == 2
+        assert 0 <= r["drafted_round_share"] <= 1
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("hardware,gates=false", "--scheduler 'hardware,gates=false': unknown option(s) gates; valid: gate, draft_seconds, probe"),
+        ("hardware,probe=often", "--scheduler 'hardware,probe=often': probe expects int, got 'often'"),
+        ("hardware,probe=0", "probe must be >= 1, got 0"),
+        ("fastest", "unknown scheduler 'fastest'"),
+    ],
+)
+def test_bad_scheduler_spec(model_dir, tmp_path, capsys, spec, message):
+    table = tmp_path / "cost.json"
+    run(["profile-hardware", "--target", str(model_dir), "--grid", "1,2", "--contexts", "8", "--repeats", "1",
+         "--warmup", "0", "--json", str(table)], capsys)
+    _bad(["bench", "--target", str(model_dir), "--drafter", "prompt-lookup", "--scheduler", spec,
+          "--cost-table", str(table)], capsys, message)
+
+
+def test_repeats_below_one(model_dir, capsys):
+    _bad(["bench", "--target", str(model_dir), "--drafter", "prompt-lookup", "--repeats", "0"], capsys,
+         "--repeats must be >= 1, got 0")
 
 
 def test_hardware_scheduler_needs_cost_table(model_dir, capsys):

@@ -333,7 +333,7 @@ def test_engine_lossless_with_hardware_scheduler(target):
     """Two-token continuations through the engine: hardware scheduler, Markov-style confidences."""
     prompt = target.render_prompt("Speculative decoding drafts")
     cfg = GenerationConfig(max_new_tokens=3, block_size=3, max_batch=50, seed=3)
-    sched = build_scheduler("hardware", table([1.0] * 50 + [1.0 / (1.0 + 0.01 * i) for i in range(1, 200)]))
+    sched = build_scheduler("hardware", table([1.0] * 50 + [1.0 / (1.0 + 0.01 * i) for i in range(1, 200)]), gate=False)
     drafter = draft_model(target, cls=MarkovConfidenceDraft)
     results = SpeculativeEngine(target, drafter, cfg, scheduler=sched, stop_ids=[]).generate([prompt] * 2000)
     samples = torch.tensor([r.output_ids[:2] for r in results])

@@ -59,8 +59,9 @@ def bench_command(
     top_k: int = typer.Option(0, "--top-k"),
     block_size: int = typer.Option(7, "--block-size", help="γ: most draft tokens verified per round."),
     seed: int = typer.Option(0, "--seed"),
+    repeats: int = typer.Option(1, "--repeats", help="Timed runs per engine, interleaved with the baseline's; tokens/s is the median."),
     concurrency: str = typer.Option("1", "--concurrency", help="Concurrent requests, e.g. 1,4,16."),
-    scheduler: list[str] = typer.Option(["fixed"], "--scheduler", help="Verification-length scheduler (repeatable): fixed, threshold, hardware, async."),
+    scheduler: list[str] = typer.Option(["fixed"], "--scheduler", help="Verification-length scheduler (repeatable): NAME[,KEY=VALUE...], e.g. fixed, threshold,threshold=0.6, hardware, hardware,gate=false, async."),
     cost_table: Optional[Path] = typer.Option(None, "--cost-table", help="Cost table from `dspec profile-hardware --json` (hardware/async schedulers)."),
     strict: bool = typer.Option(False, "--strict", help="A cost table from another device or model is an error, not a warning."),
     device: str = typer.Option("cpu", "--device"),
@@ -75,7 +76,7 @@ def bench_command(
         drafters=drafter, target=target, checkpoints=checkpoint, datasets=dataset, num_prompts=num_prompts,
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, block_size=block_size,
         seed=seed, concurrency=_concurrency(concurrency), device=device, dtype=dtype,
-        schedulers=scheduler, cost_table=str(cost_table) if cost_table else None, strict=strict,
+        schedulers=scheduler, cost_table=str(cost_table) if cost_table else None, strict=strict, repeats=repeats,
     )
     err = Console(stderr=True)
     with Progress(

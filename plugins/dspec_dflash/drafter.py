@@ -238,12 +238,12 @@ class DFlashDrafter(TrainableDrafter):
 
     @torch.no_grad()
     def advance(self, state: BlockDraftState, committed, counts, hidden) -> None:
-        """Append the taps of committed tokens (anchor + accepted drafts, <= γ+1 per row)."""
+        """Append the taps of committed tokens (per row: anchor + accepted drafts of one or more rounds)."""
         if hidden is None:
             raise ValueError(f"hidden: {self.name} needs the target's taps of committed tokens")
         self._check_taps(hidden)
-        max_count = min(hidden.shape[0], self.config.block_size + 1)
-        self.net.backbone.extend_cache(state.cache, hidden, counts.to(self.target.device), max_count)
+        counts = counts.to(self.target.device)
+        self.net.backbone.extend_cache(state.cache, hidden, counts, int(counts.max()) if counts.numel() else 0)
 
     @torch.no_grad()
     def block_logits(self, state: BlockDraftState, anchors: torch.Tensor) -> torch.Tensor:

@@ -73,7 +73,6 @@ class Eagle3State(DraftState):
 
     cache: ContextCache | None = None
     pending: torch.Tensor | None = None  # [R, n·d]
-    max_commit: int = 1  # most tokens a row can commit after the last propose (host bound)
 
     @property
     def num_requests(self) -> int:
@@ -216,10 +215,9 @@ class Eagle3Drafter(TrainableDrafter):
         first = torch.arange(total, device=dev) == (ends - counts)[rows]  # [Σc]
         prev = torch.cat([hidden[:1], hidden[:-1]])  # taps of the previous committed token
         taps = torch.where(first[:, None], state.pending[rows].to(hidden.dtype), prev)
-        self._extend(state.cache, taps, committed.to(dev), counts, min(total, state.max_commit))
+        self._extend(state.cache, taps, committed.to(dev), counts, int(counts.max()))
         last = hidden[(ends - 1).clamp(min=0)].to(state.pending.dtype)
         state.pending = torch.where((counts > 0)[:, None], last, state.pending)
-        state.max_commit = 1
 
     @torch.no_grad()
     def propose(self, state: Eagle3State, anchors: torch.Tensor, max_len: int, sampler: Sampler) -> Proposal:
@@ -243,7 +241,6 @@ class Eagle3Drafter(TrainableDrafter):
             probs.append(q)
             if k + 1 < max_len:
                 o = run.step(x[:, None], o, run.chain_mask())
-        state.max_commit = max_len + 1
         return Proposal(
             tokens=torch.stack(tokens, 1),
             lengths=torch.full((R,), max_len, dtype=torch.long, device=anchors.device),
@@ -279,7 +276,6 @@ class Eagle3Drafter(TrainableDrafter):
         tree_tokens = self._target_ids(tree_tokens)
         path, lengths = best_path(tree_tokens, tree_parents, tree_scores, depth)
         n = tree_tokens.shape[1]
-        state.max_commit = max(depth, max_len) + 1
         tree = DraftTree(tokens=tree_tokens, parents=tree_parents, num_nodes=torch.full((R,), n, device=anchors.device))
         return Proposal(tokens=path, lengths=lengths, tree=tree)
 

@@ -1,0 +1,222 @@
+"""The draft gate: rounds without a draft (decision from past rounds only), the drafter's
+catch-up over skipped rounds, and losslessness of the mixed rounds through the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_qwen3, tiny_target, tiny_tokenizer
+
+from dspec_cli import testing as T
+from dspec_cli.engine import GenerationConfig, RoundSampler, SpeculativeEngine, _Rows
+from dspec_cli.errors import DspecError
+from dspec_cli.hardware import CostTable
+from dspec_cli.plugins import get_drafter_class
+from dspec_cli.schedule import DraftGate, HardwareScheduler, build_scheduler, draft_throughput
+from dspec_cli.target import Target
+
+
+def table(sps: list[float]) -> CostTable:
+    """SPS(B) = sps[B-1] (one context)."""
+    return CostTable(device="cpu", device_name="cpu-test", dtype="float32", model="toy", torch=torch.__version__,
+                     grid=list(range(1, len(sps) + 1)), contexts=[128], measured={"128": list(sps)})
+
+
+def curve(sps: list[float]):
+    """The lazy SPS curve :meth:`DraftGate.decide` takes."""
+    values = table(sps).sps_curve(len(sps))
+    return lambda: values
+
+
+# a CPU-like curve: one token 10 ms, each extra token +1 ms
+CPU = [1.0 / (0.010 + 0.001 * (b - 1)) for b in range(1, 257)]
+
+
+# --------------------------------------------------------------------------------------
+# The decision
+# --------------------------------------------------------------------------------------
+
+
+def test_draft_throughput_is_the_best_budget():
+    a = torch.tensor([0.9, 0.6, 0.2], dtype=torch.float64)
+    sps = curve(CPU)()
+    R, t = 2, 0.004
+    best = 0.0
+    for k in range(1, 3 * R + 1):  # brute force over budgets: the k largest of ā repeated R times
+        top = sorted(a.repeat(R).tolist(), reverse=True)[:k]
+        best = max(best, (R + sum(top)) / (1 / float(sps[R + k]) + t))
+    assert draft_throughput(a, R, sps, t) == pytest.approx(best)
+
+
+def gate_after(survival: list[float], draft_seconds: float, **kwargs) -> DraftGate:
+    gate = DraftGate(draft_seconds=draft_seconds, **kwargs)
+    gate.observe_survival(torch.tensor([survival], dtype=torch.float64))
+    return gate
+
+
+def test_gate_opens_when_drafting_pays_and_closes_when_not():
+    sps = curve(CPU)
+    good = [0.95, 0.9, 0.85, 0.8]
+    assert gate_after(good, 0.001).decide(1, sps)  # cheap draft, long expected accepts
+    assert not gate_after(good, 0.050).decide(1, sps)  # drafting costs 5 plain steps
+    assert not gate_after([0.1, 0.01, 0.0, 0.0], 0.001).decide(1, sps)  # drafts rarely survive
+    assert DraftGate().decide(4, sps)  # no history: draft (and measure)
+
+
+def test_gate_probes_with_a_doubling_interval():
+    gate = gate_after([0.1, 0.01, 0.0, 0.0], 0.001, probe=2)
+    decisions = [gate.decide(1, curve(CPU)) for _ in range(16)]
+    assert [i for i, d in enumerate(decisions) if d] == [1, 5, 13]  # after 2, 4, 8 closed rounds
+    assert (gate.opened, gate.closed) == (3, 13)
+
+
+def test_gate_measures_draft_time_per_concurrency():
+    gate = DraftGate(smoothing=0.5)
+    gate.observe_survival(torch.tensor([[0.95, 0.9, 0.85, 0.8]], dtype=torch.float64))
+    gate.observe_time(1, 0.001)
+    gate.observe_time(16, 0.200)
+    gate.observe_time(16, 0.100)
+    assert gate.times == {1: 0.001, 16: pytest.approx(0.150)}
+    assert gate.decide(2, curve(CPU))  # nearest measured R is 1: cheap
+    assert not gate.decide(12, curve(CPU))  # nearest is 16: expensive
+
+
+def test_gate_options_and_errors():
+    sched = build_scheduler("hardware", table(CPU), draft_seconds=0.01, probe=4)
+    assert sched.gate.draft_seconds == 0.01 and sched.gate.probe == 4
+    assert build_scheduler("async", table(CPU), gate=False).gate is None
+    assert build_scheduler("fixed").wants_draft(3, 4)
+    with pytest.raises(DspecError, match="probe"):
+        build_scheduler("hardware", table(CPU), probe=0)
+    with pytest.raises(DspecError, match="draft_seconds"):
+        build_scheduler("hardware", table(CPU), draft_seconds=-1.0)
+
+
+# --------------------------------------------------------------------------------------
+# Catch-up: one advance over skipped rounds == one advance per round
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def target() -> Target:
+    return tiny_target("qwen3", seed=0)
+
+
+def make(name: str, target: Target):
+    cls = get_drafter_class(name)
+    torch.manual_seed(1)
+    if name == "draft-model":
+        return cls(cls.config_class(block_size=4), target, model=Target(tiny_qwen3(seed=1), tiny_tokenizer()))
+    extra = {} if name in ("dflash", "eagle3") else {"markov_rank": 16}
+    if name != "eagle3":
+        extra["num_layers"] = 2
+    return cls.build(cls.config_class(block_size=4, **extra), target)
+
+
+def greedy_sampler(rows: int) -> RoundSampler:
+    zeros = torch.zeros(rows, dtype=torch.long)
+    return RoundSampler(GenerationConfig(temperature=0.0), zeros, zeros + 1, 4)
+
+
+@pytest.mark.parametrize("name", ["dflash", "dspark-markov", "eagle3", "draft-model"])
+def test_catch_up_equals_round_by_round_advance(target, name):
+    drafter = make(name, target)
+    width = len(drafter.target_layer_ids) * target.hidden_size
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(200, (n,), generator=g) for n in (7, 4)]
+    taps = [torch.randn(p.numel(), width, generator=g) for p in prompts] if drafter.target_layer_ids else None
+    # round 1 drafts (anchor + 2 accepted / anchor only), then three rounds without a draft, 1 token each
+    rounds = [torch.tensor([3, 1])] + [torch.tensor([1, 1])] * 3
+    commits = [(torch.randint(200, (int(c.sum()),), generator=g), c, torch.randn(int(c.sum()), width, generator=g) if taps else None)
+               for c in rounds]
+    anchors = torch.tensor([5, 9])
+    states = []
+    for merged in (False, True):
+        state = drafter.init_state()
+        drafter.add_requests(state, prompts, taps)
+        drafter.propose(state, anchors, 4, greedy_sampler(2))
+        drafter.advance(state, *commits[0])
+        if merged:
+            rows = _Rows(None, state, torch.device("cpu"), active=[0, 1], backlog=list(commits[1:]))
+            rows.catch_up(drafter)
+            assert rows.backlog == []
+        else:
+            for c in commits[1:]:
+                drafter.advance(state, *c)
+        states.append(drafter.propose(state, anchors, 4, greedy_sampler(2)))
+    one_by_one, caught_up = states
+    assert torch.equal(one_by_one.tokens, caught_up.tokens)
+    torch.testing.assert_close(one_by_one.draft_probs, caught_up.draft_probs)
+
+
+def test_catch_up_orders_tokens_per_row():
+    seen = []
+
+    class Recorder:
+        def advance(self, state, committed, counts, hidden):
+            seen.append((committed.tolist(), counts.tolist(), hidden[:, 0].tolist()))
+
+    rows = _Rows(None, None, torch.device("cpu"), active=[0, 1, 2])
+    rows.backlog = [  # a round with 2 rows, then one after a third row joined
+        (torch.tensor([10, 11, 20]), torch.tensor([2, 1]), torch.tensor([[10.0], [11.0], [20.0]])),
+        (torch.tensor([12, 21, 30]), torch.tensor([1, 1, 1]), torch.tensor([[12.0], [21.0], [30.0]])),
+    ]
+    rows.catch_up(Recorder())
+    assert seen == [([10, 11, 12, 20, 21, 30], [3, 2, 1], [10.0, 11.0, 12.0, 20.0, 21.0, 30.0])]
+
+
+# --------------------------------------------------------------------------------------
+# Through the engine: mixed drafted / plain rounds stay lossless; peeking is caught
+# --------------------------------------------------------------------------------------
+
+
+class MarkovConfidenceDraft(get_drafter_class("draft-model")):
+    """``draft-model`` with confidence c_k = h(x_{k-1}) (x_0 = the anchor), never x_k."""
+
+    def propose(self, state, anchors, max_len, sampler):
+        prop = super().propose(state, anchors, max_len, sampler)
+        prev = torch.cat([anchors[:, None], prop.tokens[:, :-1]], 1)  # [R, γ]
+        prop.confidence = 0.1 + 0.85 * ((prev * 0.6180339) % 1.0)
+        return prop
+
+
+class PeekingScheduler(HardwareScheduler):
+    """A wrong gate: drafts, then skips the rows whose second confidence (a function of x_1) is
+    low — the round's decision sees the draft. NOT lossless."""
+
+    def lengths(self, confidence, lmax):
+        ell = super().lengths(confidence, lmax)
+        return torch.where(confidence[:, 1] < 0.5, torch.zeros_like(ell), ell)
+
+
+# flat SPS up to 40 tokens: drafts are cheap to verify, so whether a round drafts is up to the gate
+FLAT = [1.0] * 40 + [1.0 / (1.0 + 0.02 * i) for i in range(1, 200)]
+
+
+def _samples(target, scheduler, n: int = 2000):
+    """Two-token continuations at T = 0.5 (peaked: few bins); the target is its own draft model (q = p: a verified x_1 is
+    always accepted, so a gate that peeks at x_1 shifts the output as much as it can)."""
+    prompt = target.render_prompt("Speculative decoding drafts")
+    cfg = GenerationConfig(max_new_tokens=3, block_size=3, max_batch=10, seed=5, temperature=0.5)
+    drafter = MarkovConfidenceDraft(MarkovConfidenceDraft.config_class(block_size=3), target, model=target)
+    engine = SpeculativeEngine(target, drafter, cfg, scheduler=scheduler, stop_ids=[])
+    results = engine.generate([prompt] * n)
+    exact = T.exact_continuations(target, prompt, depth=2, min_prob=1e-3, temperature=0.5)
+    return torch.tensor([r.output_ids[:2] for r in results]), exact, engine.stats
+
+
+def test_engine_lossless_with_draft_gate(target):
+    """Drafting costs about one target step (0.97 s against 1 s), so the gate opens and closes with
+    the recent survival curve (about half the rounds draft, seeded):
+    drafted and plain rounds mix in one run, and the continuations are exact."""
+    sched = build_scheduler("hardware", table(FLAT), draft_seconds=0.97, probe=1)
+    samples, exact, stats = _samples(target, sched)
+    T.assert_continuations_match(samples, exact, alpha=1e-4, name="engine + draft gate")
+    share = stats.drafted_rounds / stats.rounds
+    assert 0.2 < share < 0.8, f"the gate did not mix rounds: drafted share {share:.2f}"
+
+
+def test_engine_peeking_gate_is_caught(target):
+    samples, exact, _ = _samples(target, PeekingScheduler(table(FLAT), gate=False))
+    with pytest.raises(AssertionError):
+        T.assert_continuations_match(samples, exact, alpha=1e-4, name="peeking gate")
