@@ -89,14 +89,20 @@ class RunStats:
 
 
 class RoundSampler:
-    """The drafter's sampler for one round: run settings + per-request counter randomness."""
+    """The drafter's sampler for one round: run settings + per-request counter randomness.
+
+    Draft k of a request uses one counter-based uniform keyed (seed, round base + k) and
+    inverse-CDF sampling: drafts may come from any randomness independent of the verifier's,
+    and one number per draft (instead of V for an exponential race) keeps the sequential
+    draft loops cheap.
+    """
 
     def __init__(self, config: GenerationConfig, seeds: torch.Tensor, rounds: torch.Tensor, steps: int):
         self.config = config
         self.seeds = seeds  # [R] int64
         self.base = rounds * _ROUND_STRIDE  # [R] int64
-        self.steps = steps  # draws per request this round (noise for all of them is made at once)
-        self._noise: torch.Tensor | None = None  # [R, steps, V]
+        self.steps = steps  # draws per request this round (uniforms for all of them are made at once)
+        self._uniforms: torch.Tensor | None = None  # [R, steps]
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R, V]
         c = self.config
@@ -105,12 +111,11 @@ class RoundSampler:
     def sample(self, probs: torch.Tensor, step: int) -> torch.Tensor:  # [R, V] -> [R]
         if self.config.greedy:
             return probs.argmax(-1)
-        if self._noise is None or step >= self._noise.shape[1]:
-            R, n = self.seeds.shape[0], max(self.steps, step + 1)
+        if self._uniforms is None or step >= self._uniforms.shape[1]:
+            n = max(self.steps, step + 1)
             offsets = self.base[:, None] + torch.arange(n, device=self.seeds.device)  # [R, n]
-            flat = sampling.exponential(self.seeds.repeat_interleave(n), offsets.reshape(-1), probs.shape[-1], salt=_SALT_DRAFT)
-            self._noise = flat.view(R, n, -1)
-        return sampling.sample_from_probs(probs, self._noise[:, step])
+            self._uniforms = sampling.uniform(self.seeds[:, None], offsets, salt=_SALT_DRAFT)
+        return sampling.sample_inverse_cdf(probs, self._uniforms[:, step])
 
 
 Scheduler = Callable[[Proposal, torch.Tensor], torch.Tensor]  # (proposal, ℓ_max [R]) -> ℓ [R]

@@ -10,6 +10,8 @@ Randomness comes in two flavours:
 
 Sampling uses the exponential race: ``argmax(probs / E)`` with ``E ~ Exp(1)`` i.i.d. draws
 token ``v`` with probability ``probs[v] / Σ probs``, so unnormalised weights need no division.
+Where one sample per row is all that is needed and V hashed numbers per row are too many (the
+drafters' sequential loops), :func:`sample_inverse_cdf` takes one uniform per row instead.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ __all__ = [
     "exponential",
     "logits_to_probs",
     "sample_from_probs",
+    "sample_inverse_cdf",
     "torch_exponential",
     "torch_uniform",
     "uniform",
@@ -221,6 +224,15 @@ def _token_words(vocab: int, device: torch.device) -> torch.Tensor:
 def sample_from_probs(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """Exponential race: argmax(probs / noise) [N] for unnormalised probs [N, V], noise [N, V] > 0."""
     return (probs / noise).argmax(-1)
+
+
+def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token [N] with P(v) = probs[v] / Σ probs from unnormalised probs [N, V] and one uniform
+    u [N] in (0, 1) per row: the first v whose cumulative weight reaches u·Σ probs (float64
+    cumulative sums; a zero-weight token is never chosen)."""
+    cdf = probs.double().cumsum(-1)  # [N, V]
+    where = (u.double() * cdf[:, -1])[:, None]  # [N, 1]
+    return torch.searchsorted(cdf, where).squeeze(1).clamp(max=probs.shape[-1] - 1)
 
 
 # --------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from dspec_cli.sampling import (
     exponential,
     logits_to_probs,
     sample_from_probs,
+    sample_inverse_cdf,
     torch_exponential,
     torch_uniform,
     uniform,
@@ -157,6 +158,30 @@ class TestCounterRandomness:
         probs = torch.tensor([[0.0, 0.5, 0.0, 0.5]]).expand(5000, 4)
         noise = exponential(torch.ones(5000, dtype=torch.long), torch.arange(5000), 4)
         assert set(sample_from_probs(probs, noise).tolist()) == {1, 3}
+
+
+    def test_inverse_cdf_samples_the_distribution(self):
+        """Chi-square over 200,000 counter-based draws from a peaked distribution with zeros;
+        the same test rejects a biased variant (u² instead of u)."""
+        from dspec_cli.testing import gof_test
+
+        g = torch.Generator().manual_seed(3)
+        probs = torch.softmax(torch.randn(50, generator=g) * 2, -1)
+        probs[::7] = 0  # masked tokens (top-k / top-p)
+        n = 200_000
+        u = uniform(torch.zeros(n, dtype=torch.long), torch.arange(n), salt=5)
+        rows = (probs * 3).expand(n, 50)  # unnormalised weights are fine
+        draws = sample_inverse_cdf(rows, u)
+        assert set(draws.tolist()).isdisjoint(range(0, 50, 7))
+        expected = probs / probs.sum()
+        assert gof_test(draws, expected).p_value > 1e-4
+        assert gof_test(sample_inverse_cdf(rows, u**2), expected).p_value < 1e-12
+
+    def test_inverse_cdf_edges(self):
+        probs = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.5, 0.5, 0.0, 0.0]])
+        tiny, big = torch.full((2,), 1e-300, dtype=torch.float64), torch.full((2,), 1 - 2**-52, dtype=torch.float64)
+        assert sample_inverse_cdf(probs, tiny).tolist() == [2, 0]
+        assert sample_inverse_cdf(probs, big).tolist() == [2, 1]
 
 
 class TestTorchRandomness:
