@@ -5,6 +5,16 @@ taps of committed tokens are fused by ``fc`` (n·d → d, no bias) and ``hidden_
 H_ctx, projected by each layer's own k/v projections (k_norm on K, no extra norm on H_ctx)
 and prepended to the block's keys and values. H_ctx never enters the residual stream.
 
+``layer_style = "gemma4"`` gives DeepSpec's Gemma-4 draft layers instead (notes-deepspec §1
+"Gemma4 deltas", ``Gemma4DSparkDecoderLayer``): Gemma-4 RMSNorms (plain weight, float math),
+a scale-free RMSNorm on V, attention scale 1, optionally V = the K projection
+(``attention_k_eq_v``: no ``v_proj``, V is the raw K projection before k_norm, then the V
+norm; no RoPE on V), sandwich norms (``post_attention_layernorm`` on the attention output,
+``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` around the MLP) and a
+``layer_scalar`` buffer multiplying the layer output. Head dim and KV heads are the target's
+*global* (full-attention) ones and RoPE its full-attention parameters. KV injection is
+unchanged (with k_eq_v the context's V also comes from the K projection, then the V norm).
+
 A block is B input slots at positions a..a+B−1, a = the anchor's position. Queries come only
 from the block; a block sees the context strictly before its anchor (the anchor's own target
 hidden state does not exist at inference) and all of its own slots (bidirectional).
@@ -21,7 +31,7 @@ hidden state does not exist at inference) and all of its own slots (bidirectiona
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +68,15 @@ class BackboneConfig:
     max_position_embeddings: int = 0
     attention_bias: bool | None = None
     initializer_range: float = 0.0
+    layer_style: str = ""  # qwen3 | gemma4; "" = gemma4 on a Gemma-4 target (if supported), else qwen3
+    attention_k_eq_v: bool | None = None  # gemma4 only: V reuses the K projection (None = the target's)
+
+    # The layer styles the model built from this config implements (ParallelBackbone: both).
+    LAYER_STYLES: ClassVar[tuple[str, ...]] = ("qwen3",)
+
+
+LAYER_STYLES = ("qwen3", "gemma4")
+GEMMA4_MODEL_TYPES = ("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text")
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -82,23 +101,66 @@ def _rope_parameters(tc) -> dict:
     return dict(params)
 
 
+def _attr(tc, name: str, default=None):
+    """``tc.name``, or its global value when transformers refuses the access because the field
+    varies per layer (Gemma 4's ``head_dim`` / ``num_key_value_heads`` under per-layer configs)."""
+    try:
+        return getattr(tc, name, default)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError
+        value = tc.to_dict().get(name)
+        return default if value is None else value
+
+
+def _gemma4_attention(tc, k_eq_v: bool) -> tuple[int | None, int | None]:
+    """A Gemma-4 text config's full-attention (global) head dim and, with k_eq_v, its global KV
+    heads: ``global_head_dim`` / ``num_global_key_value_heads`` attributes (older transformers),
+    else the ``per_layer_config`` of a full-attention layer (transformers 5.2x); None if absent."""
+    head_dim = _attr(tc, "global_head_dim")
+    kv = _attr(tc, "num_global_key_value_heads") if k_eq_v else None
+    try:
+        view = tc.per_layer_config["full_attention"]
+    except Exception:  # noqa: BLE001 - no per-layer configs (not a Gemma-4 config, or no full layer)
+        view = None
+    head_dim = head_dim or getattr(view, "head_dim", None)
+    if k_eq_v:
+        kv = kv or getattr(view, "num_key_value_heads", None)
+    return head_dim, kv
+
+
 def resolve_backbone_config(cfg: BackboneConfig, text_config) -> dict[str, Any]:
     """Field values with target-derived defaults filled in (as DeepSpec copies the target config).
 
-    Raises DspecError when ``hidden_size`` is set and differs from the target's.
+    Raises DspecError when ``hidden_size`` is set and differs from the target's, or for a
+    ``layer_style`` the config's model does not implement.
     """
     tc = text_config
     d = tc.hidden_size
     if cfg.hidden_size and cfg.hidden_size != d:
         raise DspecError(f"drafter hidden size {cfg.hidden_size} does not match the target's {d}")
+    gemma4_target = getattr(tc, "model_type", None) in GEMMA4_MODEL_TYPES
+    style = cfg.layer_style or ("gemma4" if gemma4_target and "gemma4" in cfg.LAYER_STYLES else "qwen3")
+    if style not in cfg.LAYER_STYLES:
+        supported = ", ".join(cfg.LAYER_STYLES)
+        raise DspecError(f"layer_style {style!r} is not supported by this drafter (supported: {supported})")
     heads = cfg.num_attention_heads or tc.num_attention_heads
+    kv_heads, head_dim, k_eq_v = _attr(tc, "num_key_value_heads"), _attr(tc, "head_dim"), False
+    if style == "gemma4":
+        k_eq_v = cfg.attention_k_eq_v
+        if k_eq_v is None:
+            k_eq_v = bool(_attr(tc, "attention_k_eq_v", False))
+        global_dim, global_kv = _gemma4_attention(tc, k_eq_v)
+        head_dim, kv_heads = global_dim or head_dim, global_kv or kv_heads
+    elif cfg.attention_k_eq_v:
+        raise DspecError("attention_k_eq_v = true needs layer_style = 'gemma4'")
     act = cfg.hidden_act or getattr(tc, "hidden_act", None) or getattr(tc, "hidden_activation", None) or "silu"
     bias = cfg.attention_bias if cfg.attention_bias is not None else bool(getattr(tc, "attention_bias", False))
     return dict(
+        layer_style=style,
+        attention_k_eq_v=k_eq_v,
         hidden_size=d,
         num_attention_heads=heads,
-        num_key_value_heads=cfg.num_key_value_heads or getattr(tc, "num_key_value_heads", None) or heads,
-        head_dim=cfg.head_dim or getattr(tc, "head_dim", None) or d // heads,
+        num_key_value_heads=cfg.num_key_value_heads or kv_heads or heads,
+        head_dim=cfg.head_dim or head_dim or d // heads,
         intermediate_size=cfg.intermediate_size or tc.intermediate_size,
         hidden_act=act,
         rms_norm_eps=cfg.rms_norm_eps or float(getattr(tc, "rms_norm_eps", 1e-6)),
@@ -124,6 +186,28 @@ class RMSNorm(nn.Module):
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * y.to(x.dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma 4's RMSNorm: float math, plain ``weight`` (not 1 + w), or no weight at all
+    (``scale=False``, the V norm); the same operations as transformers' ``Gemma4RMSNorm``."""
+
+    def __init__(self, dim: int, eps: float, scale: bool = True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim)) if scale else None
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.pow(y.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        if self.weight is not None:
+            y = y * self.weight.float()
+        return y.type_as(x)
+
+
+def _norm(cfg: BackboneConfig, dim: int) -> nn.Module:
+    """The RMSNorm of the config's layer style."""
+    return GemmaRMSNorm(dim, cfg.rms_norm_eps) if cfg.layer_style == "gemma4" else RMSNorm(dim, cfg.rms_norm_eps)
 
 
 class Rotary(nn.Module):
@@ -171,24 +255,30 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class InjectedAttention(nn.Module):
-    """Block queries over [context K/V ; block K/V] (GQA, q/k RMSNorm, RoPE)."""
+    """Block queries over [context K/V ; block K/V] (GQA, q/k RMSNorm, RoPE). Gemma-4 style adds
+    a scale-free V norm and attention scale 1, and with ``attention_k_eq_v`` has no ``v_proj``."""
 
     def __init__(self, cfg: BackboneConfig):
         super().__init__()
         d, hd, bias = cfg.hidden_size, cfg.head_dim, bool(cfg.attention_bias)
+        gemma = cfg.layer_style == "gemma4"
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
         self.q_proj = nn.Linear(d, self.heads * hd, bias=bias)
         self.k_proj = nn.Linear(d, self.kv_heads * hd, bias=bias)
-        self.v_proj = nn.Linear(d, self.kv_heads * hd, bias=bias)
+        self.v_proj = None if gemma and cfg.attention_k_eq_v else nn.Linear(d, self.kv_heads * hd, bias=bias)
         self.o_proj = nn.Linear(self.heads * hd, d, bias=bias)
-        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.q_norm = _norm(cfg, hd)
+        self.k_norm = _norm(cfg, hd)
+        self.v_norm = GemmaRMSNorm(hd, cfg.rms_norm_eps, scale=False) if gemma else None
+        self.scale = 1.0 if gemma else None  # None: SDPA's 1/sqrt(hd)
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., d], cos/sin [..., hd] -> post-RoPE K and V [..., Hkv, hd]."""
         shape = (*x.shape[:-1], self.kv_heads, self.head_dim)
-        k = _rotate(self.k_norm(self.k_proj(x).view(shape)), cos, sin)
-        return k, self.v_proj(x).view(shape)
+        raw = self.k_proj(x).view(shape)
+        k = _rotate(self.k_norm(raw), cos, sin)
+        v = raw if self.v_proj is None else self.v_proj(x).view(shape)  # k_eq_v: V = the raw K projection
+        return k, (v if self.v_norm is None else self.v_norm(v))
 
     def forward(self, x, cos, sin, k_ctx, v_ctx, mask) -> torch.Tensor:
         """x [b, Q, d], cos/sin [b, Q, hd], k_ctx/v_ctx [b, Hkv, C, hd], mask [b, 1, Q, C+Q] bool
@@ -198,21 +288,23 @@ class InjectedAttention(nn.Module):
         k, v = self.project_kv(x, cos, sin)
         k = torch.cat([k_ctx, k.transpose(1, 2)], dim=2)
         v = torch.cat([v_ctx, v.transpose(1, 2)], dim=2)
-        out = _attend(q.transpose(1, 2), k, v, mask, gqa=self.heads != self.kv_heads)
+        out = _attend(q.transpose(1, 2), k, v, mask, gqa=self.heads != self.kv_heads, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 
 _FLEX = {}
 
 
-def _attend(q, k, v, mask, gqa: bool) -> torch.Tensor:
+def _attend(q, k, v, mask, gqa: bool, scale: float | None = None) -> torch.Tensor:
+    """Attention of q over k/v under a bool mask (SDPA) or a BlockMask (flex); ``scale`` None =
+    1/sqrt(head_dim)."""
     if isinstance(mask, torch.Tensor):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
     from torch.nn.attention.flex_attention import flex_attention
 
     if q.is_cuda:  # compiled once per process; eager flex (CPU tests) is the reference math
         flex_attention = _FLEX.setdefault("compiled", torch.compile(flex_attention))
-    return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+    return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa, scale=scale)
 
 
 class MLP(nn.Module):
@@ -231,14 +323,26 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm residual layer (Qwen3); Gemma-4 style: sandwich norms and ``layer_scalar``."""
+
     def __init__(self, cfg: BackboneConfig):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        d = cfg.hidden_size
+        self.sandwich = cfg.layer_style == "gemma4"
+        self.input_layernorm = _norm(cfg, d)
         self.self_attn = InjectedAttention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = _norm(cfg, d)  # Qwen3: before the MLP; Gemma 4: on the attention output
         self.mlp = MLP(cfg)
+        if self.sandwich:
+            self.pre_feedforward_layernorm = _norm(cfg, d)
+            self.post_feedforward_layernorm = _norm(cfg, d)
+            self.register_buffer("layer_scalar", torch.ones(1))  # persistent: DeepSpec saves it
 
     def forward(self, x, cos, sin, k_ctx, v_ctx, mask) -> torch.Tensor:
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, k_ctx, v_ctx, mask))
+            x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            return x * self.layer_scalar
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_ctx, v_ctx, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -425,10 +529,12 @@ class ParallelBackbone(nn.Module):
     def __init__(self, cfg: BackboneConfig, num_taps: int):
         super().__init__()
         d = cfg.hidden_size
+        if cfg.layer_style not in LAYER_STYLES:
+            raise DspecError(f"layer_style must be one of {', '.join(LAYER_STYLES)}, got {cfg.layer_style!r}")
         self.fc = nn.Linear(num_taps * d, d, bias=False)
-        self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.hidden_norm = _norm(cfg, d)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.norm = _norm(cfg, d)
         self.rotary = Rotary(cfg)
         self.kv_heads, self.head_dim = cfg.num_key_value_heads, cfg.head_dim
 

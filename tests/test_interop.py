@@ -327,7 +327,7 @@ ERRORS = [
     (_set("markov_head_type", "gated"), "dspark", "markov_head_type 'gated' is not supported"),
     (_unset("mask_token_id"), "dspark", "config.json has no 'mask_token_id'"),
     (lambda c, t: None, "dflash", "holds a 'dspark-markov' drafter, not 'dflash'"),
-    (_set("architectures", ["Gemma4DSparkModel"]), "dspark", "Gemma4DSparkModel is not supported"),
+    (_set("architectures", ["Gemma4DSparkModel"]), "dspark", "config.json has no 'global_head_dim'"),
     (_set("architectures", ["FooDraftModel"]), "dspark", "architecture 'FooDraftModel' is not a layout dspec can load"),
     (_set("layer_types", ["sliding_attention"] * 2), "dspark", "sliding-window draft layers are not supported"),
 ]

@@ -13,6 +13,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
+    Gemma4TextConfig,
     LlamaConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
@@ -120,7 +121,26 @@ def tiny_gemma3(seed: int = 0, sliding_window: int = 6) -> PreTrainedModel:
     return _build(config, seed)
 
 
-FACTORIES = {"qwen3": tiny_qwen3, "llama": tiny_llama, "gemma3": tiny_gemma3}
+def tiny_gemma4(seed: int = 0, sliding_window: int = 6, k_eq_v: bool = True) -> PreTrainedModel:
+    """Gemma4ForCausalLM (text): sliding/full/full layers; full layers with a global head dim 32
+    (sliding 16), proportional RoPE and, with ``k_eq_v``, one global KV head whose V reuses the K
+    projection; scaled embeddings, final-logit softcap 30, untied head, no per-layer inputs / MoE."""
+    config = Gemma4TextConfig(
+        **_COMMON,
+        sliding_window=sliding_window,
+        layer_types=["sliding_attention", "full_attention", "full_attention"],
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=k_eq_v,
+        hidden_size_per_layer_input=0,
+        final_logit_softcapping=30.0,
+        tie_word_embeddings=False,
+        **_special_ids(),
+    )
+    return _build(config, seed)
+
+
+FACTORIES = {"qwen3": tiny_qwen3, "llama": tiny_llama, "gemma3": tiny_gemma3, "gemma4": tiny_gemma4}
 
 
 def tiny_target(family: str = "qwen3", seed: int = 0):

@@ -2,8 +2,8 @@
 
 Supported (one module each, see docs/interop.md):
 
-* :mod:`~dspec_cli.interop.deepspec`: DeepSpec's ``Qwen3DSparkModel`` (dspark and dflash);
-  ``Gemma4DSparkModel`` is recognised and refused in one line;
+* :mod:`~dspec_cli.interop.deepspec`: DeepSpec's ``Qwen3DSparkModel`` and ``Gemma4DSparkModel``
+  (dspark and dflash);
 * :mod:`~dspec_cli.interop.zlab_dflash`: z-lab's ``DFlashDraftModel``;
 * :mod:`~dspec_cli.interop.eagle3`: SpecForge's ``LlamaForCausalLMEagle3`` (d2t / t2d).
 
@@ -153,9 +153,11 @@ def export_layout(drafter) -> str:
     if name == "eagle3":
         return eagle3.ARCHITECTURES[0]
     if name == "dflash" and not drafter.config.anchor_predicts:
+        if drafter.config.layer_style != "qwen3":
+            raise DspecError(f"z-lab's DFlashDraftModel has Qwen3 draft layers, not {drafter.config.layer_style!r} ones")
         return zlab_dflash.ARCHITECTURES[0]
     if name in ("dflash", "dspark-markov", "dspark-rnn"):
-        return deepspec.ARCHITECTURES[0]
+        return deepspec.layout(drafter)  # Qwen3DSparkModel or Gemma4DSparkModel
     raise DspecError(f"drafter {name!r} has no foreign checkpoint layout (exportable: dflash, dspark, eagle3)")
 
 

@@ -4,7 +4,7 @@ Layouts and engine methods (notes-ecosystem §3, notes-drafters §1):
 
 | drafter | layout written | vLLM ``method`` | SGLang ``--speculative-algorithm`` |
 |---|---|---|---|
-| dspark-markov | ``Qwen3DSparkModel`` (DeepSpec) | ``dspark`` | ``DSPARK`` |
+| dspark-markov | ``Qwen3DSparkModel`` / ``Gemma4DSparkModel`` (DeepSpec) | ``dspark`` | ``DSPARK`` |
 | dflash, anchor_predicts = false | ``DFlashDraftModel`` (z-lab) | ``dflash`` | ``DFLASH`` |
 | eagle3, qk_norm = false, 3 taps | ``LlamaForCausalLMEagle3`` | ``eagle3`` | ``EAGLE3`` |
 
@@ -25,6 +25,7 @@ from dspec_cli.interop import save, to_foreign
 FORMATS = ("vllm", "sglang")
 METHODS = {  # layout -> (vLLM method, SGLang algorithm)
     "Qwen3DSparkModel": ("dspark", "DSPARK"),
+    "Gemma4DSparkModel": ("dspark", "DSPARK"),  # vLLM infers dspark from this architecture too
     "DFlashDraftModel": ("dflash", "DFLASH"),
     "LlamaForCausalLMEagle3": ("eagle3", "EAGLE3"),
 }
@@ -32,7 +33,7 @@ METHODS = {  # layout -> (vLLM method, SGLang algorithm)
 
 def check_engine_support(layout: str, config: dict) -> None:
     """DspecError when vLLM / SGLang have no method for this foreign checkpoint."""
-    if layout != "Qwen3DSparkModel":
+    if layout not in ("Qwen3DSparkModel", "Gemma4DSparkModel"):
         return
     if not config["markov_rank"]:
         raise DspecError(
@@ -53,7 +54,7 @@ def serve_command(fmt: str, layout: str, drafter, model: str, target: str) -> di
         return {"speculative_config": spec, "command": command}
     args = ["--model-path", target, "--speculative-algorithm", sglang_algorithm,
             "--speculative-draft-model-path", model]
-    if layout == "Qwen3DSparkModel":
+    if layout in ("Qwen3DSparkModel", "Gemma4DSparkModel"):
         args += ["--speculative-dspark-block-size", str(cfg.block_size)]
     elif layout == "DFlashDraftModel":
         args += ["--speculative-num-draft-tokens", str(cfg.block_size + 1)]  # the block, anchor included

@@ -29,7 +29,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +78,8 @@ class BlockDrafterConfig(BackboneConfig, DrafterConfig):
     num_anchors: int = 512  # blocks sampled per training sequence
     attention: str = "auto"  # training attention: auto (flex on CUDA) | dense | flex
     anchor_predicts: bool = True  # False: [anchor, mask × γ], masks predict (original DFlash)
+
+    LAYER_STYLES: ClassVar[tuple[str, ...]] = ("qwen3", "gemma4")  # ParallelBackbone implements both
 
     def __post_init__(self) -> None:
         super().__post_init__()
