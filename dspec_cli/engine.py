@@ -20,6 +20,7 @@ import torch
 
 from dspec_cli import sampling
 from dspec_cli.drafter import Drafter, Proposal
+from dspec_cli.drafter_lag import DrafterLag
 from dspec_cli.errors import DspecError
 from dspec_cli.target import Target
 from dspec_cli.verify import VerifyResult, verify_chain, verify_greedy, verify_tree
@@ -173,9 +174,9 @@ class SpeculativeEngine:
         out = self.target.prefill(rows.batch, [list(prompts[i]) for i in new])
         new_seeds = torch.tensor([seeds[i] for i in new], dtype=torch.long, device=dev)
         first = self._sample(out.logits, new_seeds, torch.zeros_like(new_seeds), _SALT_FIRST)
-        if rows.dstate is not None:
+        if rows.dstate is not None:  # the drafter gets them before it next drafts (DrafterLag)
             ids = [torch.tensor(prompts[i], dtype=torch.long, device=dev) for i in new]
-            self.drafter.add_requests(rows.dstate, ids, out.hidden if self.drafter.target_layer_ids else None)
+            rows.lag.admit(ids, out.hidden if self.drafter.target_layer_ids else None)
         rows.active += new
         now = time.perf_counter()
         for i in new:
@@ -219,7 +220,7 @@ class SpeculativeEngine:
                 hidden = hidden[_ragged(_prefix_mask(keep, grid.shape[1]), n, [e + 1 for e in ell_list])]
             committed = _ragged(grid, keep, keep_list)
             if proposal is None:  # no draft this round: the drafter catches up before its next one
-                rows.backlog.append((committed, keep, hidden))
+                rows.lag.skip(committed, keep, hidden)
             else:
                 self.drafter.advance(rows.dstate, committed, keep, hidden)
         t2 = time.perf_counter()
@@ -238,7 +239,7 @@ class SpeculativeEngine:
         if self.drafter is None or max(budget) == 0 or (wants is not None and not wants(R, cfg.block_size)):
             return None, torch.zeros(R, dtype=torch.long, device=dev)
         t0 = time.perf_counter()
-        rows.catch_up(self.drafter)
+        rows.lag.flush(self.drafter, rows.dstate)
         max_len = cfg.block_size  # not max(budget): a draft tree's shape must not depend on other rows
         sampler = RoundSampler(cfg, rows.seeds, rows.rounds, max_len)
         proposal = self.drafter.propose(rows.dstate, rows.anchors, max_len, sampler)
@@ -337,8 +338,7 @@ class SpeculativeEngine:
         keep = [r for r in range(len(rows.active)) if r not in set(done)]
         self.target.remove(rows.batch, done)
         if rows.dstate is not None:
-            rows.catch_up(self.drafter)
-            self.drafter.remove_requests(rows.dstate, keep)
+            rows.lag.keep(self.drafter, rows.dstate, keep)
         idx = torch.tensor(keep, dtype=torch.long, device=rows.anchors.device)
         rows.anchors, rows.seeds, rows.rounds = rows.anchors[idx], rows.seeds[idx], rows.rounds[idx]
         finished = [rows.active[r] for r in done]
@@ -415,28 +415,10 @@ class _Rows:
     dstate: object
     device: torch.device
     active: list[int] = field(default_factory=list)  # request index per row
-    # rounds without a draft not yet passed to drafter.advance: (committed [Σc], counts [R], taps [Σc, ·] | None)
-    backlog: list[tuple] = field(default_factory=list)
+    lag: DrafterLag = field(default_factory=DrafterLag)  # what the drafter has not seen yet
 
     def __post_init__(self) -> None:
         empty = torch.empty(0, dtype=torch.long, device=self.device)
         self.anchors = empty  # [R] last sampled token, not yet in the target cache
         self.seeds = empty  # [R] per-request seed
         self.rounds = empty  # [R] per-request round counter (randomness key)
-
-    def catch_up(self, drafter: Drafter) -> None:
-        """One ``drafter.advance`` with every backlogged round's tokens, each row's in order.
-
-        Rows admitted since a backlogged round get count 0 for it (they are appended at the end).
-        """
-        if not self.backlog:
-            return
-        R = len(self.active)
-        dev = self.backlog[0][0].device
-        row_ids = torch.cat([torch.repeat_interleave(torch.arange(c.shape[0], device=dev), c) for _, c, _ in self.backlog])
-        order = torch.sort(row_ids, stable=True).indices
-        committed = torch.cat([t for t, _, _ in self.backlog])[order]
-        hidden = None if self.backlog[0][2] is None else torch.cat([h for _, _, h in self.backlog])[order]
-        counts = torch.bincount(row_ids, minlength=R)
-        self.backlog.clear()
-        drafter.advance(self.dstate, committed, counts, hidden)

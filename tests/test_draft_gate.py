@@ -1,5 +1,5 @@
 """The draft gate: rounds without a draft (decision from past rounds only), the drafter's
-catch-up over skipped rounds, and losslessness of the mixed rounds through the engine."""
+lag (deferred admissions and skipped rounds) and losslessness of mixed rounds through the engine."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import torch
 from tiny_models import tiny_qwen3, tiny_target, tiny_tokenizer
 
 from dspec_cli import testing as T
-from dspec_cli.engine import GenerationConfig, RoundSampler, SpeculativeEngine, _Rows
+from dspec_cli.drafter_lag import DrafterLag
+from dspec_cli.engine import GenerationConfig, RoundSampler, SpeculativeEngine
 from dspec_cli.errors import DspecError
 from dspec_cli.hardware import CostTable
 from dspec_cli.plugins import get_drafter_class
@@ -118,51 +119,84 @@ def greedy_sampler(rows: int) -> RoundSampler:
     return RoundSampler(GenerationConfig(temperature=0.0), zeros, zeros + 1, 4)
 
 
+def _commits(rounds: list[list[int]], width: int, g: torch.Generator, taps: bool):
+    """Random committed tokens (and taps) of rounds with the given per-row counts."""
+    out = []
+    for counts in rounds:
+        n = sum(counts)
+        out.append((torch.randint(200, (n,), generator=g), torch.tensor(counts),
+                    torch.randn(n, width, generator=g) if taps else None))
+    return out
+
+
 @pytest.mark.parametrize("name", ["dflash", "dspark-markov", "eagle3", "draft-model"])
-def test_catch_up_equals_round_by_round_advance(target, name):
+def test_lag_flush_equals_eager_updates(target, name):
+    """Two runs of the same events, compared by the next greedy proposal: eager (add_requests and
+    one advance per round, as when every round drafts) and lagged (DrafterLag: a drafted round,
+    then skipped rounds, a request leaving and a request that joined and was never drafted for)."""
     drafter = make(name, target)
     width = len(drafter.target_layer_ids) * target.hidden_size
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(200, (n,), generator=g) for n in (7, 4)]
+    prompts = [torch.randint(200, (n,), generator=g) for n in (7, 4, 5)]
     taps = [torch.randn(p.numel(), width, generator=g) for p in prompts] if drafter.target_layer_ids else None
-    # round 1 drafts (anchor + 2 accepted / anchor only), then three rounds without a draft, 1 token each
-    rounds = [torch.tensor([3, 1])] + [torch.tensor([1, 1])] * 3
-    commits = [(torch.randint(200, (int(c.sum()),), generator=g), c, torch.randn(int(c.sum()), width, generator=g) if taps else None)
-               for c in rounds]
-    anchors = torch.tensor([5, 9])
-    states = []
-    for merged in (False, True):
-        state = drafter.init_state()
-        drafter.add_requests(state, prompts, taps)
-        drafter.propose(state, anchors, 4, greedy_sampler(2))
-        drafter.advance(state, *commits[0])
-        if merged:
-            rows = _Rows(None, state, torch.device("cpu"), active=[0, 1], backlog=list(commits[1:]))
-            rows.catch_up(drafter)
-            assert rows.backlog == []
+    first = _commits([[3, 1]], width, g, taps is not None)[0]  # a drafted round of rows 0, 1
+    skipped = _commits([[1, 1, 1], [2, 1, 1]], width, g, taps is not None)  # row 2 joined before these
+    after = _commits([[1, 1]], width, g, taps is not None)[0]  # row 1 has left
+    proposals = []
+    for lagged in (False, True):
+        state, lag = drafter.init_state(), DrafterLag()
+        if lagged:
+            lag.admit(prompts[:2], taps[:2] if taps else None)
+            lag.flush(drafter, state)
         else:
-            for c in commits[1:]:
+            drafter.add_requests(state, prompts[:2], taps[:2] if taps else None)
+        drafter.propose(state, torch.tensor([5, 9]), 4, greedy_sampler(2))
+        drafter.advance(state, *first)
+        if lagged:
+            lag.admit(prompts[2:], taps[2:] if taps else None)
+            for c in skipped:
+                lag.skip(*c)
+            lag.keep(drafter, state, [0, 2])
+            lag.skip(*after)
+            assert (lag.admitted, len(lag.pending), len(lag.backlog)) == (1, 1, 3)
+            lag.flush(drafter, state)
+            assert (lag.admitted, lag.pending, lag.backlog) == (2, [], [])
+        else:
+            drafter.add_requests(state, prompts[2:], taps[2:] if taps else None)
+            for c in skipped:
                 drafter.advance(state, *c)
-        states.append(drafter.propose(state, anchors, 4, greedy_sampler(2)))
-    one_by_one, caught_up = states
-    assert torch.equal(one_by_one.tokens, caught_up.tokens)
-    torch.testing.assert_close(one_by_one.draft_probs, caught_up.draft_probs)
+            drafter.remove_requests(state, [0, 2])
+            drafter.advance(state, *after)
+        proposals.append(drafter.propose(state, torch.tensor([5, 11]), 4, greedy_sampler(2)))
+    eager, lagged = proposals
+    assert torch.equal(eager.tokens, lagged.tokens)
+    torch.testing.assert_close(eager.draft_probs, lagged.draft_probs)
 
 
-def test_catch_up_orders_tokens_per_row():
+def test_lag_orders_tokens_per_row():
     seen = []
 
     class Recorder:
-        def advance(self, state, committed, counts, hidden):
-            seen.append((committed.tolist(), counts.tolist(), hidden[:, 0].tolist()))
+        def add_requests(self, state, prompts, hidden):
+            seen.append(("add", [p.tolist() for p in prompts]))
 
-    rows = _Rows(None, None, torch.device("cpu"), active=[0, 1, 2])
-    rows.backlog = [  # a round with 2 rows, then one after a third row joined
-        (torch.tensor([10, 11, 20]), torch.tensor([2, 1]), torch.tensor([[10.0], [11.0], [20.0]])),
-        (torch.tensor([12, 21, 30]), torch.tensor([1, 1, 1]), torch.tensor([[12.0], [21.0], [30.0]])),
-    ]
-    rows.catch_up(Recorder())
-    assert seen == [([10, 11, 12, 20, 21, 30], [3, 2, 1], [10.0, 11.0, 12.0, 20.0, 21.0, 30.0])]
+        def advance(self, state, committed, counts, hidden):
+            seen.append(("advance", committed.tolist(), counts.tolist(), hidden[:, 0].tolist()))
+
+        def remove_requests(self, state, keep):
+            seen.append(("remove", keep))
+
+    lag = DrafterLag(admitted=2)
+    lag.skip(torch.tensor([10, 11, 20]), torch.tensor([2, 1]), torch.tensor([[10.0], [11.0], [20.0]]))
+    lag.admit([torch.tensor([7, 7])], [torch.zeros(2, 1)])  # a third row joins
+    lag.skip(torch.tensor([12, 21, 30]), torch.tensor([1, 1, 1]), torch.tensor([[12.0], [21.0], [30.0]]))
+    lag.flush(Recorder(), None)
+    assert seen == [("add", [[7, 7]]), ("advance", [10, 11, 12, 20, 21, 30], [3, 2, 1], [10.0, 11.0, 12.0, 20.0, 21.0, 30.0])]
+    seen.clear()
+    lag.skip(torch.tensor([13, 22, 31]), torch.tensor([1, 1, 1]), torch.tensor([[13.0], [22.0], [31.0]]))
+    lag.keep(Recorder(), None, [0, 2])  # row 1 leaves: the drafter drops it, the backlog too
+    lag.flush(Recorder(), None)
+    assert seen == [("remove", [0, 2]), ("advance", [13, 31], [1, 1], [13.0, 31.0])]
 
 
 # --------------------------------------------------------------------------------------
