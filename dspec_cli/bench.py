@@ -191,7 +191,7 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
     datasets = list(opts.datasets) or [BUILTIN]
     prompt_sets = {d: load_prompts(d, opts.num_prompts) for d in datasets}
     target = Target.load(opts.target, dtype=opts.dtype, device=opts.device)
-    schedulers = _schedulers(opts, target)
+    schedulers = [_schedulers(opts, target) for _ in opts.drafters]  # per drafter: the draft gate learns its cost
     drafters = [
         build_drafter(name, target, opts.checkpoints[i] if opts.checkpoints else None, opts.block_size)
         for i, name in enumerate(opts.drafters)
@@ -207,13 +207,14 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
             engines = [("baseline", "-", SpeculativeEngine(target, None, cfg))]
             engines += [
                 (name, sname, SpeculativeEngine(target, d, cfg, scheduler=sched))
-                for name, d in zip(opts.drafters, drafters)
-                for sname, sched in schedulers
+                for name, d, scheds in zip(opts.drafters, drafters, schedulers)
+                for sname, sched in scheds
             ]
             if opts.warmup:
                 warm_cfg = GenerationConfig(**{**cfg.__dict__, "max_new_tokens": min(8, cfg.max_new_tokens)})
                 for _, _, eng in engines:
-                    SpeculativeEngine(target, eng.drafter, warm_cfg).generate(ids[:1])
+                    # a full batch, with the run's scheduler: the draft gate measures drafting at this R
+                    SpeculativeEngine(target, eng.drafter, warm_cfg, scheduler=eng.scheduler).generate(ids[:conc])
             timed = _run_interleaved(engines, ids, opts.repeats, conc, dset, progress)
             baseline_tps = statistics.median(tps for _, tps in timed[0])
             for (name, sname, eng), reps in zip(engines[1:], timed[1:]):

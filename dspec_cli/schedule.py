@@ -101,25 +101,32 @@ class DraftGate:
     """Whether a round drafts at all (see the module docstring); state from past rounds only.
 
     ``draft_seconds`` fixes the drafting cost (deterministic runs, tests); None measures it
-    (EMA per concurrency R, nearest measured R otherwise). While closed, one probe round
-    drafts after ``probe`` closed rounds (the interval doubles after each probe that keeps it
-    closed, up to 64×) so the survival curve and the drafting time stay current.
+    (EMA per concurrency R, nearest measured R otherwise). While closed, the gate still drafts
+    a *probe* round once the closed rounds' step time (1/SPS(R) each, from the cost table) times
+    ``probe_share`` reaches the expected drafting time, so probes cost about ``probe_share`` of
+    the time and the survival curve and drafting time stay current. Estimates persist across
+    runs (:meth:`new_run`); :meth:`reset` forgets them.
     """
 
-    def __init__(self, *, draft_seconds: float | None = None, probe: int = 16, smoothing: float = 0.25):
+    def __init__(self, *, draft_seconds: float | None = None, probe_share: float = 0.02, smoothing: float = 0.25):
         if draft_seconds is not None and draft_seconds < 0:
             raise DspecError(f"draft_seconds must be >= 0, got {draft_seconds}")
-        if probe < 1:
-            raise DspecError(f"probe must be >= 1, got {probe}")
-        self.draft_seconds, self.probe, self.smoothing = draft_seconds, probe, smoothing
+        if not 0 < probe_share <= 1:
+            raise DspecError(f"probe_share must be in (0, 1], got {probe_share}")
+        self.draft_seconds, self.probe_share, self.smoothing = draft_seconds, probe_share, smoothing
         self.reset()
 
     def reset(self) -> None:
+        """Forget everything learned."""
         self.survival: torch.Tensor | None = None  # [γ] EMA of the mean survival curve (CPU float64)
         self.times: dict[int, float] = {}  # R -> EMA of drafting seconds per round
-        self.interval, self.closed_for = self.probe, 0
-        self.opened = self.closed = 0  # decisions taken
         self._verdict: tuple[int, bool] | None = None  # (R, prediction) until the next observation
+        self.new_run()
+
+    def new_run(self) -> None:
+        """A new engine run: keep the estimates (they describe drafter and hardware), zero the counters."""
+        self.closed_seconds = 0.0  # modelled step time of closed rounds since the last drafted one
+        self.opened = self.closed = 0  # decisions taken
 
     def observe_survival(self, survival: torch.Tensor) -> None:
         """Survival products a [R, γ] of a drafted round (calibrated)."""
@@ -132,12 +139,15 @@ class DraftGate:
         self.times[num_rows] = seconds if old is None else old + self.smoothing * (seconds - old)
         self._verdict = None
 
+    def _draft_seconds(self, num_rows: int) -> float | None:
+        if self.draft_seconds is not None or not self.times:
+            return self.draft_seconds
+        return self.times[min(self.times, key=lambda r: (abs(r - num_rows), -r))]
+
     def _predict(self, num_rows: int, sps: torch.Tensor) -> bool:
         """Does drafting beat plain decoding at R = ``num_rows``, going by the past? ``sps``
         indexed by B (:meth:`CostTable.sps_curve`, >= R·(γ+1) entries)."""
-        seconds = self.draft_seconds
-        if seconds is None and self.times:
-            seconds = self.times[min(self.times, key=lambda r: (abs(r - num_rows), -r))]
+        seconds = self._draft_seconds(num_rows)
         if self.survival is None or seconds is None:
             return True  # nothing to predict from yet: draft and measure
         plain = num_rows * float(sps[num_rows])
@@ -151,12 +161,11 @@ class DraftGate:
         else:
             is_open = self._predict(num_rows, sps())
             self._verdict = (num_rows, is_open)
+        if not is_open:  # a probe once the closed rounds have "paid" for one
+            self.closed_seconds += 1.0 / float(sps()[num_rows])
+            is_open = self.closed_seconds * self.probe_share >= (self._draft_seconds(num_rows) or 0.0)
         if is_open:
-            self.interval, self.closed_for = self.probe, 0
-        elif self.closed_for + 1 >= self.interval:  # probe
-            self.interval, self.closed_for, is_open = min(2 * self.interval, 64 * self.probe), 0, True
-        else:
-            self.closed_for += 1
+            self.closed_seconds = 0.0
         self.opened += is_open
         self.closed += not is_open
         return is_open
@@ -216,9 +225,10 @@ class Scheduler:
         raise NotImplementedError
 
     def reset(self) -> None:
-        """Forget state kept across rounds (a new run)."""
+        """A new run: forget state kept across rounds (the draft gate keeps its estimates of the
+        drafter's cost and survival curve; ``gate.reset()`` forgets those too)."""
         if self.gate is not None:
-            self.gate.reset()
+            self.gate.new_run()
 
     def _sps(self, max_tokens: int, device: torch.device) -> torch.Tensor:
         return self.cost_table.sps_curve(max_tokens, self.context, device)
@@ -256,8 +266,8 @@ class _GatedScheduler(Scheduler):
     needs_cost_table = True
 
     def __init__(self, cost_table: CostTable | None = None, *, gate: bool = True, draft_seconds: float | None = None,
-                 probe: int = 16, **kwargs):
-        draft_gate = DraftGate(draft_seconds=draft_seconds, probe=probe) if gate else None
+                 probe_share: float = 0.02, **kwargs):
+        draft_gate = DraftGate(draft_seconds=draft_seconds, probe_share=probe_share) if gate else None
         super().__init__(cost_table, gate=draft_gate, **kwargs)
 
 

@@ -92,7 +92,7 @@ def test_bench_schedulers_under_concurrency(model_dir, tmp_path, capsys):
     report = tmp_path / "bench.json"
     code, out, err = run(
         ["bench", "--target", str(model_dir), "--drafter", "draft-model", "--checkpoint", str(model_dir),
-         "--scheduler", "fixed", "--scheduler", "hardware,probe=4", "--scheduler", "async,gate=false",
+         "--scheduler", "fixed", "--scheduler", "hardware,probe_share=0.1", "--scheduler", "async,gate=false",
          "--cost-table", str(table), "--concurrency", "1,4", "--num-prompts", "4", "--max-new-tokens", "10",
          "--block-size", "3", "--repeats", "2", "--json", str(report), "--plots", str(tmp_path / "png")],
         capsys,
@@ -100,7 +100,7 @@ def test_bench_schedulers_under_concurrency(model_dir, tmp_path, capsys):
     assert code == 0, err
     assert {p.name for p in (tmp_path / "png").iterdir()} == {"acceptance.png", "load.png"}
     runs = json.loads(report.read_text())["runs"]
-    schedulers = ("fixed", "hardware,probe=4", "async,gate=false")
+    schedulers = ("fixed", "hardware,probe_share=0.1", "async,gate=false")
     assert {(r["scheduler"], r["concurrency"]) for r in runs} == {(s, c) for s in schedulers for c in (1, 4)}
     for r in runs:
         assert r["throughput_tokens_per_s"] > 0 and r["per_user_tokens_per_s"] > 0
@@ -112,9 +112,9 @@ def test_bench_schedulers_under_concurrency(model_dir, tmp_path, capsys):
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ("hardware,gates=false", "--scheduler 'hardware,gates=false': unknown option(s) gates; valid: gate, draft_seconds, probe"),
-        ("hardware,probe=often", "--scheduler 'hardware,probe=often': probe expects int, got 'often'"),
-        ("hardware,probe=0", "probe must be >= 1, got 0"),
+        ("hardware,gates=false", "--scheduler 'hardware,gates=false': unknown option(s) gates; valid: gate, draft_seconds, probe_share"),
+        ("hardware,probe_share=often", "--scheduler 'hardware,probe_share=often': probe_share expects float, got 'often'"),
+        ("hardware,probe_share=0", "probe_share must be in (0, 1], got 0.0"),
         ("fastest", "unknown scheduler 'fastest'"),
     ],
 )

@@ -64,11 +64,23 @@ def test_gate_opens_when_drafting_pays_and_closes_when_not():
     assert DraftGate().decide(4, sps)  # no history: draft (and measure)
 
 
-def test_gate_probes_with_a_doubling_interval():
-    gate = gate_after([0.1, 0.01, 0.0, 0.0], 0.001, probe=2)
-    decisions = [gate.decide(1, curve(CPU)) for _ in range(16)]
-    assert [i for i, d in enumerate(decisions) if d] == [1, 5, 13]  # after 2, 4, 8 closed rounds
-    assert (gate.opened, gate.closed) == (3, 13)
+def test_gate_probes_for_a_share_of_the_time():
+    """Closed, it drafts once the closed rounds' step time (10 ms each at R = 1) times
+    probe_share reaches the drafting time: 0.99 ms / 0.025 = 39.6 ms -> every 4th round."""
+    gate = gate_after([0.1, 0.01, 0.0, 0.0], 0.00099, probe_share=0.025)
+    decisions = [gate.decide(1, curve(CPU)) for _ in range(12)]
+    assert [i for i, d in enumerate(decisions) if d] == [3, 7, 11]
+    assert (gate.opened, gate.closed) == (3, 9)
+
+
+def test_gate_keeps_estimates_across_runs():
+    sched = build_scheduler("hardware", table(CPU), draft_seconds=0.05)
+    sched.gate.observe_survival(torch.tensor([[0.5, 0.2, 0.1, 0.0]], dtype=torch.float64))
+    sched.gate.decide(1, curve(CPU))
+    sched.reset()  # what the engine does at the start of a run
+    assert sched.gate.survival is not None and (sched.gate.opened, sched.gate.closed) == (0, 0)
+    sched.gate.reset()
+    assert sched.gate.survival is None
 
 
 def test_gate_measures_draft_time_per_concurrency():
@@ -83,12 +95,12 @@ def test_gate_measures_draft_time_per_concurrency():
 
 
 def test_gate_options_and_errors():
-    sched = build_scheduler("hardware", table(CPU), draft_seconds=0.01, probe=4)
-    assert sched.gate.draft_seconds == 0.01 and sched.gate.probe == 4
+    sched = build_scheduler("hardware", table(CPU), draft_seconds=0.01, probe_share=0.1)
+    assert sched.gate.draft_seconds == 0.01 and sched.gate.probe_share == 0.1
     assert build_scheduler("async", table(CPU), gate=False).gate is None
     assert build_scheduler("fixed").wants_draft(3, 4)
-    with pytest.raises(DspecError, match="probe"):
-        build_scheduler("hardware", table(CPU), probe=0)
+    with pytest.raises(DspecError, match="probe_share"):
+        build_scheduler("hardware", table(CPU), probe_share=0.0)
     with pytest.raises(DspecError, match="draft_seconds"):
         build_scheduler("hardware", table(CPU), draft_seconds=-1.0)
 
@@ -255,7 +267,7 @@ def test_engine_lossless_with_draft_gate(target, gate):
     if gate == "alternating":
         sched = AlternatingGateScheduler(table(FLAT), gate=False)
     else:
-        sched = build_scheduler("hardware", table(FLAT), draft_seconds=0.97, probe=1)
+        sched = build_scheduler("hardware", table(FLAT), draft_seconds=0.97, probe_share=0.5)
     samples, exact, stats = _samples(target, sched)
     T.assert_continuations_match(samples, exact, alpha=1e-4, name=f"engine + {gate} gate")
     drafted, plain = stats.drafted_rounds, stats.rounds - stats.drafted_rounds
