@@ -44,6 +44,8 @@ def embedded_path(name: str) -> Path:
 
 DEFAULT_TARGET_PATH = embedded_path("tiny-target")
 _MASKABLE = ("sdpa", "eager")
+_PAD_RATIO, _PAD_SLACK = 1.25, 64  # prefill groups: padded tokens <= ratio × real tokens + slack
+_GROUP_TOKENS = 4096  # padded tokens per prefill forward
 
 
 @dataclass
@@ -192,28 +194,55 @@ class Target:
 
     @torch.no_grad()
     def prefill(self, batch: TargetBatch, prompts: Sequence[Sequence[int]]) -> StepOutput:
-        """Append new requests (rows) to ``batch``; other rows may be mid-generation."""
+        """Append new requests (rows) to ``batch`` in ``prompts`` order; other rows may be mid-generation.
+
+        Token-identical prompts run once and their rows are copied; distinct ones run in groups of
+        similar length (see :func:`_length_groups`), so padding stays a bounded part of the work.
+        """
         batch.require_idle("prefill")
-        lens = [len(p) for p in prompts]
-        if not lens or min(lens) == 0:
+        if not prompts or min(len(p) for p in prompts) == 0:
             raise ValueError("prompts must be a non-empty list of non-empty token lists")
-        width, dev = max(lens), self.device
+        distinct: dict[tuple[int, ...], int] = {}
+        which = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]  # distinct id of each prompt
+        uniq = list(distinct)
+        fresh = batch.empty_like(0)
+        order: list[int] = []  # distinct id of each row of ``fresh``
+        logits: list[torch.Tensor] = []  # [G, V] per group
+        hidden: list[torch.Tensor] = []  # [L, n·d] per row of ``fresh``
+        for group in _length_groups([len(u) for u in uniq]):
+            part, group_logits, group_hidden = self._prefill_group(batch, [uniq[i] for i in group])
+            fresh.extend(part)
+            order += group
+            logits.append(group_logits)
+            hidden += group_hidden
+        row_of = {u: r for r, u in enumerate(order)}
+        index = [row_of[u] for u in which]  # row of ``fresh`` that each prompt gets
+        if index != list(range(len(order))):
+            fresh.select_rows(index)
+        first_row = batch.num_rows
+        batch.extend(fresh)
+        batch.maybe_compact()
+        last = torch.cat(logits).index_select(0, torch.tensor(index, device=self.device))
+        rows = torch.arange(first_row, first_row + len(prompts), device=self.device)
+        return StepOutput(logits=last, hidden=[hidden[r] for r in index], rows=rows)
+
+    def _prefill_group(
+        self, batch: TargetBatch, prompts: list[tuple[int, ...]]
+    ) -> tuple[TargetBatch, torch.Tensor, list[torch.Tensor]]:
+        """One left-padded forward of ``prompts`` into a fresh batch with ``batch``'s settings:
+        (that batch, last-position logits [G, V] float, taps [L_g, n·d] per prompt)."""
+        lens, dev = [len(p) for p in prompts], self.device
+        width = max(lens)
         ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long, device=dev)
-        length = torch.tensor(lens, dtype=torch.long, device=dev)
-        start = width - length  # [R_new] left padding
+        start = width - torch.tensor(lens, dtype=torch.long, device=dev)  # [G] left padding
         col = torch.arange(width, device=dev)
-        pos = (col[None, :] - start[:, None]).clamp(min=0)  # [R_new, P]
-        real = col[None, :] >= start[:, None]  # [R_new, P]
+        pos = (col[None, :] - start[:, None]).clamp(min=0)  # [G, P]
+        real = col[None, :] >= start[:, None]  # [G, P]
         fresh = batch.empty_like(len(lens))
         vis = None if len(lens) == 1 else causal_visibility(real)
         logits, taps = self._forward(fresh, ids, pos, vis, last_only=True)
         fresh.record_prefill(real, pos, lens)
-        first_row = batch.num_rows
-        batch.extend(fresh)
-        batch.maybe_compact()
-        hidden = [taps[r, width - n :] for r, n in enumerate(lens)]
-        rows = torch.arange(first_row, first_row + len(lens), device=dev)
-        return StepOutput(logits=logits[:, -1].float(), hidden=hidden, rows=rows)
+        return fresh, logits[:, -1].float(), [taps[r, width - n :] for r, n in enumerate(lens)]
 
     @torch.no_grad()
     def verify(self, batch: TargetBatch, tokens: torch.Tensor, lengths: torch.Tensor) -> StepOutput:
@@ -414,6 +443,24 @@ class Target:
             for h in handles:
                 h.remove()
         taps.extend(store[int(i)] for i in layer_ids)
+
+
+def _length_groups(lens: list[int]) -> list[list[int]]:
+    """Indices of ``lens`` in prefill groups, longest first. Each group's padded tokens (rows ×
+    its longest) stay within ``_PAD_RATIO`` × its real tokens + ``_PAD_SLACK`` and within
+    ``_GROUP_TOKENS`` (bounds the [G, 1, P, P] masks; a longer prompt runs alone)."""
+    groups: list[list[int]] = []
+    real = 0
+    for i in sorted(range(len(lens)), key=lambda i: -lens[i]):
+        if groups:
+            padded = (len(groups[-1]) + 1) * lens[groups[-1][0]]
+            if padded <= min(_PAD_RATIO * (real + lens[i]) + _PAD_SLACK, _GROUP_TOKENS):
+                groups[-1].append(i)
+                real += lens[i]
+                continue
+        groups.append([i])
+        real = lens[i]
+    return groups
 
 
 def _counts(n: list[int], device) -> torch.Tensor:

@@ -178,15 +178,21 @@ class TargetBatch:
         if not keep:
             self._reset(0)
             return
-        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.select_rows(keep)
+        self.maybe_compact()
+
+    def select_rows(self, index: Sequence[int]) -> None:
+        """Rows become rows ``index`` of this batch, in that order; a repeated row is copied (every
+        copy is an independent row from then on)."""
+        self.require_idle("select_rows")
+        idx = torch.tensor(index, dtype=torch.long, device=self.device)
         for layer in self._kv_layers():
             layer.keys = layer.keys.index_select(0, idx)
             layer.values = layer.values.index_select(0, idx)
         self.valid = self.valid.index_select(0, idx)
         self.pos = self.pos.index_select(0, idx)
         self.committed = self.committed.index_select(0, idx)
-        self.lengths = [self.lengths[r] for r in keep]
-        self.maybe_compact()
+        self.lengths = [self.lengths[r] for r in index]
 
     # -- compaction ----------------------------------------------------------------------------
 

@@ -41,11 +41,13 @@ class Session:
         torch.testing.assert_close(out_hidden, taps[len(seq) :], atol=ATOL, rtol=ATOL)
 
     def prefill(self, lens: list[int]) -> None:
-        prompts = [self.rand(n) for n in lens]
+        self.prefill_prompts([self.rand(n) for n in lens])
+
+    def prefill_prompts(self, prompts: list[list[int]]) -> None:
         out = self.t.prefill(self.batch, prompts)
         first = len(self.seqs)
-        assert out.rows.tolist() == list(range(first, first + len(lens)))
-        assert out.logits.shape == (len(lens), VOCAB_SIZE)
+        assert out.rows.tolist() == list(range(first, first + len(prompts)))
+        assert out.logits.shape == (len(prompts), VOCAB_SIZE)
         for r, p in enumerate(prompts):
             assert out.hidden[r].shape == (len(p), 3 * self.t.hidden_size)
             logits, taps = self.t.forward_full(torch.tensor([p]), LAYERS)
@@ -173,6 +175,34 @@ def test_compaction_and_continuous_batching(target):
     packed = torch.arange(max(lens))[None, :] < torch.tensor(lens)[:, None]
     assert torch.equal(s.batch.valid, packed)
     s.chain_round()
+
+
+def test_prefill_groups_and_duplicates(target, monkeypatch):
+    """Mixed lengths (several prefill groups, one a single row) with duplicates join mid-generation
+    rows: rows come back in prompt order, each distinct prompt runs once, copies stay independent."""
+    forwarded: list[int] = []
+    group = Target._prefill_group
+
+    def spy(self, batch, prompts):
+        forwarded.extend(len(p) for p in prompts)
+        return group(self, batch, prompts)
+
+    monkeypatch.setattr(Target, "_prefill_group", spy)
+    s = Session(target, seed=7, compact_fraction=0.5)
+    s.prefill([6, 2])
+    s.chain_round()
+    distinct = [s.rand(n) for n in (62, 3, 200, 9, 60, 4)]
+    assert len(target_mod._length_groups([len(p) for p in distinct])) == 3
+    forwarded.clear()
+    order = [1, 2, 1, 0, 5, 1, 3, 4, 2]
+    s.prefill_prompts([list(distinct[i]) for i in order])
+    assert sorted(forwarded) == sorted(len(p) for p in distinct)
+    for _ in range(2):
+        s.chain_round()
+        s.tree_round()
+    s.append_round()
+    s.assert_committed()
+    assert len({tuple(q) for q in s.seqs}) == len(s.seqs)  # the copies went their own ways
 
 
 @pytest.mark.parametrize("lens", [[5], [5, 11, 3]])
