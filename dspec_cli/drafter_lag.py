@@ -22,25 +22,16 @@ from dspec_cli.drafter import Drafter, DraftState
 
 
 @dataclass
-class _Round:
-    """Tokens one skipped round committed: committed [Σc], counts [R_t], taps [Σc, n·d] | None."""
-
-    committed: torch.Tensor
-    counts: torch.Tensor
-    hidden: torch.Tensor | None
-
-    def rows(self) -> torch.Tensor:
-        """[Σc] the row of every entry."""
-        return torch.repeat_interleave(torch.arange(self.counts.shape[0], device=self.counts.device), self.counts)
-
-
-@dataclass
 class DrafterLag:
-    """Pending admissions (a suffix of the batch rows) and skipped rounds, for one engine run."""
+    """Pending admissions (a suffix of the batch rows) and skipped rounds' tokens, for one engine run.
+
+    The backlog is kept flat, entry by entry in commit order: row [N], committed [N], taps [N, ·];
+    a row's entries keep their order, so a stable sort by row gives each row's tokens in order.
+    """
 
     admitted: int = 0  # rows the drafter state holds (the first rows of the batch)
     pending: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)  # (ids [L], taps [L, ·] | None)
-    backlog: list[_Round] = field(default_factory=list)
+    backlog: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
 
     @property
     def rows(self) -> int:
@@ -51,19 +42,21 @@ class DrafterLag:
         self.pending += list(zip(prompts, hidden if hidden is not None else [None] * len(prompts)))
 
     def skip(self, committed: torch.Tensor, counts: torch.Tensor, hidden: torch.Tensor | None) -> None:
-        """A round without a draft committed ``counts`` [R] tokens per row."""
-        self.backlog.append(_Round(committed, counts, hidden))
+        """A round without a draft committed ``counts`` [R] tokens per row (committed [Σc], taps [Σc, ·])."""
+        rows = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts)
+        self.backlog.append((rows, committed, hidden))
 
     def keep(self, drafter: Drafter, state: DraftState, keep: list[int]) -> None:
         """Only rows ``keep`` (ascending) stay: drop the others from the drafter state, the pending
-        admissions and the backlog."""
-        index = torch.tensor(keep, dtype=torch.long)
-        for r, rnd in enumerate(self.backlog):
-            mine = index[index < rnd.counts.shape[0]].to(rnd.counts.device)
-            entry = torch.isin(rnd.rows(), mine)
-            self.backlog[r] = _Round(
-                rnd.committed[entry], rnd.counts[mine], None if rnd.hidden is None else rnd.hidden[entry]
-            )
+        admissions and the backlog (merged into one entry set, so repeated calls stay cheap)."""
+        if self.backlog:
+            rows, committed, hidden = self._merged()
+            index = torch.tensor(keep, dtype=torch.long, device=rows.device)
+            new_row = torch.full((self.rows,), -1, dtype=torch.long, device=rows.device)
+            new_row[index] = torch.arange(len(keep), device=rows.device)
+            rows = new_row[rows]
+            entry = rows >= 0
+            self.backlog = [(rows[entry], committed[entry], None if hidden is None else hidden[entry])]
         kept_admitted = [r for r in keep if r < self.admitted]
         if len(kept_admitted) < self.admitted:
             drafter.remove_requests(state, kept_admitted)
@@ -72,7 +65,7 @@ class DrafterLag:
 
     def flush(self, drafter: Drafter, state: DraftState) -> None:
         """Bring the drafter up to date: admit the pending rows, then one ``advance`` with every
-        backlogged token, each row's in order (rows newer than a round get count 0 for it)."""
+        backlogged token, each row's in order (rows newer than a round have no entries in it)."""
         if self.pending:
             ids = [p for p, _ in self.pending]
             taps = None if self.pending[0][1] is None else [h for _, h in self.pending]
@@ -80,10 +73,15 @@ class DrafterLag:
             self.admitted, self.pending = self.rows, []
         if not self.backlog:
             return
-        rows = torch.cat([rnd.rows() for rnd in self.backlog])
+        rows, committed, hidden = self._merged()
+        self.backlog = []
         order = torch.sort(rows, stable=True).indices
-        committed = torch.cat([rnd.committed for rnd in self.backlog])[order]
-        hidden = None if self.backlog[0].hidden is None else torch.cat([rnd.hidden for rnd in self.backlog])[order]
         counts = torch.bincount(rows, minlength=self.admitted)
-        self.backlog.clear()
-        drafter.advance(state, committed, counts, hidden)
+        drafter.advance(state, committed[order], counts, None if hidden is None else hidden[order])
+
+    def _merged(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The backlog's entries concatenated: row [N], committed [N], taps [N, ·] | None."""
+        rows = torch.cat([r for r, _, _ in self.backlog])
+        committed = torch.cat([c for _, c, _ in self.backlog])
+        hidden = None if self.backlog[0][2] is None else torch.cat([h for _, _, h in self.backlog])
+        return rows, committed, hidden
