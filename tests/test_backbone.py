@@ -197,13 +197,9 @@ def test_rows_are_independent(target, drafter):
     torch.testing.assert_close(drafter.block_logits(state, anchors[[2, 0, 1]]), full[[2, 0, 1]], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_other_target_families(family):
-    """Llama / Gemma 3 targets: training == inference, and greedy decoding stays exact."""
-    target = tiny_target(family, seed=0)
-    torch.manual_seed(0)
-    cls = get_drafter_class("dflash")
-    drafter = cls.build(cls.config_class(block_size=B, num_layers=2), target)
+def assert_training_matches_inference(drafter, target) -> None:
+    """The training forward (all blocks under the block mask) gives the inference forward's
+    logits at three anchors of one prompt."""
     ids = torch.tensor([target.render_prompt("The quick brown fox jumps over the lazy dog")])
     _, taps = target.forward_full(ids, drafter.target_layer_ids)
     anchors = [3, 9, ids.shape[1] - 2]
@@ -211,6 +207,16 @@ def test_other_target_families(family):
         train = drafter._lm_logits(_train_hidden(drafter, ids, taps[None], torch.tensor([anchors])))
         infer = drafter._lm_logits(_infer_hidden(drafter, ids, taps[None], anchors))
     torch.testing.assert_close(train, infer, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_other_target_families(family):
+    """Llama / Gemma 3 targets: training == inference, and greedy decoding stays exact."""
+    target = tiny_target(family, seed=0)
+    torch.manual_seed(0)
+    cls = get_drafter_class("dflash")
+    drafter = cls.build(cls.config_class(block_size=B, num_layers=2), target)
+    assert_training_matches_inference(drafter, target)
     prompt = target.render_prompt("Numbers like 0 1 2")
     cfg = GenerationConfig(max_new_tokens=12, temperature=0.0, block_size=B)
     out = SpeculativeEngine(target, drafter, cfg, stop_ids=[]).generate([prompt])[0].output_ids

@@ -279,19 +279,13 @@ def test_gemma4_export_for_vllm(target, tmp_path):
 def test_gemma4_training_equals_inference(target):
     """The training forward (all blocks at once under the block mask) gives the inference
     forward's logits with Gemma-4 layers, and a training step's loss is finite."""
-    from test_backbone import B, _infer_hidden, _train_hidden
+    from test_backbone import B, assert_training_matches_inference
     from tiny_models import training_batch
 
     cls = get_drafter_class("dspark")
     torch.manual_seed(0)
     drafter = cls.build(cls.config_class(block_size=B, num_layers=2, markov_rank=8), target)
-    ids = torch.tensor([target.render_prompt("The quick brown fox jumps over the lazy dog")])
-    _, taps = target.forward_full(ids, drafter.target_layer_ids)
-    anchors = [3, 9, ids.shape[1] - 2]
-    with torch.no_grad():
-        train = drafter._lm_logits(_train_hidden(drafter, ids, taps[None], torch.tensor([anchors])))
-        infer = drafter._lm_logits(_infer_hidden(drafter, ids, taps[None], anchors))
-    torch.testing.assert_close(train, infer, atol=1e-4, rtol=0)
+    assert_training_matches_inference(drafter, target)
     batch, features = training_batch(target, drafter.target_layer_ids)
     loss = drafter.training_loss(batch, features, torch.Generator().manual_seed(0))["loss"]
     assert torch.isfinite(loss)
