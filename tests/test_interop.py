@@ -69,6 +69,22 @@ def block_backbone(tc, taps: int, layers: int, gen: torch.Generator) -> dict:
     return out
 
 
+def dspark_heads(config: dict, V: int, d: int, rank: int, head: str, confidence: bool, gen) -> dict:
+    """DeepSpec's Markov / RNN head and confidence head tensors (random); sets their config fields."""
+    tensors = {}
+    if rank:
+        config["markov_head_type"] = head
+        tensors |= {f"markov_head.markov_w{i}.weight": _rand(V, rank, gen=gen) for i in (1, 2)}
+        if head == "rnn":
+            tensors |= {"markov_head.joint_proj.weight": _rand(3 * rank, 2 * rank + d, gen=gen),
+                        "markov_head.joint_proj.bias": _rand(3 * rank, gen=gen)}
+    if confidence:
+        config["confidence_head_with_markov"] = bool(rank)
+        tensors |= {"confidence_head.proj.weight": _rand(1, d + rank, gen=gen),
+                    "confidence_head.proj.bias": _rand(1, gen=gen)}
+    return tensors
+
+
 def deepspec(target: Target, head: str = "vanilla", rank: int = 8, confidence: bool = True) -> tuple[dict, dict]:
     """DeepSpec's save_pretrained output: the target's config with the DSpark fields (transformers 4
     rope spelling), all weights at the top level, frozen embedding and LM head copies included."""
@@ -82,17 +98,7 @@ def deepspec(target: Target, head: str = "vanilla", rank: int = 8, confidence: b
         "target_layer_ids": [0, 1], "num_anchors": 512, "enable_confidence_head": confidence, "markov_rank": rank,
     }
     tensors = block_backbone(tc, 2, 2, gen)
-    if rank:
-        config["markov_head_type"] = head
-        V, d = tc.vocab_size, tc.hidden_size
-        tensors |= {f"markov_head.markov_w{i}.weight": _rand(V, rank, gen=gen) for i in (1, 2)}
-        if head == "rnn":
-            tensors |= {"markov_head.joint_proj.weight": _rand(3 * rank, 2 * rank + d, gen=gen),
-                        "markov_head.joint_proj.bias": _rand(3 * rank, gen=gen)}
-    if confidence:
-        config["confidence_head_with_markov"] = bool(rank)
-        tensors |= {"confidence_head.proj.weight": _rand(1, tc.hidden_size + rank, gen=gen),
-                    "confidence_head.proj.bias": _rand(1, gen=gen)}
+    tensors |= dspark_heads(config, tc.vocab_size, tc.hidden_size, rank, head, confidence, gen)
     tensors["embed_tokens.weight"] = target.model.get_input_embeddings().weight.detach().clone()
     tensors["lm_head.weight"] = target.model.get_output_embeddings().weight.detach().clone()
     return config, tensors

@@ -18,6 +18,7 @@ from test_interop import (
     _rand,
     check_engine,
     check_weights_equal,
+    dspark_heads,
     proposal,
     write,
 )
@@ -83,16 +84,7 @@ def gemma4_deepspec(target: Target, head: str = "vanilla", rank: int = 8, confid
     tensors = {"fc.weight": _rand(d, 2 * d, gen=gen), "hidden_norm.weight": _norm(d, gen), "norm.weight": _norm(d, gen)}
     for i in range(2):
         tensors |= gemma4_layer(f"layers.{i}", target, gen)
-    if rank:
-        config["markov_head_type"] = head
-        tensors |= {f"markov_head.markov_w{i}.weight": _rand(V, rank, gen=gen) for i in (1, 2)}
-        if head == "rnn":
-            tensors |= {"markov_head.joint_proj.weight": _rand(3 * rank, 2 * rank + d, gen=gen),
-                        "markov_head.joint_proj.bias": _rand(3 * rank, gen=gen)}
-    if confidence:
-        config["confidence_head_with_markov"] = bool(rank)
-        tensors |= {"confidence_head.proj.weight": _rand(1, d + rank, gen=gen),
-                    "confidence_head.proj.bias": _rand(1, gen=gen)}
+    tensors |= dspark_heads(config, V, d, rank, head, confidence, gen)
     tensors["embed_tokens.weight"] = target.model.get_input_embeddings().weight.detach().clone()
     tensors["lm_head.weight"] = target.model.get_output_embeddings().weight.detach().clone()
     return config, tensors
