@@ -213,16 +213,14 @@ class SpeculativeEngine:
         # 3. commit: anchor + accepted drafts enter the caches; the last token is the new anchor
         keep = res.accepted + 1
         self.target.commit(rows.batch, keep)
-        if self.drafter is not None:
-            keep_list = keep.tolist()
+        if self.drafter is not None and proposal is None:
+            # a plain step (one token per row, flat layout = rows): the drafter catches up later
+            rows.lag.skip(grid[:, 0], keep, out.hidden)
+        elif self.drafter is not None:
             hidden = out.hidden
             if hidden is not None:  # committed entries of the flat verify layout
                 hidden = hidden[_ragged(_prefix_mask(keep, grid.shape[1]), n, [e + 1 for e in ell_list])]
-            committed = _ragged(grid, keep, keep_list)
-            if proposal is None:  # no draft this round: the drafter catches up before its next one
-                rows.lag.skip(committed, keep, hidden)
-            else:
-                self.drafter.advance(rows.dstate, committed, keep, hidden)
+            self.drafter.advance(rows.dstate, _ragged(grid, keep, keep.tolist()), keep, hidden)
         t2 = time.perf_counter()
         self._book(rows, results, res, proposal, ell, t0, t1, t2, tokens.numel())
 
