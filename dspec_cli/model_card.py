@@ -142,7 +142,7 @@ def write_model_card(out: Path, info: dict[str, Any]) -> None:
         "|---|---|",
         f"| drafter | `{drafter}` |",
         f"| target | `{target}` |",
-        (f"| training data | `{data['path']}`: {data['samples']} conversations ({data['skipped']} skipped), "
+        (f"| training data | `{', '.join(data['path']) if isinstance(data['path'], list) else data['path']}`: {data['samples']} conversations ({data['skipped']} skipped), "
          f"{data['tokens']} tokens, {data['loss_tokens']} assistant tokens |"),
         (f"| steps | {info['step']} of {info['total_steps']} ({info['epochs']:.2f} epochs), "
          f"global batch {info['global_batch']} |"),

@@ -39,15 +39,22 @@ class TargetSpec:
 
 @dataclass
 class DataSpec:
-    path: str = ""  # target-regenerated conversations (jsonl), see `dspec data regenerate`
+    path: str | list[str] = ""  # target-regenerated conversations: one jsonl or several, concatenated in order
+    # (`dspec data regenerate --recipe` writes the first; see its --output for the others)
     max_length: int = 4096  # tokens per sample after the chat template (longer ones are truncated)
     min_loss_tokens: int = 14  # samples with fewer assistant tokens are skipped
     limit: int = 0  # use the first N conversations (0 = all)
 
 
+    @property
+    def paths(self) -> list[str]:
+        """data.path as a list (empty when unset)."""
+        return [self.path] if isinstance(self.path, str) and self.path else list(self.path or [])
+
+
 @dataclass
 class RegenerateSpec:
-    prompts: str = ""  # prompt file that `dspec data regenerate --recipe` turns into data.path
+    prompts: str = ""  # prompt file that `dspec data regenerate --recipe` turns into data.path (its first file)
     max_new_tokens: int = 4096
     temperature: float = 0.7  # Qwen3 non-thinking recommendations
     top_p: float = 0.8

@@ -144,14 +144,20 @@ def tokenize_conversations(
     return TrainData(np.concatenate(ids_parts), np.concatenate(mask_parts), offsets, names, skipped, source)
 
 
-def load_train_data(path: str, tokenizer, max_length: int, min_loss_tokens: int, limit: int = 0) -> TrainData:
-    """Conversations from a jsonl file (see :func:`dspec_cli.data.load_conversations`), tokenised."""
-    if not path:
+def load_train_data(paths: Sequence[str], tokenizer, max_length: int, min_loss_tokens: int,
+                    limit: int = 0) -> TrainData:
+    """Conversations from jsonl files, concatenated in order (see
+    :func:`dspec_cli.data.load_conversations`), tokenised; ``limit`` caps the total."""
+    if not paths:
         raise DspecError("recipe: data.path is empty (point it at `dspec data regenerate` output)")
     if max_length < 2:
         raise DspecError(f"recipe: data.max_length must be >= 2, got {max_length}")
-    convs = load_conversations(path, limit or None)
-    return tokenize_conversations(convs, tokenizer, max_length, min_loss_tokens, path)
+    convs = []
+    for path in paths:
+        convs += load_conversations(path, (limit - len(convs)) if limit else None)
+        if limit and len(convs) >= limit:
+            break
+    return tokenize_conversations(convs, tokenizer, max_length, min_loss_tokens, ", ".join(paths))
 
 
 # -- sample order --------------------------------------------------------------------------------

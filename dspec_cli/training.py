@@ -172,10 +172,11 @@ def _prepare(opts: TrainOptions) -> tuple[Recipe, type, Path, Path | None]:
         raise DspecError(f"--output {out} is not empty; use --resume to continue that run, or another folder")
     if not opts.resume and opts.json_log is not None and Path(opts.json_log).exists():
         raise DspecError(f"--json-log {opts.json_log} already exists; remove it or choose another path")
-    if not Path(recipe.data.path).is_file():
-        hint = (f"; create it with `dspec data regenerate --recipe {recipe.source}`"
-                if recipe.regenerate.prompts and recipe.source.endswith(".toml") else "")
-        raise DspecError(f"training data {recipe.data.path!r} (data.path) not found{hint}")
+    for i, path in enumerate(recipe.data.paths or [""]):
+        if not Path(path).is_file():
+            hint = (f"; create it with `dspec data regenerate --recipe {recipe.source}`"
+                    if i == 0 and recipe.regenerate.prompts and recipe.source.endswith(".toml") else "")
+            raise DspecError(f"training data {path!r} (data.path) not found{hint}")
     return recipe, cls, out, resume_from
 
 
@@ -291,7 +292,7 @@ class _Run:
     def _load_data(self, target) -> TrainData:
         spec = self.recipe.data
         ctx = getattr(target.config, "max_position_embeddings", None) or spec.max_length
-        data = load_train_data(spec.path, target.tokenizer, min(spec.max_length, ctx), spec.min_loss_tokens, spec.limit)
+        data = load_train_data(spec.paths, target.tokenizer, min(spec.max_length, ctx), spec.min_loss_tokens, spec.limit)
         if self.rank.main and data.skipped:
             self.progress.note(f"skipped {data.skipped} conversation(s) with < {spec.min_loss_tokens} assistant tokens")
         return data

@@ -15,6 +15,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -195,6 +196,31 @@ def test_assistant_text_equal_to_user_text_is_found_after_it():
     text = "<u>same<e>\n<a>same<e>\n"
     msgs = [{"role": "user", "content": "same"}, {"role": "assistant", "content": "same"}]
     assert assistant_spans(text, msgs, "<e>\n", "f:1") == [(text.index("<a>") + 3, len(text))]
+
+
+def test_data_path_takes_several_files_in_order_with_one_limit(tmp_path):
+    from dspec_cli.train_data import load_train_data
+
+    tok = tiny_tokenizer()
+    a = write_conversations(tmp_path / "a.jsonl", n=4)
+    b = write_conversations(tmp_path / "b.jsonl", n=3)
+    both = load_train_data([str(a), str(b)], tok, 96, 1)
+    one = load_train_data([str(a)], tok, 96, 1)
+    assert len(both) == 7 and both.sample_ids[:4] == one.sample_ids
+    assert np.array_equal(both.sample(0)[0], one.sample(0)[0])
+    assert len(load_train_data([str(a), str(b)], tok, 96, 1, limit=5)) == 5
+    assert len(load_train_data([str(a), str(b)], tok, 96, 1, limit=2)) == 2
+    with pytest.raises(DspecError, match="data.path is empty"):
+        load_train_data([], tok, 96, 1)
+
+
+def test_recipe_data_path_accepts_a_list_and_names_the_missing_file(setup, tmp_path):
+    tmp, recipe = setup
+    data = tmp / "conv.jsonl"
+    with pytest.raises(DspecError, match=r"training data '.*missing.jsonl' \(data.path\) not found"):
+        train(TrainOptions(recipe=recipe, output=tmp / "new",
+                           overrides=[f'data.path=["{data}", "{tmp / "missing.jsonl"}"]']))
+    assert not (tmp / "new").exists()
 
 
 def test_data_order_is_a_seeded_stream_of_epoch_permutations_sharded_by_rank():

@@ -49,7 +49,7 @@ def regenerate_command(
         if target is not None and target != rec.target.name:
             raise DspecError(f"recipe {recipe} is for target {rec.target.name!r}, not {target!r}")
         target_name = None if rec.target.name == EMBEDDED else rec.target.name
-        out = output or (Path(rec.data.path) if rec.data.path else None)
+        out = output or (Path(rec.data.paths[0]) if rec.data.paths else None)
     prompts = prompts or spec.prompts
     if not prompts or out is None:
         raise DspecError("give --prompts and --output (or a --recipe with regenerate.prompts and data.path)")
