@@ -222,3 +222,29 @@ def test_other_target_families(family):
     out = SpeculativeEngine(target, drafter, cfg, stop_ids=[]).generate([prompt])[0].output_ids
     plain = target.model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert out == plain[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("anchor_predicts", [True, False], ids=["deepspec-layout", "zlab-layout"])
+def test_training_path_matches_inference_in_both_block_layouts(target, sequence, anchor_predicts):
+    """``block_outputs`` (all blocks under the block mask, heads teacher-forced) gives each draft
+    slot's inference logits and confidence, in DeepSpec's layout and in the original DFlash
+    one ([anchor, mask × γ], masks predict), with labels x_{a+1..a+γ}."""
+    torch.manual_seed(1)
+    cls = get_drafter_class("dspark-rnn")  # a stateful head: the previous-token alignment matters
+    drafter = cls.build(cls.config_class(block_size=B, num_layers=2, anchor_predicts=anchor_predicts), target)
+    ids, taps = sequence
+    anchors = [2, 7, ids.shape[1] - B - 2]  # every slot supervised in both layouts
+    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids)}
+    features = {"taps": taps, "last_hidden": torch.zeros(*ids.shape, target.hidden_size)}
+    with torch.no_grad():
+        out = drafter.block_outputs(batch, features, torch.tensor([anchors]), torch.ones(1, 3, dtype=torch.bool))
+        h = _infer_hidden(drafter, ids, taps, anchors)  # [N, γ, d]
+        base, state, logits, conf = drafter._lm_logits(h), None, [], []
+        for k in range(B):
+            prev = ids[0, [a + k for a in anchors]]  # teacher-forced x_{a+k}
+            step, state = drafter.head_logits(base[:, k], h[:, k], prev, state)
+            logits.append(step)
+            conf.append(drafter.net.confidence(h[:, k], drafter.net.head.embed(prev)))
+    assert out.labels.view(3, B).tolist() == [ids[0, a + 1 : a + 1 + B].tolist() for a in anchors]
+    torch.testing.assert_close(out.logits.view(3, B, -1), torch.stack(logits, 1), atol=1e-4, rtol=0)
+    torch.testing.assert_close(out.conf_logits.view(3, B), torch.stack(conf, 1), atol=1e-4, rtol=0)

@@ -245,8 +245,6 @@ def test_original_dflash_layout_is_the_anchor_layout_shifted(target):
         d.add_requests(s, [prompt], [taps])
     anchors = torch.tensor([7])
     torch.testing.assert_close(zl.block_logits(states[1], anchors), ours.block_logits(states[0], anchors)[:, 1:])
-    with pytest.raises(DspecError, match="anchor_predicts = true"):
-        zl.training_loss({}, {})
 
 
 def test_specforge_eagle3_checkpoint(target, tmp_path):

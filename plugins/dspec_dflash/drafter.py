@@ -7,8 +7,8 @@ Block layout (DeepSpec's variant, notes-deepspec §2): the block is [anchor, mas
 the anchor slot is itself the first prediction position, so γ input slots give γ drafts
 (slot k predicts the token after position a+k). The original DFlash paper (and z-lab's
 checkpoints) feeds anchor + γ masks and predicts only the masks; DeepSpec's DFlash baseline and
-DSpark use the variant here. ``anchor_predicts = False`` selects the original layout for
-inference (z-lab checkpoints, :mod:`dspec_cli.interop`); training uses DeepSpec's only.
+DSpark use the variant here. ``anchor_predicts = False`` selects the original layout, for
+training and inference (z-lab checkpoints, :mod:`dspec_cli.interop`).
 
 The target's input embedding and LM head are shared and frozen: taken from the target at
 build time, never stored in our checkpoints. The mask token id defaults to the tokenizer's
@@ -286,29 +286,32 @@ class DFlashDrafter(TrainableDrafter):
         base = self._lm_logits(h)  # [R, γ, V]: one LM-head matmul for the whole block
         head, conf_head = self.net.head, self.net.confidence
         prev, hstate = anchors, None
-        tokens, probs, conf = [], [], []
+        tokens, probs = [], []
         for k in range(gamma):
             logits, hstate = self.head_logits(base[:, k], h[:, k], prev, hstate)  # [R, V]
-            if conf_head is not None:
-                prev_embed = head.embed(prev) if head is not None else None
-                conf.append(self._calibrated(conf_head(h[:, k], prev_embed).float(), k))
             q = sampler.probs(logits)  # [R, V]
             prev = sampler.sample(q, k)
             tokens.append(prev)
             probs.append(q)
+        drafts = torch.stack(tokens, 1)  # [R, γ]
+        conf = None
+        if conf_head is not None:  # one pass over the block: slot k sees h_k and x_{k−1} only
+            prevs = torch.cat([anchors[:, None], drafts[:, :-1]], 1)  # [R, γ]: x_{k−1}
+            conf = self._calibrated(conf_head(h, head.embed(prevs) if head is not None else None).float())
         return Proposal(
-            tokens=torch.stack(tokens, 1),
+            tokens=drafts,
             lengths=torch.full((R,), gamma, dtype=torch.long, device=anchors.device),
             draft_probs=torch.stack(probs, 1),
-            confidence=torch.stack(conf, 1) if conf else None,
+            confidence=conf,
         )
 
-    def _calibrated(self, logit: torch.Tensor, k: int) -> torch.Tensor:
-        """σ(logit / T_k) with T_k from calibration.json (1 past its end)."""
+    def _calibrated(self, logits: torch.Tensor) -> torch.Tensor:
+        """σ(logit_k / T_k) [R, γ] with T_k from calibration.json (1 past its end)."""
         temps = self.conf_temperatures
-        if temps is not None and k < temps.numel():
-            logit = logit / temps[k]
-        return torch.sigmoid(logit)
+        if temps is not None:
+            n = min(temps.numel(), logits.shape[1])
+            logits = torch.cat([logits[:, :n] / temps[:n], logits[:, n:]], 1)
+        return torch.sigmoid(logits)
 
     def _block_hidden(self, state: BlockDraftState, anchors: torch.Tensor) -> torch.Tensor:
         """h [R, γ, d] for blocks [anchor, mask × (γ−1)] after each row's committed context."""
@@ -346,8 +349,6 @@ class DFlashDrafter(TrainableDrafter):
         [b, L, n·d], "last_hidden" [b, L, d]}. ``generator`` seeds the anchor choice.
         """
         cfg = self.config
-        if not cfg.anchor_predicts:
-            raise DspecError("training supports DeepSpec's block layout only (anchor_predicts = true)")
         anchors, keep = sample_anchors(batch["loss_mask"], cfg.num_anchors, generator)
         out = self.block_outputs(batch, target_features, anchors, keep)
         return block_losses(
@@ -361,8 +362,14 @@ class DFlashDrafter(TrainableDrafter):
         anchors: torch.Tensor, keep: torch.Tensor,
     ) -> BlockOutputs:
         """Draft / target logits of the supervised slots of the blocks at ``anchors`` [b, N]
-        (``keep`` [b, N]), heads teacher-forced with the true previous tokens."""
+        (``keep`` [b, N]), heads teacher-forced with the true previous tokens.
+
+        Draft slot k (0-based) predicts x_{a+k+1} in both layouts; with ``anchor_predicts =
+        False`` the block has one more input slot, [anchor, mask × γ], and slot k is read from
+        input slot k + 1 (the anchor slot predicts nothing)."""
         cfg, B = self.config, self.config.block_size
+        skip = 0 if cfg.anchor_predicts else 1
+        S = B + skip  # input slots per block
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]
         taps, last = target_features["taps"], target_features["last_hidden"]
         if ids.dim() != 2 or loss_mask.shape != ids.shape or taps.shape[:2] != ids.shape or last.shape[:2] != ids.shape:
@@ -370,22 +377,24 @@ class DFlashDrafter(TrainableDrafter):
         self._check_taps(taps)
         b, L = ids.shape
         n = anchors.shape[1]
-        blocks = build_blocks(ids, loss_mask, anchors, keep, B, cfg.mask_token_id)
-        mask = training_mask(anchors, keep, L, B, cfg.attention)
+        blocks = build_blocks(ids, loss_mask, anchors, keep, S, cfg.mask_token_id)
+        mask = training_mask(anchors, keep, L, S, cfg.attention)
         with torch.no_grad():
-            embeds = self.embed(blocks.input_ids.view(b, n * B))
-        h = self.net.backbone.forward_train(embeds, blocks.positions.view(b, n * B), taps, mask).view(b, n, B, -1)
-        sel = blocks.valid
+            embeds = self.embed(blocks.input_ids.view(b, n * S))
+        h = self.net.backbone.forward_train(embeds, blocks.positions.view(b, n * S), taps, mask).view(b, n, S, -1)
+        h = h[:, :, skip:]  # [b, N, B, d]: the draft slots
+        # draft slot k: label x_{a+k+1}, previous token x_{a+k}, target distribution at position a+k
+        labels, prev, sel, pos = (t[..., :B] for t in (blocks.labels, blocks.prev, blocks.valid, blocks.positions))
         logits = self._lm_logits(h[sel])  # [M, V]
         head, conf_head = self.net.head, self.net.confidence
         if head is not None:
-            logits = logits + head.bias(head.block_features(blocks.prev, h)[sel]).float()
+            logits = logits + head.bias(head.block_features(prev, h)[sel]).float()
         conf_logits = None
         if conf_head is not None:
-            prev_embed = head.embed(blocks.prev[sel]) if head is not None else None
+            prev_embed = head.embed(prev[sel]) if head is not None else None
             conf_logits = conf_head(h[sel], prev_embed).float()
         where = sel.nonzero()  # [M, 3] (sequence, block, slot)
         with torch.no_grad():
-            target_logits = self._lm_logits(last[where[:, 0], blocks.positions[sel]])  # p_t at position a+k
-        return BlockOutputs(logits, target_logits, blocks.labels[sel], where, conf_logits)
+            target_logits = self._lm_logits(last[where[:, 0], pos[sel]])  # p_t at position a+k
+        return BlockOutputs(logits, target_logits, labels[sel], where, conf_logits)
 
