@@ -320,7 +320,11 @@ class SpeculativeEngine:
         self.stats.verify_tokens += verify_tokens
         self.stats.draft_seconds += t1 - t0
         self.stats.verify_seconds += t2 - t1
-        self.stats.other_seconds += time.perf_counter() - t2
+        t3 = time.perf_counter()
+        self.stats.other_seconds += t3 - t2
+        observe = getattr(self.scheduler, "observe_round", None)
+        if observe is not None:
+            observe(R, t3 - t0, proposal is not None)
 
     def _retire(self, rows: _Rows, results: list[RequestResult], on_finish) -> None:
         """Finished requests leave the batch (stop token or max_new_tokens)."""

@@ -102,10 +102,14 @@ class DraftGate:
 
     ``draft_seconds`` fixes the drafting cost (deterministic runs, tests); None measures it
     (EMA per concurrency R, nearest measured R otherwise). While closed, the gate still drafts
-    a *probe* round once the closed rounds' step time (1/SPS(R) each, from the cost table) times
-    ``probe_share`` reaches the expected drafting time, so probes cost about ``probe_share`` of
-    the time and the survival curve and drafting time stay current. Estimates persist across
-    runs (:meth:`new_run`); :meth:`reset` forgets them.
+    a *probe* round once the closed rounds' time times ``probe_share`` reaches what a probe
+    costs, so probes take about ``probe_share`` of the time and the survival curve and drafting
+    time stay current. Measured (``draft_seconds`` None): a closed round counts the measured
+    time of plain rounds at its R, and a probe costs a drafted round's measured time minus a
+    plain one's at the nearest R with both (drafting, the longer verify, the drafter catching
+    up), at least its drafting time; until those are known, and with a fixed
+    ``draft_seconds``, a closed round counts 1/SPS(R) and a probe its drafting time. Estimates
+    persist across runs (:meth:`new_run`); :meth:`reset` forgets them.
     """
 
     def __init__(self, *, draft_seconds: float | None = None, probe_share: float = 0.02, smoothing: float = 0.25):
@@ -120,12 +124,13 @@ class DraftGate:
         """Forget everything learned."""
         self.survival: torch.Tensor | None = None  # [γ] EMA of the mean survival curve (CPU float64)
         self.times: dict[int, float] = {}  # R -> EMA of drafting seconds per round
+        self.rounds: dict[tuple[int, bool], float] = {}  # (R, drafted) -> EMA of whole-round seconds
         self._verdict: tuple[int, bool] | None = None  # (R, prediction) until the next observation
         self.new_run()
 
     def new_run(self) -> None:
         """A new engine run: keep the estimates (they describe drafter and hardware), zero the counters."""
-        self.closed_seconds = 0.0  # modelled step time of closed rounds since the last drafted one
+        self.closed_seconds = 0.0  # time of closed rounds (measured or modelled) since the last drafted one
         self.opened = self.closed = 0  # decisions taken
 
     def observe_survival(self, survival: torch.Tensor) -> None:
@@ -138,6 +143,21 @@ class DraftGate:
         old = self.times.get(num_rows)
         self.times[num_rows] = seconds if old is None else old + self.smoothing * (seconds - old)
         self._verdict = None
+
+    def observe_round(self, num_rows: int, seconds: float, drafted: bool) -> None:
+        """Wall time of a whole round (draft, verify, commit) with or without a draft."""
+        old = self.rounds.get((num_rows, drafted))
+        self.rounds[num_rows, drafted] = seconds if old is None else old + self.smoothing * (seconds - old)
+
+    def _probe_cost(self, num_rows: int) -> float:
+        """Expected extra seconds of a probe round over a plain one: measured at the nearest R
+        with both kinds of rounds, never below the drafting time."""
+        seconds = self._draft_seconds(num_rows) or 0.0
+        both = [r for r, d in self.rounds if d and (r, False) in self.rounds]
+        if self.draft_seconds is not None or not both:
+            return seconds
+        r = min(both, key=lambda r: (abs(r - num_rows), -r))
+        return max(self.rounds[r, True] - self.rounds[r, False], seconds)
 
     def _draft_seconds(self, num_rows: int) -> float | None:
         if self.draft_seconds is not None or not self.times:
@@ -162,8 +182,9 @@ class DraftGate:
             is_open = self._predict(num_rows, sps())
             self._verdict = (num_rows, is_open)
         if not is_open:  # a probe once the closed rounds have "paid" for one
-            self.closed_seconds += 1.0 / float(sps()[num_rows])
-            is_open = self.closed_seconds * self.probe_share >= (self._draft_seconds(num_rows) or 0.0)
+            plain = self.rounds.get((num_rows, False)) if self.draft_seconds is None else None
+            self.closed_seconds += plain if plain is not None else 1.0 / float(sps()[num_rows])
+            is_open = self.closed_seconds * self.probe_share >= self._probe_cost(num_rows)
         if is_open:
             self.closed_seconds = 0.0
         self.opened += is_open
@@ -220,6 +241,11 @@ class Scheduler:
         """Called by the engine after each drafted round with its drafting time."""
         if self.gate is not None:
             self.gate.observe_time(num_rows, seconds)
+
+    def observe_round(self, num_rows: int, seconds: float, drafted: bool) -> None:
+        """Called by the engine after every round with its wall time and whether it drafted."""
+        if self.gate is not None:
+            self.gate.observe_round(num_rows, seconds, drafted)
 
     def lengths(self, confidence: torch.Tensor, lmax: torch.Tensor) -> torch.Tensor:  # [R, γ], [R] -> [R]
         raise NotImplementedError

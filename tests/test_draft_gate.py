@@ -73,6 +73,28 @@ def test_gate_probes_for_a_share_of_the_time():
     assert (gate.opened, gate.closed) == (3, 9)
 
 
+def test_gate_prices_probes_by_measured_round_times():
+    """Measured costs: closed rounds count the measured plain round (20 ms at R = 1, not the
+    table's 10 ms) and a probe costs drafted − plain round time (51 − 20 = 31 ms, more than its
+    1 ms of drafting): 31 ms / 0.1 = 310 ms of closed rounds -> every 16th round."""
+    gate = gate_after([0.1, 0.01, 0.0, 0.0], None, probe_share=0.1)
+    gate.observe_time(1, 0.001)
+    gate.observe_round(1, 0.051, drafted=True)
+    gate.observe_round(1, 0.020, drafted=False)
+    assert gate._probe_cost(1) == pytest.approx(0.031) and gate._probe_cost(64) == pytest.approx(0.031)
+    decisions = [gate.decide(1, curve(CPU)) for _ in range(32)]
+    assert [i for i, d in enumerate(decisions) if d] == [15, 31]
+    cheap = gate_after([0.1, 0.01, 0.0, 0.0], None)
+    cheap.observe_time(1, 0.005)
+    cheap.observe_round(1, 0.022, drafted=True)
+    cheap.observe_round(1, 0.020, drafted=False)
+    assert cheap._probe_cost(1) == pytest.approx(0.005)  # never below the drafting time
+    fixed = gate_after([0.1, 0.01, 0.0, 0.0], 0.001, probe_share=0.1)
+    fixed.observe_round(1, 0.051, drafted=True)
+    fixed.observe_round(1, 0.020, drafted=False)
+    assert fixed._probe_cost(1) == 0.001  # a fixed draft_seconds: the cost model only (deterministic)
+
+
 def test_gate_keeps_estimates_across_runs():
     sched = build_scheduler("hardware", table(CPU), draft_seconds=0.05)
     sched.gate.observe_survival(torch.tensor([[0.5, 0.2, 0.1, 0.0]], dtype=torch.float64))
