@@ -64,7 +64,7 @@ def exact_by_sampling(target):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # ddtree verifies 33 tokens per row: ~15 min on 2 cores
+@pytest.mark.timeout(3600)  # ddtree at T = 0.7 / top-p: 25 min on one shared core
 @pytest.mark.parametrize("sampling", list(SAMPLINGS))
 @pytest.mark.parametrize("name", sorted(registry().drafters))
 def test_engine_lossless_on_embedded_target(target, exact_by_sampling, name, sampling):
