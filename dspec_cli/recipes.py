@@ -45,7 +45,6 @@ class DataSpec:
     min_loss_tokens: int = 14  # samples with fewer assistant tokens are skipped
     limit: int = 0  # use the first N conversations (0 = all)
 
-
     @property
     def paths(self) -> list[str]:
         """data.path as a list (empty when unset)."""
