@@ -190,6 +190,20 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps(data, separators=(",", ":")).encode()).hexdigest()
 
 
+def weights_fingerprint(model, sample: int = 65536) -> str:
+    """sha256 over the shapes of all parameters and the first ``sample`` values of the input
+    embedding, the output head and the last parameter: tells two checkpoints of one architecture
+    apart (e.g. a retrained target under the same name) without reading every weight."""
+    h = hashlib.sha256()
+    params = list(model.named_parameters())
+    for name, p in params:
+        h.update(f"{name}:{tuple(p.shape)};".encode())
+    picks = [model.get_input_embeddings().weight, model.get_output_embeddings().weight, params[-1][1]]
+    for p in picks:
+        h.update(p.detach().reshape(-1)[:sample].float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
 def target_id(target) -> str:
     """How config.json names a target: "embedded", a Hub id (also for a Hub-cache snapshot), an
     absolute local path, or "" when unknown (a model built in memory)."""

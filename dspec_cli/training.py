@@ -38,6 +38,7 @@ from dspec_cli.checkpoint import (
     save_checkpoint,
     seed_all,
     trim_log,
+    weights_fingerprint,
 )
 from dspec_cli.drafter import TrainableDrafter
 from dspec_cli.errors import DspecError
@@ -321,7 +322,8 @@ class _Run:
         )
         cache = None
         if self.opts.feature_cache:
-            meta = {"target": self.recipe.target.name, "layer_ids": list(self.drafter.target_layer_ids),
+            meta = {"target": self.recipe.target.name, "target_weights": weights_fingerprint(self.target.model),
+                    "layer_ids": list(self.drafter.target_layer_ids),
                     "hidden_size": self.target.hidden_size, "dtype": str(self.target.dtype).replace("torch.", "")}
             cache = FeatureCache(self.opts.feature_cache, meta)
         self.features = Features(self.target, self.drafter.target_layer_ids, cache)

@@ -364,6 +364,24 @@ def test_feature_cache_is_written_then_reused(setup, monkeypatch):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_feature_cache_refuses_a_retrained_target_under_the_same_name(tmp_path, tiny_dir, probe):
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_dir, target)
+    recipe = make_recipe(tmp_path, target, write_conversations(tmp_path / "conv.jsonl"))
+    cache = tmp_path / "features"
+    train(TrainOptions(recipe=recipe, output=tmp_path / "a", feature_cache=cache, max_steps=1))
+    model = AutoModelForCausalLM.from_pretrained(target)
+    with torch.no_grad():
+        model.model.norm.weight.add_(0.01)  # the last parameter: a small retraining step
+    model.save_pretrained(target)
+    with pytest.raises(DspecError, match="was built with different target_weights"):
+        train(TrainOptions(recipe=recipe, output=tmp_path / "b", feature_cache=cache, max_steps=1))
+
+
 def test_cli_train_and_one_line_errors(setup, capsys):
     from dspec_cli.cli import main
 

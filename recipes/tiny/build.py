@@ -5,7 +5,8 @@
                                  [--draft-max-steps N] [--out work-data/tiny]
 
 Stages write under --out: corpus/ (text), tokenizer.json, data/ (uint16 token arrays),
-target/ and draft/ (checkpoints + logs); export writes dspec_cli/assets/tiny-{target,draft-model}.
+target/ and draft/ (checkpoints + logs); export writes <--assets>/tiny-{target,draft-model}
+(default dspec_cli/assets).
 """
 
 import argparse
@@ -59,7 +60,7 @@ def stage_train(args, size: str, minutes: float, max_steps: int | None) -> None:
 
 def stage_export(args) -> None:
     import export
-    assets = REPO / "dspec_cli" / "assets"
+    assets = args.assets
     for size, name in (("target", "tiny-target"), ("draft", "tiny-draft-model")):
         if (args.out / size / "final").exists():
             export.export(size=size, run_dir=args.out / size, data_dir=args.out / "data",
@@ -78,6 +79,8 @@ def main(argv=None) -> None:
     p.add_argument("--draft-max-steps", type=int, default=None,
                    help="draft: stop after this many steps as well (deterministic runs)")
     p.add_argument("--out", type=Path, default=REPO / "work-data" / "tiny")
+    p.add_argument("--assets", type=Path, default=REPO / "dspec_cli" / "assets",
+                   help="export: folder that receives tiny-target/ and tiny-draft-model/")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fp32", action="store_true", help="disable bf16 autocast")
     p.add_argument("--continue", dest="continue_training", action="store_true",
@@ -85,7 +88,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.minutes <= 0 or args.draft_minutes <= 0:
         raise SystemExit("error: --minutes and --draft-minutes must be > 0")
-    args.out = args.out.resolve()
+    args.out, args.assets = args.out.resolve(), args.assets.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     _log(f"args: {json.dumps({k: str(v) for k, v in vars(args).items()})}")
     todo = STAGES if args.stage == "all" else (args.stage,)
