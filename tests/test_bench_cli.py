@@ -6,13 +6,10 @@ import json
 
 import pytest
 import torch
-from tiny_models import run_cli as run, assert_cli_error as _bad, tiny_tokenizer
+from tiny_models import assert_cli_error as _bad
+from tiny_models import run_cli as run
+from tiny_models import tiny_tokenizer
 from transformers import AutoModelForCausalLM, Qwen3Config
-
-
-
-
-
 
 
 def test_bench_runs_and_writes_json(model_dir, tmp_path, capsys):
@@ -37,6 +34,21 @@ def test_bench_runs_and_writes_json(model_dir, tmp_path, capsys):
     assert data["env"]["torch"] == torch.__version__
 
 
+def test_progress_bar_starts_with_its_first_task_and_is_off_in_logs():
+    import io
+
+    from rich.console import Console
+
+    from dspec_cli.cli.progress import CommandProgress
+
+    for terminal in (True, False):
+        buf = io.StringIO()
+        with CommandProgress(Console(file=buf, force_terminal=terminal, width=80)):
+            pass  # e.g. an input error before any work
+        assert buf.getvalue() == ""
+        with CommandProgress(Console(file=buf, force_terminal=terminal, width=80)) as bar:
+            bar.advance(bar.add_task("work", total=2))
+        assert (buf.getvalue() != "") == terminal
 
 
 def test_unknown_drafter(model_dir, capsys):

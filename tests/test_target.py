@@ -62,7 +62,6 @@ class Session:
         return sizes if any(sizes) else [1] * len(sizes)
 
     def chain_round(self, max_len: int = 4) -> None:
-        rows = len(self.seqs)
         chains = [[self.anchors[r]] + self.rand(n - 1) if n else [] for r, n in enumerate(self.sizes(max_len + 1))]
         lengths = torch.tensor([len(c) for c in chains])
         out = self.t.verify(self.batch, torch.tensor(sum(chains, [])), lengths)

@@ -29,7 +29,7 @@ def random_trees(sizes, V, *, seed=0, branching=3):
 
 
 def tree_depth(parents, sizes):
-    depth, out, start = [], 0, 0
+    out, start = 0, 0
     for n in sizes:
         d = [0]
         for i in range(n):

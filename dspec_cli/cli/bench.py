@@ -8,11 +8,11 @@ from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from dspec_cli.bench import BenchOptions, run_bench
 from dspec_cli.cli import app
+from dspec_cli.cli.progress import CommandProgress
 from dspec_cli.errors import DspecError
 
 
@@ -79,10 +79,7 @@ def bench_command(
         schedulers=scheduler, cost_table=str(cost_table) if cost_table else None, strict=strict, repeats=repeats,
     )
     err = Console(stderr=True)
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=err, transient=True,
-    ) as bar:
+    with CommandProgress(err) as bar:
 
         def progress(desc: str, total: int):
             task = bar.add_task(desc, total=total)

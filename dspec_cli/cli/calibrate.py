@@ -9,10 +9,10 @@ from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from dspec_cli.cli import app
+from dspec_cli.cli.progress import CommandProgress
 from dspec_cli.errors import DspecError
 
 
@@ -122,8 +122,7 @@ def calibrate_command(
                               block_size=gamma, max_batch=concurrency, seed=seed)
     ids = [tgt.render_prompt(p.text) for p in prompts]
     err = Console(stderr=True)
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err, transient=True) as bar:
+    with CommandProgress(err) as bar:
         task = bar.add_task(f"collecting rounds · {cls.name}", total=len(ids))
         rounds = collect_rounds(tgt, model, ids, config, on_finish=lambda _res: bar.advance(task))
     if old is not None and "confidence" in cls.capabilities:  # the drafter applied the old temperatures: undo

@@ -7,9 +7,10 @@ from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import MofNCompleteColumn, TextColumn, TimeRemainingColumn
 
 from dspec_cli.cli import app
+from dspec_cli.cli.progress import CommandProgress
 from dspec_cli.errors import DspecError
 
 data_app = typer.Typer(help="Training data: regenerate responses with the target.", no_args_is_help=True)
@@ -62,24 +63,13 @@ def regenerate_command(
         dtype=dtype,
     )
     err = Console(stderr=True)
-    bar = Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("turns"),
-        TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True,
-    )
+    with CommandProgress(err, MofNCompleteColumn(), TextColumn("turns"), TimeRemainingColumn()) as bar:
 
-    started = []
+        def progress(desc: str, total: int):  # the bar starts once the inputs have been checked
+            task = bar.add_task(desc, total=total)
+            return lambda _res: bar.advance(task)
 
-    def progress(desc: str, total: int):  # the bar starts once the inputs have been checked
-        bar.start()
-        started.append(True)
-        task = bar.add_task(desc, total=total)
-        return lambda _res: bar.advance(task)
-
-    try:
         stats = regenerate(opts, progress)
-    finally:
-        if started:
-            bar.stop()
     for note in stats.notes:
         err.print(note)
     rate = stats.generated_tokens / stats.seconds if stats.seconds else 0.0

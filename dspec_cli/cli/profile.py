@@ -7,10 +7,10 @@ from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from dspec_cli.cli import app
+from dspec_cli.cli.progress import CommandProgress
 from dspec_cli.errors import DspecError
 
 
@@ -68,8 +68,7 @@ def profile_command(
         raise DspecError(f"--row-tokens must be >= 1, got {row_tokens}")
     tgt = Target.load(target, dtype=dtype, device=device)
     err = Console(stderr=True)
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err, transient=True) as bar:
+    with CommandProgress(err) as bar:
         task = bar.add_task("profiling SPS(B)", total=len(set(points)) * len(set(ctx)))
 
         def advance(c: int, b: int) -> None:

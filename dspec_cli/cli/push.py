@@ -9,15 +9,10 @@ from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-)
+from rich.progress import DownloadColumn
 
 from dspec_cli.cli import app
+from dspec_cli.cli.progress import CommandProgress
 
 
 @app.command("push")
@@ -44,8 +39,7 @@ def push_command(
     files = [name for name in PUBLISHED_FILES if name != CARD_FILE and (checkpoint / name).is_file()]
     card = refresh_model_card(checkpoint, config, repo_id)
     total = sum((checkpoint / name).stat().st_size for name in files) + len(card.encode())
-    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn(),
-                  console=err, transient=True) as bar:
+    with CommandProgress(err, DownloadColumn()) as bar:
         task = bar.add_task(f"uploading to {repo_id}", total=total)
         result = push_folder(
             checkpoint, repo_id, files, card, private=private, revision=revision, endpoint=endpoint, token=token,
