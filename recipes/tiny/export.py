@@ -96,6 +96,19 @@ def _table(ev: dict) -> str:
     return "\n".join(rows)
 
 
+def _command(size: str, state: dict, phases: list[dict]) -> str:
+    """The build.py stage command that trained these weights (seed, budget, step limit)."""
+    minutes, steps = ("--minutes", "--max-steps") if size == "target" else ("--draft-minutes", "--draft-max-steps")
+    cmd = f"python recipes/tiny/build.py --stage {size} --seed {state['seed']}"
+    if "minutes" in state:
+        cmd += f" {minutes} {state['minutes']:g}"
+    if state.get("max_steps"):
+        cmd += f" {steps} {state['max_steps']}"
+    if len(phases) > 1:
+        cmd += f" (then --continue, {len(phases)} phases)"
+    return cmd
+
+
 def _card(size: str, cfg, state: dict, ev: dict, samples: dict, n_params: int, size_mb: float,
           data_stats: dict) -> str:
     train_tokens = sum(v["tokens"] for k, v in data_stats.items() if k.endswith(".train"))
@@ -125,7 +138,7 @@ def _card(size: str, cfg, state: dict, ev: dict, samples: dict, n_params: int, s
         "- Chat template: ChatML (`<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n`), "
         "no default system prompt. Generation stops at `<|im_end|>` or `<|endoftext|>`.", "",
         "## Training", "",
-        f"- Recipe: `python recipes/tiny/build.py` (seed {state['seed']}); see recipes/tiny/README.md.",
+        f"- Recipe: `{_command(size, state, phases)}`; see recipes/tiny/README.md.",
         f"- {total_tokens / 1e6:.2f}M tokens seen in windows of {state['hparams']['seq']} tokens, "
         f"{state['hparams']['batch']} per step (corpus: {train_tokens / 1e6:.1f}M training tokens, "
         f"so {total_tokens / train_tokens:.2f} epochs).",
@@ -137,7 +150,8 @@ def _card(size: str, cfg, state: dict, ev: dict, samples: dict, n_params: int, s
           f"{p['tok_per_s']} tokens/s, AdamW lr {p['hparams']['lr']:g} -> {p['hparams']['min_lr']:g}"
           for i, p in enumerate(phases)],
         f"- AdamW betas (0.9, 0.95), wd 0.1 (matrices only), {state['hparams']['warmup']} warmup "
-        "steps, cosine decay over each phase's time budget, clip 1.0. A continued phase "
+        "steps, cosine decay over each phase's step count (`--max-steps`) or time budget, whichever "
+        "ends first, clip 1.0. A continued phase "
         "(`build.py --continue`) restarts the schedule from the previous weights.",
         f"- Sampling shares (domain.kind): {shares}. `chat` streams are synthetic ChatML "
         "conversations: math word problems with step-by-step answers, Python functions from "

@@ -194,6 +194,7 @@ def train(size: str, out_dir: Path, data_dir: Path, tokenizer_file: Path, minute
     state = {"size": size, "params": n_params, "step": step, "tokens": tokens,
              "train_s": round(train_s, 1), "wall_s": round(time.time() - wall0, 1),
              "tok_per_s": round(tokens / max(train_s, 1e-9)), "seed": seed, "bf16": bf16,
+             "minutes": minutes, "max_steps": max_steps,
              "hparams": hp, "weights": {f"{d}.{k}": w for (d, k), w in WEIGHTS.items()},
              "eval": ev, "phases": phases}
     for key in ("tokens", "train_s", "wall_s"):
