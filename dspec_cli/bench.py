@@ -152,7 +152,15 @@ def _schedulers(opts: BenchOptions, target: Target) -> list[tuple[str, object]]:
     return out
 
 
-def _run_interleaved(engines, ids, repeats: int, conc: int, dset: str, progress) -> list[list[tuple[list, float]]]:
+def warm_up(engines, ids) -> None:
+    """One short untimed run per engine on ``ids`` (a full batch), with the engine's scheduler:
+    the draft gate measures drafting at this R, CUDA/BLAS pick their kernels."""
+    for _, _, eng in engines:
+        cfg = GenerationConfig(**{**eng.config.__dict__, "max_new_tokens": min(8, eng.config.max_new_tokens)})
+        SpeculativeEngine(eng.target, eng.drafter, cfg, scheduler=eng.scheduler, stop_ids=eng.stop_ids).generate(ids)
+
+
+def run_interleaved(engines, ids, repeats: int, conc: int, dset: str, progress) -> list[list[tuple[list, float]]]:
     """Run every engine ``repeats`` times, round-robin (baseline, drafter 1, ..., baseline, ...),
     so drifting machine load hits all alike. Returns per engine [(results, tokens/s)] by repeat;
     each engine's ``stats`` hold its first repeat."""
@@ -171,6 +179,37 @@ def _run_interleaved(engines, ids, repeats: int, conc: int, dset: str, progress)
                 eng.stats = stats
             timed[i].append((results, generated_tokens(results) / wall if wall > 0 else 0.0))
     return timed
+
+
+def run_metrics(reps: list[tuple[list, float]], baseline: list[tuple[list, float]], stats: RunStats,
+                block_size: int) -> dict:
+    """Acceptance, speed and serving metrics of one engine's timed repeats (:func:`run_interleaved`)
+    against the plain-decoding baseline's; outputs and statistics come from the first repeat."""
+    results = reps[0][0]
+    tps_runs = [tps for _, tps in reps]
+    tps = statistics.median(tps_runs)
+    baseline_tps = statistics.median(tps for _, tps in baseline)
+    busy = stats.draft_seconds + stats.verify_seconds + stats.prefill_seconds + stats.other_seconds
+    latency = [r.end_time - r.start_time for r in results if r.end_time > r.start_time]
+    per_user = sum(len(r.output_ids) / t for r, t in zip(results, latency)) / len(latency) if latency else 0.0
+    budgets = [v + 1 for r in results for v in r.verified]
+    return {
+        **acceptance(results, block_size),
+        "generated_tokens": generated_tokens(results),
+        "repeats": len(reps),
+        "wall_seconds": generated_tokens(results) / tps if tps else 0.0,
+        "tokens_per_s": tps,
+        "tokens_per_s_runs": tps_runs,
+        "throughput_tokens_per_s": tps,
+        "per_user_tokens_per_s": per_user,
+        "mean_verify_budget": sum(budgets) / len(budgets) if budgets else 0.0,
+        "baseline_tokens_per_s": baseline_tps,
+        "baseline_tokens_per_s_runs": [tps for _, tps in baseline],
+        "speedup": tps / baseline_tps if baseline_tps else None,
+        "drafted_round_share": stats.drafted_rounds / stats.rounds if stats.rounds else 0.0,
+        "draft_time_share": stats.draft_seconds / busy if busy else 0.0,
+        "verify_time_share": stats.verify_seconds / busy if busy else 0.0,
+    }
 
 
 def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | None = None) -> dict:
@@ -211,22 +250,9 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
                 for sname, sched in scheds
             ]
             if opts.warmup:
-                warm_cfg = GenerationConfig(**{**cfg.__dict__, "max_new_tokens": min(8, cfg.max_new_tokens)})
-                for _, _, eng in engines:
-                    # a full batch, with the run's scheduler: the draft gate measures drafting at this R
-                    SpeculativeEngine(target, eng.drafter, warm_cfg, scheduler=eng.scheduler).generate(ids[:conc])
-            timed = _run_interleaved(engines, ids, opts.repeats, conc, dset, progress)
-            baseline_tps = statistics.median(tps for _, tps in timed[0])
+                warm_up(engines, ids[:conc])
+            timed = run_interleaved(engines, ids, opts.repeats, conc, dset, progress)
             for (name, sname, eng), reps in zip(engines[1:], timed[1:]):
-                results, _ = reps[0]  # outputs and statistics: the first repeat; speed: the median
-                tps_runs = [tps for _, tps in reps]
-                tps = statistics.median(tps_runs)
-                acc = acceptance(results, opts.block_size)
-                st = eng.stats
-                busy = st.draft_seconds + st.verify_seconds + st.prefill_seconds + st.other_seconds
-                latency = [r.end_time - r.start_time for r in results if r.end_time > r.start_time]
-                per_user = sum(len(r.output_ids) / t for r, t in zip(results, latency)) / len(latency) if latency else 0.0
-                budgets = [v + 1 for r in results for v in r.verified]
                 runs.append(
                     {
                         "drafter": name,
@@ -239,21 +265,7 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
                         "top_p": opts.top_p,
                         "top_k": opts.top_k,
                         "block_size": opts.block_size,
-                        **acc,
-                        "generated_tokens": generated_tokens(results),
-                        "repeats": opts.repeats,
-                        "wall_seconds": generated_tokens(results) / tps if tps else 0.0,
-                        "tokens_per_s": tps,
-                        "tokens_per_s_runs": tps_runs,
-                        "throughput_tokens_per_s": tps,
-                        "per_user_tokens_per_s": per_user,
-                        "mean_verify_budget": sum(budgets) / len(budgets) if budgets else 0.0,
-                        "baseline_tokens_per_s": baseline_tps,
-                        "baseline_tokens_per_s_runs": [tps for _, tps in timed[0]],
-                        "speedup": tps / baseline_tps if baseline_tps else None,
-                        "drafted_round_share": st.drafted_rounds / st.rounds if st.rounds else 0.0,
-                        "draft_time_share": st.draft_seconds / busy if busy else 0.0,
-                        "verify_time_share": st.verify_seconds / busy if busy else 0.0,
+                        **run_metrics(reps, timed[0], eng.stats, opts.block_size),
                     }
                 )
     return {

@@ -25,9 +25,12 @@ itself, e.g. the Σq² heuristic).
 Draft gate (``hardware`` and ``async``; ``gate=False`` turns it off): Algorithm 1 prices a
 round by the target alone, as if drafting were free. Where it is not (a CPU; a drafter costly
 next to the target) :class:`DraftGate` decides *before* drafting whether this round drafts at
-all: from the mean survival curve of recent drafted rounds and the measured drafting time it
-predicts the best Θ = τ / (1/SPS(B) + t_draft) and drafts only if that beats plain decoding's
-R·SPS(R). It looks at earlier rounds only, and a round without a draft is a plain decoding
+all: from the mean survival curve of recent drafted rounds, the measured drafting time t and
+the engine's measured per-round cost o beyond the profiled forward (plain rounds' wall time
+minus 1/SPS(R)) it predicts the best Θ = τ / (1/SPS(B) + t + o) and drafts only if that beats
+plain decoding's R / (1/SPS(R) + o). With the gate, Algorithm 1 and the async capacity search
+also price a round as 1/SPS(B) + t + o (the paper's τ·SPS(B) when both are 0, as without the
+gate). All of it looks at earlier rounds only, and a round without a draft is a plain decoding
 step, so the gate cannot bias the output.
 """
 
@@ -164,14 +167,26 @@ class DraftGate:
             return self.draft_seconds
         return self.times[min(self.times, key=lambda r: (abs(r - num_rows), -r))]
 
+    def overhead(self, num_rows: int, sps: torch.Tensor) -> float:
+        """Measured seconds of a plain round at R = ``num_rows`` beyond the cost table's forward
+        (the engine's own per-round work); 0 until one is measured or with fixed ``draft_seconds``."""
+        plain = self.rounds.get((num_rows, False)) if self.draft_seconds is None else None
+        return 0.0 if plain is None else max(plain - 1.0 / float(sps[num_rows]), 0.0)
+
+    def round_seconds(self, num_rows: int, sps: torch.Tensor) -> float:
+        """What a drafted round costs beyond the target's forward: drafting plus :meth:`overhead`."""
+        return (self._draft_seconds(num_rows) or 0.0) + self.overhead(num_rows, sps)
+
     def _predict(self, num_rows: int, sps: torch.Tensor) -> bool:
         """Does drafting beat plain decoding at R = ``num_rows``, going by the past? ``sps``
         indexed by B (:meth:`CostTable.sps_curve`, >= R·(γ+1) entries)."""
         seconds = self._draft_seconds(num_rows)
         if self.survival is None or seconds is None:
             return True  # nothing to predict from yet: draft and measure
-        plain = num_rows * float(sps[num_rows])
-        return draft_throughput(self.survival, num_rows, sps.cpu(), seconds) > plain
+        sps = sps.cpu()
+        extra = self.overhead(num_rows, sps)
+        plain = num_rows / (1.0 / float(sps[num_rows]) + extra)
+        return draft_throughput(self.survival, num_rows, sps, seconds + extra) > plain
 
     def decide(self, num_rows: int, sps: Callable[[], torch.Tensor]) -> bool:
         """Draft this round? ``sps()`` gives the SPS curve for :meth:`_predict`. The prediction is
@@ -296,15 +311,24 @@ class _GatedScheduler(Scheduler):
         draft_gate = DraftGate(draft_seconds=draft_seconds, probe_share=probe_share) if gate else None
         super().__init__(cost_table, gate=draft_gate, **kwargs)
 
+    def _round_sps(self, num_rows: int, max_tokens: int, device: torch.device) -> torch.Tensor:
+        """Rounds per second by B for R = ``num_rows``: 1 / (1/SPS(B) + t + o) with the gate's
+        measured drafting time t and per-round cost o (SPS(B) itself without a gate)."""
+        sps = self._sps(max_tokens, device)
+        if self.gate is None:
+            return sps
+        extra = self.gate.round_seconds(num_rows, self._sps(num_rows, torch.device("cpu")))  # host floats
+        return sps if extra == 0.0 else 1.0 / (1.0 / sps + extra)
+
 
 class HardwareScheduler(_GatedScheduler):
     name = "hardware"
-    description = "DSpark Algorithm 1: global greedy admission by survival, early stop on τ·SPS(B); draft gate"
+    description = "DSpark Algorithm 1: global greedy admission by survival, early stop on expected throughput; draft gate"
 
     def lengths(self, confidence: torch.Tensor, lmax: torch.Tensor) -> torch.Tensor:
         R, gamma = confidence.shape
         values, rows, num_valid = sorted_candidates(*survival(confidence, lmax))
-        count = early_stop_count(values, num_valid, R, self._sps(R * (gamma + 1), confidence.device))
+        count = early_stop_count(values, num_valid, R, self._round_sps(R, R * (gamma + 1), confidence.device))
         return admit(rows, count, R)
 
 
@@ -328,10 +352,10 @@ class AsyncScheduler(_GatedScheduler):
         values, rows, num_valid = sorted_candidates(*survival(confidence, lmax))
         if len(self._history) == self.delay:
             old_values, old_valid = self._history[0]
-            sps = self._sps(R + old_values.shape[0], confidence.device)
+            sps = self._round_sps(R, R + old_values.shape[0], confidence.device)
             capacity = global_capacity(old_values, old_valid, R, sps)
         else:  # warm-up: the causal Algorithm 1 on the current round
-            capacity = early_stop_count(values, num_valid, R, self._sps(R * (gamma + 1), confidence.device))
+            capacity = early_stop_count(values, num_valid, R, self._round_sps(R, R * (gamma + 1), confidence.device))
         self._history.append((values, num_valid))
         return admit(rows, torch.minimum(capacity, num_valid), R)
 

@@ -8,6 +8,7 @@ import torch
 from tiny_models import tiny_qwen3, tiny_target, tiny_tokenizer
 
 from dspec_cli import testing as T
+from dspec_cli.drafter import Proposal
 from dspec_cli.drafter_lag import DrafterLag
 from dspec_cli.engine import GenerationConfig, RoundSampler, SpeculativeEngine
 from dspec_cli.errors import DspecError
@@ -77,7 +78,7 @@ def test_gate_prices_probes_by_measured_round_times():
     """Measured costs: closed rounds count the measured plain round (20 ms at R = 1, not the
     table's 10 ms) and a probe costs drafted − plain round time (51 − 20 = 31 ms, more than its
     1 ms of drafting): 31 ms / 0.1 = 310 ms of closed rounds -> every 16th round."""
-    gate = gate_after([0.1, 0.01, 0.0, 0.0], None, probe_share=0.1)
+    gate = gate_after([0.01, 0.0, 0.0, 0.0], None, probe_share=0.1)  # closed, with or without o = 10 ms
     gate.observe_time(1, 0.001)
     gate.observe_round(1, 0.051, drafted=True)
     gate.observe_round(1, 0.020, drafted=False)
@@ -300,3 +301,35 @@ def test_engine_peeking_gate_is_caught(target):
     samples, exact, _ = _samples(target, PeekingScheduler(table(FLAT), gate=False))
     with pytest.raises(AssertionError):
         T.assert_continuations_match(samples, exact, alpha=1e-4, name="peeking gate")
+
+
+def test_gate_counts_the_measured_per_round_cost_on_both_sides():
+    """A plain round measured at 1/SPS(1) + o: o is added to plain and drafted rounds alike,
+    which turns a close call towards drafting (the drafted round's forward weighs less)."""
+    sps = curve(CPU)()
+    survival = [0.6, 0.4, 0.27, 0.18]
+    t = 1.5 / float(sps[1])  # drafting costs 1.5 plain forwards
+    gate = gate_after(survival, None)
+    gate.observe_time(1, t)
+    plain_forward = 1.0 / float(sps[1])
+    without = draft_throughput(gate.survival, 1, sps, t) / float(sps[1])
+    gate.observe_round(1, plain_forward * 2, drafted=False)  # o = one forward
+    assert gate.overhead(1, sps) == pytest.approx(plain_forward)
+    with_o = draft_throughput(gate.survival, 1, sps, t + plain_forward) * 2 * plain_forward
+    assert without < 1.0 < with_o  # the verdict turns: drafting pays once o is counted
+    assert gate._predict(1, sps)
+    assert DraftGate(draft_seconds=t).overhead(1, sps) == 0.0  # fixed cost: nothing measured
+
+
+def test_hardware_scheduler_prices_rounds_with_the_gate_estimates():
+    """Same confidences: with a measured drafting time Algorithm 1 verifies at least as many
+    tokens (extra verified tokens cost relatively less), without a gate it is the paper's."""
+    costs = table(CPU)
+    conf = torch.tensor([[0.9, 0.7, 0.5, 0.4]])
+    lmax = torch.tensor([4])
+    plain = HardwareScheduler(costs, gate=False)
+    gated = HardwareScheduler(costs)
+    gated.gate.observe_time(1, 0.5)  # drafting far costlier than a forward
+    proposal = Proposal(tokens=torch.zeros(1, 4, dtype=torch.long), lengths=lmax, confidence=conf)
+    assert int(gated(proposal, lmax)) >= int(plain(proposal, lmax))
+    assert int(gated(proposal, lmax)) == 4

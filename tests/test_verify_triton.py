@@ -1,9 +1,12 @@
 """Triton kernels against the torch reference, on CPU in the Triton interpreter.
 
+``DSPEC_TEST_DEVICE=cuda`` runs the same cases compiled on a GPU instead (docs/benchmarks.md).
 Triton reads TRITON_INTERPRET when `triton.jit` wraps a function, not at `import triton`;
 dspec_cli.verify.triton wraps its kernels lazily, once per setting, so setting the variable
 per test (monkeypatch) is enough and nothing leaks into other test modules.
 """
+
+import os
 
 import pytest
 import torch
@@ -15,9 +18,13 @@ from dspec_cli.verify import reference, verify_chain, verify_greedy  # noqa: E40
 from dspec_cli.verify import triton as triton_backend  # noqa: E402
 
 
+DEVICE = torch.device(os.environ.get("DSPEC_TEST_DEVICE", "cpu"))
+
+
 @pytest.fixture(autouse=True)
 def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if DEVICE.type == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def make_inputs(R, V, gamma, seed, *, closeness=0.5, dtype=torch.float32):
@@ -30,7 +37,7 @@ def make_inputs(R, V, gamma, seed, *, closeness=0.5, dtype=torch.float32):
     is_draft_row[num_draft.cumsum(0) + torch.arange(R)] = False  # bonus rows
     draft_probs = torch.softmax(logits[is_draft_row] + closeness * torch.randn(total, V, generator=g), -1)
     draft_tokens = torch.multinomial(draft_probs, 1, generator=g).squeeze(1) if total else torch.zeros(0, dtype=torch.long)
-    return dict(
+    x = dict(
         target_probs=torch.softmax(logits, -1).to(dtype),
         target_logits=logits.to(dtype),
         draft_tokens=draft_tokens,
@@ -38,9 +45,8 @@ def make_inputs(R, V, gamma, seed, *, closeness=0.5, dtype=torch.float32):
         num_draft=num_draft,
         uniforms=torch_uniform((total,), generator=g),
         noise=torch_exponential((R, V), generator=g),
-        total=total,
-        width=width,
     )
+    return {**{k: v.to(DEVICE) for k, v in x.items()}, "total": total, "width": width}
 
 
 BOTH = ("torch", "triton")
@@ -86,9 +92,9 @@ def test_greedy_kernel_matches_reference(R, V, gamma, block):
     x = make_inputs(R, V, gamma, seed=R + V + gamma)
     # let drafts follow the argmax most of the time so acceptance runs are long
     best = x["target_logits"].argmax(-1)
-    is_draft_row = torch.ones(best.numel(), dtype=torch.bool)
-    is_draft_row[x["num_draft"].cumsum(0) + torch.arange(R)] = False
-    follow = torch.rand(x["total"], generator=torch.Generator().manual_seed(R)) < 0.8
+    is_draft_row = torch.ones(best.numel(), dtype=torch.bool, device=DEVICE)
+    is_draft_row[x["num_draft"].cumsum(0) + torch.arange(R, device=DEVICE)] = False
+    follow = (torch.rand(x["total"], generator=torch.Generator().manual_seed(R)) < 0.8).to(DEVICE)
     drafts = torch.where(follow, best[is_draft_row], x["draft_tokens"])
     args = (x["target_logits"], drafts, x["num_draft"], x["total"], x["width"])
     assert_same(triton_backend.greedy(*args, block_v=block), reference.greedy(*args))
@@ -106,7 +112,7 @@ def test_public_api_backends_agree():
 
 def test_counter_randomness_agrees_across_backends():
     x = make_inputs(6, 64, 5, seed=6)
-    kw = dict(seeds=torch.arange(6) + 40, offsets=torch.arange(6) * 9)
+    kw = dict(seeds=torch.arange(6, device=DEVICE) + 40, offsets=torch.arange(6, device=DEVICE) * 9)
     args = (x["target_probs"], x["draft_tokens"], x["draft_probs"], x["num_draft"])
     out = [verify_chain(*args, backend=b, **kw) for b in BOTH]
     assert_same(*out)
@@ -124,6 +130,7 @@ def test_all_zero_drafts_and_empty_batch():
     x = make_inputs(3, 50, 0, seed=8)
     args = chain_args(x)
     assert_same(triton_backend.chain(*args), reference.chain(*args))
-    none = torch.zeros(0, dtype=torch.long)
-    empty = triton_backend.chain(torch.zeros(0, 5), none, None, none, torch.zeros(0, dtype=torch.float64), torch.ones(0, 5), 0, 0)
+    none = torch.zeros(0, dtype=torch.long, device=DEVICE)
+    empty = triton_backend.chain(torch.zeros(0, 5, device=DEVICE), none, None, none,
+                                 torch.zeros(0, dtype=torch.float64, device=DEVICE), torch.ones(0, 5, device=DEVICE), 0, 0)
     assert empty.tokens.shape == (0, 1)

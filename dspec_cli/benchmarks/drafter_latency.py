@@ -33,18 +33,22 @@ DRAFTERS = ("dflash", "dspark-markov", "dspark-rnn")
 SHAPES = {  # name -> (Qwen3Config fields, target_layer_ids, mask token, default drafter layers, markov rank)
     "qwen3-4b": (dict(hidden_size=2560, intermediate_size=9728, num_attention_heads=32, num_key_value_heads=8,
                       head_dim=128, vocab_size=151936, max_position_embeddings=40960, rope_theta=1_000_000.0,
-                      tie_word_embeddings=True), (1, 9, 17, 25, 33), 151669, 5, 256),
+                      num_hidden_layers=36, tie_word_embeddings=True), (1, 9, 17, 25, 33), 151669, 5, 256),
 }
 
 
-def build_target(shape: str, device: str, dtype: torch.dtype) -> tuple[Target, tuple[int, ...], int, int, int]:
-    """(target, target_layer_ids, mask token id, drafter layers, markov rank) for ``shape``."""
+def build_target(shape: str, device: str, dtype: torch.dtype, *, full: bool = False
+                 ) -> tuple[Target, tuple[int, ...], int, int, int]:
+    """(target, target_layer_ids, mask token id, drafter layers, markov rank) for ``shape``;
+    random-init shapes get only the layers the taps need unless ``full``."""
     if shape == "tiny":
         return Target.load(None, device=device, dtype=str(dtype).removeprefix("torch.")), (0, 2, 4), 3, 1, 64
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     fields, layer_ids, mask_id, layers, rank = SHAPES[shape]
-    cfg = Qwen3Config(**fields, num_hidden_layers=max(layer_ids) + 1, attn_implementation="sdpa")
+    if not full:
+        fields = {**fields, "num_hidden_layers": max(layer_ids) + 1}
+    cfg = Qwen3Config(**fields, attn_implementation="sdpa")
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     return Target(model), layer_ids, mask_id, layers, rank

@@ -1,0 +1,36 @@
+"""The trace-replay load benchmark: forced greedy acceptance follows the recorded traces."""
+
+import json
+
+import torch
+
+from dspec_cli.benchmarks import trace_load
+from dspec_cli.verify import verify_greedy
+
+
+def test_force_greedy_accepts_exactly_the_drawn_count():
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([8, 1, 4, 8, 3])  # n_r = ℓ_r + 1
+    accepted = torch.tensor([3, 5, 7, 0, 2])
+    tokens = torch.randint(50, (int(lengths.sum()),), generator=g)
+    logits = torch.randn(int(lengths.sum()), 50, generator=g)
+    trace_load.force_greedy(logits, tokens, lengths, accepted)
+    starts = torch.cumsum(lengths, 0) - lengths
+    drafts = torch.cat([tokens[s + 1 : s + n] for s, n in zip(starts.tolist(), lengths.tolist())])
+    res = verify_greedy(logits, drafts, lengths - 1)
+    assert res.accepted.tolist() == torch.minimum(accepted, lengths - 1).tolist()
+
+
+def test_fixed_scheduler_replays_the_traces(tmp_path):
+    """Every trace round accepts 3 of 7: each fixed-γ round accepts min(3, ℓ)."""
+    traces = tmp_path / "traces.jsonl"
+    line = {"drafter": "dspark-markov", "block_size": 7, "confidence": [0.9, 0.8, 0.7, 0.3, 0.2, 0.2, 0.1], "accepted": 3}
+    traces.write_text((json.dumps(line) + "\n") * 20)
+    out = tmp_path / "load.json"
+    trace_load.main(["--traces", str(traces), "--shape", "tiny", "--device", "cpu", "--concurrency", "2",
+                     "--scheduler", "fixed", "--max-new-tokens", "20", "--profile-grid", "1,8,16",
+                     "--profile-contexts", "64", "--json", str(out)])
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["trace_tau_full_verification"] == 4.0
+    assert run["cond_accept"][:4] == [1.0, 1.0, 1.0, 0.0]
+    assert run["generated_tokens"] == 4 * 20
