@@ -183,3 +183,15 @@ def test_proposal_contract_of_builtin_prompt_lookup():
     assert isinstance(p, Proposal)
     assert p.lengths.tolist() == [4, 0]  # "1 2 3" seen before -> "4 1 2 3"; no match for row 2
     assert p.tokens[0].tolist() == [4, 1, 2, 3]
+
+
+def test_prompt_lookup_drafts_a_whole_block_inside_a_loop():
+    """In a period-2 loop the latest match of the tail is 2 tokens back: the draft must come from
+    a match with a whole block after it, not stop at the context's end."""
+    from dspec_prompt_lookup import lookup
+
+    loop = torch.tensor([9, 4, 5, 6, 5, 6, 5, 6, 5, 6])
+    assert lookup(loop, 4, 3, 1).tolist() == [5, 6, 5, 6]
+    recent = torch.tensor([1, 2, 7, 8, 8, 8, 1, 2, 3, 4, 4, 4, 1, 2])  # two matches of [1, 2]
+    assert lookup(recent, 3, 2, 1).tolist() == [3, 4, 4]  # the most recent with 3 tokens after it
+    assert lookup(recent, 7, 2, 1).tolist() == [7, 8, 8, 8, 1, 2, 3]  # only the earliest has 7

@@ -1,7 +1,9 @@
 """``prompt-lookup``: training-free n-gram drafts copied from the request's own context.
 
 The last n tokens (anchor included) are searched for earlier in the context, longest n
-first; the tokens that followed the most recent match become the draft. Drafts are
+first; the tokens that followed the most recent match with a whole draft after it become the
+draft (else those after the earliest match, the longest there is: in a repeating loop the most
+recent match sits one period back and would cut the draft to the period). Drafts are
 deterministic (one-hot), so verification accepts x with probability p(x).
 """
 
@@ -34,9 +36,10 @@ def lookup(context: torch.Tensor, max_len: int, max_ngram: int, min_ngram: int) 
     for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
         tail = context[L - n :]
         windows = context[: L - 1].unfold(0, n, 1)  # [L-n, n] n-grams that have a successor
-        hits = (windows == tail).all(-1).nonzero()
+        hits = (windows == tail).all(-1).nonzero().squeeze(1)
         if hits.numel():
-            start = int(hits[-1]) + n
+            full = hits[hits + n + max_len <= L]  # matches followed by a whole draft
+            start = int(full[-1] if full.numel() else hits[0]) + n
             return context[start : start + max_len]
     return context[:0]
 
