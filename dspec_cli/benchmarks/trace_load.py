@@ -38,7 +38,13 @@ from pathlib import Path
 
 import torch
 
-from dspec_cli.bench import environment, parse_scheduler_spec, run_interleaved, run_metrics, warm_up
+from dspec_cli.bench import (
+    environment,
+    parse_scheduler_spec,
+    run_interleaved,
+    run_metrics,
+    warm_up,
+)
 from dspec_cli.benchmarks.drafter_latency import build_target
 from dspec_cli.benchmarks.table import load_table
 from dspec_cli.calibration import Calibration, Rounds, load_traces

@@ -1,11 +1,12 @@
 #!/bin/bash
 # One prepared device session: Triton kernels on CUDA, drafter latency and the trace-replay load sweep
 # on a random-init Qwen3-4B-shaped target, the verifier micro-benchmark. Everything lands in $OUT.
-# entry points of the built-in plugins without installing (nothing can be fetched there)
-EP=/tmp/ep/dspec-0.0.0.dist-info; mkdir -p $EP
+# entry points of the built-in plugins without installing (nothing can be fetched there);
+# .gpu/ held copies of docs/results/calibration/dspark-traces.jsonl and the shipped dspark calibration.json
+EP_ROOT=$(mktemp -d); EP=$EP_ROOT/dspec-0.0.0.dist-info; mkdir -p $EP
 printf 'Metadata-Version: 2.1\nName: dspec\nVersion: 0.0.0+device\n' > $EP/METADATA
 { echo '[dspec]'; sed -n '/^\[project.entry-points.dspec\]/,/^$/p' pyproject.toml | grep ' = ' | tr -d '"'; } > $EP/entry_points.txt
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/plugins:/tmp/ep
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/plugins:$EP_ROOT
 LOG=$OUT/log.txt
 step() { echo "=== $1 $(date +%T)" | tee -a $LOG; }
 step env

@@ -1,10 +1,10 @@
 #!/bin/bash
 # Second device session: drafter latency with a longer warm-up (run twice, blocks in opposite orders),
 # and a replication of the trace-replay sweep with the first session's cost table.
-EP=/tmp/ep/dspec-0.0.0.dist-info; mkdir -p $EP
+EP_ROOT=$(mktemp -d); EP=$EP_ROOT/dspec-0.0.0.dist-info; mkdir -p $EP
 printf 'Metadata-Version: 2.1\nName: dspec\nVersion: 0.0.0+device\n' > $EP/METADATA
 { echo '[dspec]'; sed -n '/^\[project.entry-points.dspec\]/,/^$/p' pyproject.toml | grep ' = ' | tr -d '"'; } > $EP/entry_points.txt
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/plugins:/tmp/ep
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/plugins:$EP_ROOT
 LOG=$OUT/log2.txt
 step() { echo "=== $1 $(date +%T)" | tee -a $LOG; }
 step drafter-latency
