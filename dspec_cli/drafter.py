@@ -195,6 +195,30 @@ class Drafter:
         raise DspecError(f"drafter {self.name!r} is not trainable")
 
 
+class WrappedDrafter(Drafter):
+    """A drafter over another one, ``self.base``, whose state it keeps: the decoding cycle's state
+    methods pass through; subclasses change :meth:`propose` (e.g. ddtree's trees)."""
+
+    base: Drafter
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        return self.base.target_layer_ids
+
+    def init_state(self) -> DraftState:
+        return self.base.init_state()
+
+    def add_requests(self, state: DraftState, prompts: list[torch.Tensor], hidden: list[torch.Tensor] | None) -> None:
+        self.base.add_requests(state, prompts, hidden)
+
+    def remove_requests(self, state: DraftState, keep: list[int]) -> None:
+        self.base.remove_requests(state, keep)
+
+    def advance(self, state: DraftState, committed, counts, hidden) -> None:
+        """Committed tokens (for a tree: the accepted path) enter the base's caches."""
+        self.base.advance(state, committed, counts, hidden)
+
+
 class TrainableDrafter(Drafter):
     """A drafter with trainable weights in ``self.net`` (an ``nn.Module``).
 

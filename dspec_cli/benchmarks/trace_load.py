@@ -48,7 +48,7 @@ from dspec_cli.bench import (
 from dspec_cli.benchmarks.drafter_latency import build_target
 from dspec_cli.benchmarks.table import load_table
 from dspec_cli.calibration import Calibration, Rounds, load_traces
-from dspec_cli.drafter import Drafter, DraftState, Proposal, Sampler
+from dspec_cli.drafter import Drafter, DraftState, Proposal, Sampler, WrappedDrafter
 from dspec_cli.engine import GenerationConfig, SpeculativeEngine
 from dspec_cli.hardware import CostTable, profile_sps
 from dspec_cli.plugins import get_drafter_class
@@ -92,40 +92,29 @@ class ReplayTarget(Target):
         return out
 
 
-class TraceReplayDrafter(Drafter):
-    """``inner`` drafts (its real cost and tokens); confidences and acceptance come from ``rounds``."""
+class TraceReplayDrafter(WrappedDrafter):
+    """``base`` drafts (its real cost and tokens); confidences and acceptance come from ``rounds``."""
 
     name = "trace-replay"
 
-    def __init__(self, inner: Drafter, target: ReplayTarget, rounds: Rounds, generator: torch.Generator):
-        super().__init__(inner.config, target)
+    def __init__(self, base: Drafter, target: ReplayTarget, rounds: Rounds, generator: torch.Generator):
+        super().__init__(base.config, target)
         full = rounds.verified == rounds.block_size  # rounds verified to the end: a is not truncated
         if not bool(full.any()):
             raise ValueError("traces: no round was verified to the full block")
-        self.inner = inner
+        self.base = base
         self.confidence_table = rounds.confidence[full].float()  # [N, γ]
         self.accepted_table = rounds.accepted[full]  # [N]
         self.generator = generator
 
     @property
-    def target_layer_ids(self) -> tuple[int, ...]:
-        return self.inner.target_layer_ids
-
-    def init_state(self) -> DraftState:
-        return self.inner.init_state()
-
-    def add_requests(self, state: DraftState, prompts: list[torch.Tensor], hidden: list[torch.Tensor] | None) -> None:
-        self.inner.add_requests(state, prompts, hidden)
-
-    def remove_requests(self, state: DraftState, keep: list[int]) -> None:
-        self.inner.remove_requests(state, keep)
-
-    def advance(self, state: DraftState, committed, counts, hidden) -> None:
-        self.inner.advance(state, committed, counts, hidden)
+    def full_tau(self) -> float:
+        """τ of full-length verification over the replayed rounds (the fixed scheduler's)."""
+        return float(self.accepted_table.float().mean()) + 1
 
     @torch.no_grad()
     def propose(self, state: DraftState, anchors: torch.Tensor, max_len: int, sampler: Sampler) -> Proposal:
-        proposal = self.inner.propose(state, anchors, max_len, sampler)
+        proposal = self.base.propose(state, anchors, max_len, sampler)
         pick = torch.randint(len(self.accepted_table), (anchors.shape[0],), generator=self.generator)
         gamma = proposal.tokens.shape[1]
         self.target.forced = self.accepted_table[pick].clamp(max=gamma).to(anchors.device)
@@ -146,11 +135,6 @@ def cost_drafter(target, layer_ids, mask_id: int, layers: int, rank: int, block:
     drafter = cls.build(cfg, target)
     drafter.net.to(target.device, target.dtype)
     return drafter
-
-
-def expected_tau(rounds: Rounds) -> float:
-    full = rounds.verified == rounds.block_size
-    return float(rounds.accepted[full].float().mean()) + 1
 
 
 def main(argv=None) -> None:
@@ -199,8 +183,8 @@ def main(argv=None) -> None:
             sps_plot(table, args.cost_table_out.with_suffix(".png"))
     specs = args.scheduler or ["fixed", "hardware", "async"]
     replay_target = ReplayTarget(target)
-    inner = cost_drafter(replay_target, layer_ids, mask_id, layers, rank, block)
-    replay = TraceReplayDrafter(inner, replay_target, rounds, torch.Generator().manual_seed(args.seed))
+    base = cost_drafter(replay_target, layer_ids, mask_id, layers, rank, block)
+    replay = TraceReplayDrafter(base, replay_target, rounds, torch.Generator().manual_seed(args.seed))
     prompts = random_prompts(max(4, args.prompts_per_slot * max(levels)), target.config.vocab_size, (lo, hi), args.seed)
     runs = []
     for conc in levels:
@@ -221,7 +205,7 @@ def main(argv=None) -> None:
                 "drafter": name, "scheduler": spec, "dataset": "random", "concurrency": conc, "num_prompts": len(ids),
                 "max_new_tokens": args.max_new_tokens, "temperature": 0.0, "block_size": block,
                 **run_metrics(reps, timed[0], eng.stats, block),
-                "trace_tau_full_verification": expected_tau(rounds),
+                "trace_tau_full_verification": replay.full_tau,
             })  # fmt: skip
             print(load_table(runs[-1:]).splitlines()[-1], f"({time.perf_counter() - t0:.0f} s)", flush=True)
         if args.json:  # after every concurrency: a run cut short keeps what it measured

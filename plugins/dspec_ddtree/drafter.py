@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from dspec_cli import plugins
-from dspec_cli.drafter import Drafter, DrafterConfig, DraftState, DraftTree, Proposal, Sampler
+from dspec_cli.drafter import Drafter, DrafterConfig, DraftState, DraftTree, Proposal, Sampler, WrappedDrafter
 from dspec_cli.errors import DspecError
 from dspec_cli.target import Target
 from dspec_ddtree.tree import grow_tree
@@ -74,7 +74,7 @@ def _checkpoint_drafter(path: str | Path) -> str | None:
     return name if isinstance(name, str) else None
 
 
-class DDTreeDrafter(Drafter):
+class DDTreeDrafter(WrappedDrafter):
     """Best-first draft tree (DDTree) over a ``marginals`` drafter; see the module docstring."""
 
     name = "ddtree"
@@ -121,24 +121,7 @@ class DDTreeDrafter(Drafter):
     def save_pretrained(self, path: str | Path) -> None:
         self.base.save_pretrained(path)
 
-    # -- the decoding cycle: the base's state ---------------------------------------------
-    @property
-    def target_layer_ids(self) -> tuple[int, ...]:
-        return self.base.target_layer_ids
-
-    def init_state(self) -> DraftState:
-        return self.base.init_state()
-
-    def add_requests(self, state: DraftState, prompts: list[torch.Tensor], hidden: list[torch.Tensor] | None) -> None:
-        self.base.add_requests(state, prompts, hidden)
-
-    def remove_requests(self, state: DraftState, keep: list[int]) -> None:
-        self.base.remove_requests(state, keep)
-
-    def advance(self, state: DraftState, committed, counts, hidden) -> None:
-        """The accepted path (anchor + accepted nodes) enters the base's caches."""
-        self.base.advance(state, committed, counts, hidden)
-
+    # -- the decoding cycle: the base's state (WrappedDrafter) ------------------------------
     @torch.no_grad()
     def propose(self, state: DraftState, anchors: torch.Tensor, max_len: int, sampler: Sampler) -> Proposal:
         """A tree of up to ``tree_budget`` nodes and depth min(max_len, γ); the chain fields hold
