@@ -89,7 +89,9 @@ class Sampler(Protocol):
     def probs(self, logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R, V]
         ...
 
-    def sample(self, probs: torch.Tensor, step: int) -> torch.Tensor:  # [R, V] -> [R]
+    def sample(self, probs: torch.Tensor, step: int) -> torch.Tensor:
+        """Draw of draft ``step``: probs [R, V] -> [R]; or of drafts step..step+n−1 at once:
+        probs [R, n, V] -> [R, n] (the same tokens as n single calls)."""
         ...
 
 

@@ -109,14 +109,18 @@ class RoundSampler:
         c = self.config
         return sampling.logits_to_probs(logits, c.temperature, c.top_k, c.top_p)
 
-    def sample(self, probs: torch.Tensor, step: int) -> torch.Tensor:  # [R, V] -> [R]
+    def sample(self, probs: torch.Tensor, step: int) -> torch.Tensor:  # [R, V] -> [R]; [R, n, V] -> [R, n]
         if self.config.greedy:
             return probs.argmax(-1)
-        if self._uniforms is None or step >= self._uniforms.shape[1]:
-            n = max(self.steps, step + 1)
-            offsets = self.base[:, None] + torch.arange(n, device=self.seeds.device)  # [R, n]
+        n = 1 if probs.dim() == 2 else probs.shape[1]
+        if self._uniforms is None or step + n > self._uniforms.shape[1]:
+            width = max(self.steps, step + n)
+            offsets = self.base[:, None] + torch.arange(width, device=self.seeds.device)  # [R, width]
             self._uniforms = sampling.uniform(self.seeds[:, None], offsets, salt=_SALT_DRAFT)
-        return sampling.sample_inverse_cdf(probs, self._uniforms[:, step])
+        u = self._uniforms[:, step : step + n]  # [R, n]
+        if probs.dim() == 2:
+            return sampling.sample_inverse_cdf(probs, u[:, 0])
+        return sampling.sample_inverse_cdf(probs.flatten(0, 1), u.flatten()).view(u.shape)
 
 
 Scheduler = Callable[[Proposal, torch.Tensor], torch.Tensor]  # (proposal, ℓ_max [R]) -> ℓ [R]

@@ -11,9 +11,11 @@ and inter-quartile range of ``repeats`` timed ones (CUDA synchronised).
 (:meth:`CostTable.sps`) interpolate the step *time* linearly in B (and in C between profiled
 contexts, clamped outside; ``context=None`` averages the step time over contexts). Past the
 largest profiled B the time grows proportionally to B. Before any lookup the measured curve
-is cleaned to be monotone: step time is replaced by its running maximum over B, so SPS(B)
-never increases with B (noise cannot make a larger batch look faster; real steps and cliffs
-stay). The raw medians stay in the file.
+is cleaned to be monotone: the step time is replaced by its least-squares non-decreasing fit
+over B (:func:`isotonic`), so SPS(B) never increases with B. Noise cannot make a larger batch
+look faster, and, unlike a running maximum, one slow outlier does not raise every larger B
+(on a flat stretch that would invent a marginal cost the hardware does not have); real steps
+and cliffs stay. The raw medians stay in the file.
 """
 
 from __future__ import annotations
@@ -46,6 +48,20 @@ def device_name(device: torch.device | str) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return platform.processor() or platform.machine()
+
+
+def isotonic(values: torch.Tensor) -> torch.Tensor:
+    """Least-squares non-decreasing fit of values [G] (pool adjacent violators): runs that
+    decrease are replaced by their mean."""
+    blocks: list[list[float]] = []  # [sum, count] per pooled run
+    for v in values.tolist():
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    fit = [total / count for total, count in blocks for _ in range(count)]
+    return torch.tensor(fit, dtype=values.dtype)
 
 
 def default_grid(max_tokens: int) -> list[int]:
@@ -90,7 +106,7 @@ class CostTable:
                 raise DspecError(f"{where}: sps[{c}] must hold positive numbers")
             rows.append(values)
         step_time = 1.0 / torch.tensor(rows, dtype=torch.float64)  # [C, G]
-        self._time = step_time.cummax(1).values  # monotone cleanup
+        self._time = torch.stack([isotonic(row) for row in step_time])  # monotone cleanup
         self._grid = torch.tensor(self.grid, dtype=torch.float64)
         self._curves: dict = {}
 

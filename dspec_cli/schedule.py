@@ -91,13 +91,33 @@ def global_capacity(values: torch.Tensor, num_valid: torch.Tensor, num_rows: int
     return theta.masked_fill(~allowed, -1.0).argmax()
 
 
-def draft_throughput(survival_mean: torch.Tensor, num_rows: int, sps: torch.Tensor, draft_seconds: float) -> float:
+def column_sums(a: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Expected accepted drafts per position over the rows: Σ_r a_{r,j} (valid only) [γ]."""
+    return (a * valid).sum(0)
+
+
+def width_throughput(columns: torch.Tensor, num_rows: int, sps: torch.Tensor) -> torch.Tensor:
+    """Θ(w) of a padded verify of width w = 0..γ drafts per row: [γ + 1]. Every row verifies
+    its first min(w, lmax_r) drafts, so τ = R + Σ_{j ≤ w} columns_j and B = R·(w + 1)."""
+    tau = num_rows + torch.cat([columns.new_zeros(1), columns.cumsum(0)])
+    return tau * sps[num_rows * torch.arange(1, columns.shape[0] + 2, device=columns.device)]
+
+
+def early_stop_width(theta: torch.Tensor) -> torch.Tensor:
+    """Columns admitted before the first one that does not raise Θ [γ + 1]."""
+    return (theta[1:] > theta[:-1]).long().cumprod(0).sum()
+
+
+def draft_throughput(survival_mean: torch.Tensor, num_rows: int, sps: torch.Tensor, draft_seconds: float,
+                     padded: bool = False) -> float:
     """Best expected Θ over budgets K >= 1 when every row has the survival curve ā [γ]
-    (non-increasing) and drafting costs ``draft_seconds`` per round: max_K τ_K / (1/SPS(R+K) + t)."""
+    (non-increasing) and drafting costs ``draft_seconds`` per round: max_K τ_K / (1/SPS(R+K) + t);
+    ``padded``: K a multiple of R, priced as B = R + K (whole columns)."""
     values = survival_mean.double().repeat_interleave(num_rows)  # already sorted: ā_1 ×R, ā_2 ×R, ...
     tau = num_rows + values.cumsum(0)
     batch = num_rows + torch.arange(1, values.shape[0] + 1)
-    return float((tau / (1.0 / sps[batch] + draft_seconds)).max())
+    theta = tau / (1.0 / sps[batch] + draft_seconds)
+    return float((theta[num_rows - 1 :: num_rows] if padded else theta).max())
 
 
 class DraftGate:
@@ -115,12 +135,14 @@ class DraftGate:
     persist across runs (:meth:`new_run`); :meth:`reset` forgets them.
     """
 
-    def __init__(self, *, draft_seconds: float | None = None, probe_share: float = 0.02, smoothing: float = 0.25):
+    def __init__(self, *, draft_seconds: float | None = None, probe_share: float = 0.02, smoothing: float = 0.25,
+                 padded: bool = False):
         if draft_seconds is not None and draft_seconds < 0:
             raise DspecError(f"draft_seconds must be >= 0, got {draft_seconds}")
         if not 0 < probe_share <= 1:
             raise DspecError(f"probe_share must be in (0, 1], got {probe_share}")
         self.draft_seconds, self.probe_share, self.smoothing = draft_seconds, probe_share, smoothing
+        self.padded = padded  # rounds verify whole columns (see ``layout``)
         self.reset()
 
     def reset(self) -> None:
@@ -186,7 +208,7 @@ class DraftGate:
         sps = sps.cpu()
         extra = self.overhead(num_rows, sps)
         plain = num_rows / (1.0 / float(sps[num_rows]) + extra)
-        return draft_throughput(self.survival, num_rows, sps, seconds + extra) > plain
+        return draft_throughput(self.survival, num_rows, sps, seconds + extra, self.padded) > plain
 
     def decide(self, num_rows: int, sps: Callable[[], torch.Tensor]) -> bool:
         """Draft this round? ``sps()`` gives the SPS curve for :meth:`_predict`. The prediction is
@@ -302,13 +324,19 @@ class ThresholdScheduler(Scheduler):
 
 
 class _GatedScheduler(Scheduler):
-    """Hardware-aware schedulers: a cost table and, unless ``gate=False``, a :class:`DraftGate`."""
+    """Hardware-aware schedulers: a cost table, a verify ``layout`` and, unless ``gate=False``,
+    a :class:`DraftGate`."""
 
     needs_cost_table = True
+    LAYOUTS = ("packed", "padded")
 
     def __init__(self, cost_table: CostTable | None = None, *, gate: bool = True, draft_seconds: float | None = None,
-                 probe_share: float = 0.02, **kwargs):
-        draft_gate = DraftGate(draft_seconds=draft_seconds, probe_share=probe_share) if gate else None
+                 probe_share: float = 0.02, layout: str = "packed", **kwargs):
+        if layout not in self.LAYOUTS:
+            raise DspecError(f"layout must be one of {', '.join(self.LAYOUTS)}, got {layout!r}")
+        self.layout = layout
+        padded = layout == "padded"
+        draft_gate = DraftGate(draft_seconds=draft_seconds, probe_share=probe_share, padded=padded) if gate else None
         super().__init__(cost_table, gate=draft_gate, **kwargs)
 
     def _round_sps(self, num_rows: int, max_tokens: int, device: torch.device) -> torch.Tensor:
@@ -327,9 +355,11 @@ class HardwareScheduler(_GatedScheduler):
 
     def lengths(self, confidence: torch.Tensor, lmax: torch.Tensor) -> torch.Tensor:
         R, gamma = confidence.shape
+        sps = self._round_sps(R, R * (gamma + 1), confidence.device)
+        if self.layout == "padded":
+            return torch.minimum(lmax, early_stop_width(width_throughput(column_sums(*survival(confidence, lmax)), R, sps)))
         values, rows, num_valid = sorted_candidates(*survival(confidence, lmax))
-        count = early_stop_count(values, num_valid, R, self._round_sps(R, R * (gamma + 1), confidence.device))
-        return admit(rows, count, R)
+        return admit(rows, early_stop_count(values, num_valid, R, sps), R)
 
 
 class AsyncScheduler(_GatedScheduler):
@@ -348,6 +378,8 @@ class AsyncScheduler(_GatedScheduler):
         self._history.clear()
 
     def lengths(self, confidence: torch.Tensor, lmax: torch.Tensor) -> torch.Tensor:
+        if self.layout == "padded":
+            return self._padded_lengths(confidence, lmax)
         R, gamma = confidence.shape
         values, rows, num_valid = sorted_candidates(*survival(confidence, lmax))
         if len(self._history) == self.delay:
@@ -358,6 +390,20 @@ class AsyncScheduler(_GatedScheduler):
             capacity = early_stop_count(values, num_valid, R, self._round_sps(R, R * (gamma + 1), confidence.device))
         self._history.append((values, num_valid))
         return admit(rows, torch.minimum(capacity, num_valid), R)
+
+    def _padded_lengths(self, confidence: torch.Tensor, lmax: torch.Tensor) -> torch.Tensor:
+        """Width w by a global argmax of Θ(w) over the per-row column means of the round
+        ``delay`` calls earlier (scaled to the current R), else by the early stop on this round;
+        every row verifies min(w, lmax_r)."""
+        R, gamma = confidence.shape
+        columns = column_sums(*survival(confidence, lmax))  # [γ]
+        sps = self._round_sps(R, R * (gamma + 1), confidence.device)
+        if len(self._history) == self.delay:
+            width = width_throughput(self._history[0] * R, R, sps).argmax()
+        else:
+            width = early_stop_width(width_throughput(columns, R, sps))
+        self._history.append(columns / R)
+        return torch.minimum(lmax, width)
 
 
 BUILTIN_SCHEDULERS = (FixedScheduler, ThresholdScheduler, HardwareScheduler, AsyncScheduler)
@@ -387,13 +433,16 @@ def simulate_load(
     concurrency: int,
     steps: int = 200,
     generator: torch.Generator | None = None,
+    layout: str = "packed",
 ) -> dict:
     """Run ``scheduler`` on R = ``concurrency`` rounds sampled from recorded traces, ``steps`` times.
 
     A round verified to ℓ commits min(accepted, ℓ) + 1 tokens (its recorded outcome cut at ℓ).
     Returns the mean draft length ℓ and verification budget ℓ + 1 per request, committed
     tokens per request per step (τ), the predicted τ from the survival products, and the
-    throughput Σ tokens / Σ step time with step time 1/SPS(B), B = Σ(ℓ_r + 1); plus plain
+    throughput Σ tokens / Σ step time with step time 1/SPS(B): B = Σ(ℓ_r + 1) for an engine
+    that packs ragged rows (``layout="packed"``, the paper's), B = R·(1 + max ℓ) for one that pads
+    them to the longest (``"padded"``, dspec's engine on a transformers target); plus plain
     decoding's R·SPS(R) for reference.
     """
     if concurrency < 1:
@@ -406,6 +455,9 @@ def simulate_load(
     R, gamma = concurrency, rounds.block_size
     index = torch.randint(len(rounds), (steps, R), generator=generator)
     tokens = torch.zeros(R, gamma, dtype=torch.long)
+    if layout not in ("packed", "padded"):
+        raise DspecError(f"--layout must be packed or padded, got {layout!r}")
+    padded = layout == "padded"
     draft = committed = predicted = seconds = 0.0
     for t in range(steps):
         batch = rounds.select(index[t])
@@ -416,13 +468,14 @@ def simulate_load(
         draft += float(ell.sum())
         committed += float((torch.minimum(batch.accepted, ell) + 1).sum())
         predicted += float(R + (a.cumprod(1) * keep).sum())
-        seconds += 1.0 / cost_table.sps(R + int(ell.sum()), scheduler.context)
+        seconds += 1.0 / cost_table.sps(R * (1 + int(ell.max())) if padded else R + int(ell.sum()), scheduler.context)
     n = steps * R
     plain = R * cost_table.sps(R, scheduler.context)
     tps = committed / seconds
     return {
         "scheduler": scheduler.name,
         "concurrency": R,
+        "layout": layout,
         "steps": steps,
         "mean_draft_len": draft / n,
         "budget": 1 + draft / n,

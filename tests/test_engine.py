@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny_models import tiny_qwen3, tiny_target, tiny_tokenizer
 
-from dspec_cli.engine import GenerationConfig, SpeculativeEngine
+from dspec_cli.engine import GenerationConfig, RoundSampler, SpeculativeEngine
 from dspec_cli.errors import DspecError
 from dspec_cli.metrics import acceptance
 from dspec_cli.plugins import get_drafter_class
@@ -190,3 +190,21 @@ def test_end_to_end_test_catches_a_biased_verifier(target, monkeypatch):
     exact = exact_continuations(target, prompt, depth=3, min_prob=2e-4)
     with pytest.raises(AssertionError, match="distribution mismatch"):
         assert_continuations_match(samples, exact, name="biased")
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_round_sampler_block_draws_match_single_draws(temperature):
+    """sample(probs [R, n, V], step) gives the tokens of n calls sample(probs[:, k], step + k)
+    (DFlash draws its independent slots at once), from a fresh sampler or a used one."""
+    R, n, V = 3, 5, 50
+    seeds, rounds = torch.tensor([1, 2, 3]), torch.tensor([4, 9, 1])
+    cfg = GenerationConfig(temperature=temperature)
+    probs = torch.softmax(torch.randn(R, n + 1, V, generator=torch.Generator().manual_seed(0)), -1)
+    single = RoundSampler(cfg, seeds, rounds, n + 1)
+    expect = torch.stack([single.sample(probs[:, k], k) for k in range(n + 1)], 1)
+    assert torch.equal(RoundSampler(cfg, seeds, rounds, n).sample(probs[:, 1:], 1), expect[:, 1:])
+    used = RoundSampler(cfg, seeds, rounds, 2)
+    used.sample(probs[:, 0], 0)  # uniforms for 2 steps exist; the block needs 6
+    assert torch.equal(used.sample(probs, 0), expect)
+    if temperature:
+        assert not torch.equal(RoundSampler(cfg, seeds + 1, rounds, n).sample(probs, 0), expect)

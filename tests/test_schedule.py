@@ -5,6 +5,7 @@ through the harness and the engine, the offline load simulation and ``dspec sche
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 
 import pytest
@@ -13,6 +14,7 @@ from tiny_models import run_cli as run, assert_cli_error as _bad, tiny_qwen3, ti
 
 from dspec_cli import plugins
 from dspec_cli import testing as T
+from dspec_cli.bench import parse_scheduler_spec
 from dspec_cli.calibration import Calibration, Rounds, save_traces
 from dspec_cli.drafter import Proposal
 from dspec_cli.engine import GenerationConfig, SpeculativeEngine
@@ -25,10 +27,13 @@ from dspec_cli.schedule import (
     ThresholdScheduler,
     admit,
     build_scheduler,
+    column_sums,
+    draft_throughput,
     global_capacity,
     simulate_load,
     sorted_candidates,
     survival,
+    width_throughput,
 )
 from dspec_cli.target import Target
 
@@ -52,6 +57,8 @@ APPENDIX = table([1.0, 0.5, 0.45])
 # for R = 3 rows: the first extra token costs 30%, so Θ dips; whether it recovers later depends on all a_{r,j}
 # for R = 4 rows: each extra token costs ~10%, so ℓ depends on the survival products
 SMOOTH = table([1.0] * 4 + [1.0 / (1.0 + 0.1 * i) for i in range(1, 60)])
+# for R = 4 rows verifying whole columns: the first column costs 50 %, so w = 1 pays when the mean a_1 > 1/2
+COLUMNS = table([1.0] * 4 + [2 / 3] * 4 + [0.55] * 4 + [0.45] * 40)
 DIP = table([1.0, 1.0, 1.0, 0.7] + [max(0.7 - 0.05 * i, 0.05) for i in range(1, 60)])
 
 
@@ -66,10 +73,41 @@ class RetrospectiveScheduler(HardwareScheduler):
         return admit(rows, global_capacity(values, num_valid, R, self._sps(R * (gamma + 1), confidence.device)), R)
 
 
+class RetrospectiveColumns(HardwareScheduler):
+    """The padded width by a global argmax over the *current* column sums (no early stop): NOT lossless."""
+
+    name = "retrospective-columns"
+
+    def lengths(self, confidence, lmax):
+        R, gamma = confidence.shape
+        theta = width_throughput(column_sums(*survival(confidence, lmax)), R, self._sps(R * (gamma + 1), confidence.device))
+        return torch.minimum(lmax, theta.argmax())
+
+
 def proposal(conf: torch.Tensor, lengths: torch.Tensor | None = None) -> Proposal:
     R, gamma = conf.shape
     lengths = torch.full((R,), gamma) if lengths is None else lengths
     return Proposal(tokens=torch.zeros(R, gamma, dtype=torch.long), lengths=lengths, confidence=conf)
+
+
+def make(spec: str, cost: CostTable | None = None):
+    """A scheduler from a ``NAME[,key=value]`` spec, as ``--scheduler`` builds it."""
+    name, options = parse_scheduler_spec(spec)
+    return build_scheduler(name, cost, **options)
+
+
+def padded_widths(conf: torch.Tensor, lmax: torch.Tensor, sps: torch.Tensor) -> list[int]:
+    """Algorithm 1 by columns, line by line: widen every row by one draft while Θ rises."""
+    R, gamma = conf.shape
+    a = conf.double().cumprod(1)
+    best, width, tau = R * float(sps[R]), 0, float(R)
+    for w in range(1, gamma + 1):
+        tau += sum(float(a[r, w - 1]) for r in range(R) if w <= lmax[r])
+        theta = tau * float(sps[R * (w + 1)])
+        if theta <= best:
+            break
+        best, width = theta, w
+    return [min(width, int(m)) for m in lmax]
 
 
 def algorithm1(conf: torch.Tensor, lmax: torch.Tensor, sps: torch.Tensor) -> list[int]:
@@ -142,6 +180,41 @@ def test_hardware_matches_literal_algorithm_1(seed):
     assert bool((got <= lmax).all())
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_padded_layout_widens_whole_columns(seed):
+    """layout=padded: every row verifies min(w, lmax_r); w grows while Θ(w) = τ·SPS(R·(w+1)) rises."""
+    g = _gen(seed)
+    R, gamma = (1, 3, 8, 16, 5, 12)[seed], (2, 4, 7, 3, 6, 5)[seed]
+    conf = torch.rand(R, gamma, generator=g, dtype=torch.float64) ** 0.3
+    conf[torch.rand(R, gamma, generator=g) < 0.1] = 0.0
+    lmax = torch.randint(0, gamma + 1, (R,), generator=g)
+    sps_table = table(sorted((0.2 + torch.rand(R * (gamma + 1), generator=g)).tolist(), reverse=True))
+    got = make("hardware,layout=padded", sps_table)(proposal(conf, lmax), lmax)
+    assert got.tolist() == padded_widths(conf, lmax, sps_table.sps_curve(R * (gamma + 1)))
+    # Algorithm 1 by candidates prices Σ(ℓ + 1) tokens; by columns a ragged choice costs its widest row
+    flat_then_cliff = table([1.0] * R * 2 + [0.5] * R * (gamma + 1))
+    assert set(make("hardware,layout=padded", flat_then_cliff)(proposal(conf, lmax), lmax).tolist()) <= {0, 1}
+
+
+def test_padded_async_width_from_two_rounds_earlier():
+    sched = make("async,layout=padded", table([1.0, 1.0] + [0.9] * 4 + [0.5] * 30))  # R = 2: best width 2 (B = 6)
+    high, low = torch.full((2, 3), 0.9), torch.full((2, 3), 0.05)
+    lmax = torch.tensor([3, 1])
+    got = [sched(proposal(c), lmax).tolist() for c in (high, low, low, high)]
+    # calls 1-2: early stop on the current round; then the argmax over the round two calls back
+    assert got == [[2, 1], [0, 0], [2, 1], [0, 0]]
+    with pytest.raises(DspecError, match="layout must be one of packed, padded"):
+        make("hardware,layout=ragged", JAGGED)
+
+
+def test_gate_prices_whole_columns_when_padded():
+    curve = torch.tensor([0.0, 1.0, 1.0, 1.0, 0.5, 0.5, 0.5, 0.5, 0.5])  # SPS by B; R = 2, γ = 3
+    surv = torch.tensor([0.9, 0.5, 0.1])
+    # packed may stop at K = 1 (B = 3, still free); padded must verify whole columns (K = 2, 4, 6)
+    assert draft_throughput(surv, 2, curve, 0.0) == pytest.approx(2.9)
+    assert draft_throughput(surv, 2, curve, 0.0, padded=True) == pytest.approx(max(3.8 * 0.5, 4.8 * 0.5, 5.0 * 0.5))
+
+
 def test_async_capacity_comes_from_two_rounds_earlier():
     sched = AsyncScheduler(APPENDIX)
     high, low = torch.tensor([[0.8, 0.9]]), torch.tensor([[0.8, 0.0]])
@@ -198,13 +271,14 @@ def anticipation_violations(make, rounds: int = 20, seed: int = 0) -> int:
 
 
 @pytest.mark.parametrize("cost", [JAGGED, DIP], ids=["jagged", "dip"])
-@pytest.mark.parametrize("name", ["fixed", "threshold", "hardware", "async"])
-def test_schedulers_are_non_anticipating(name, cost):
-    assert anticipation_violations(lambda: build_scheduler(name, cost)) == 0
+@pytest.mark.parametrize("spec", ["fixed", "threshold", "hardware", "async", "hardware,layout=padded", "async,layout=padded"])
+def test_schedulers_are_non_anticipating(spec, cost):
+    assert anticipation_violations(lambda: make(spec, cost)) == 0
 
 
-def test_retrospective_search_anticipates():
-    assert anticipation_violations(lambda: RetrospectiveScheduler(DIP)) > 0
+@pytest.mark.parametrize("cls", [RetrospectiveScheduler, RetrospectiveColumns])
+def test_retrospective_search_anticipates(cls):
+    assert anticipation_violations(lambda: cls(DIP)) > 0
 
 
 # --------------------------------------------------------------------------------------
@@ -253,10 +327,10 @@ GROUP = {"fixed": 10**6, "threshold": 10**6, "hardware": 1, "async": 1}
 @pytest.mark.parametrize("name", list(GROUP))
 def test_appendix_a_lossless(name):
     ex = T.appendix_a()
-    make = lambda: _warm(build_scheduler(name, APPENDIX), ex.drafter, 1, ex.gamma, 5)  # noqa: E731
+    build = lambda: _warm(make(f"{name},layout=packed" if GROUP[name] == 1 else name, APPENDIX), ex.drafter, 1, ex.gamma, 5)  # noqa: E731
     tokens = T.simulate_speculative(
         ex.target, ex.drafter, num_requests=1200, gamma=ex.gamma, num_tokens=2, x0=ex.anchor,
-        length_policy=grouped(make, GROUP[name]), generator=_gen(40 + list(GROUP).index(name)),
+        length_policy=grouped(build, GROUP[name]), generator=_gen(40 + list(GROUP).index(name)),
     )
     _first_two(tokens, ex.target, ex.anchor, f"appendix A, {name}")
 
@@ -271,20 +345,21 @@ def test_appendix_a_retrospective_is_caught():
     T.assert_same_distribution(tokens[:, 0], ex.retrospective_first, alpha=ALPHA, name="the paper's (0.85, 0.15)")
 
 
-@pytest.mark.parametrize("name", ["threshold", "hardware", "async"])
-def test_markov_confidence_lossless(name):
+@pytest.mark.parametrize("spec", ["threshold", "hardware", "async", "hardware,layout=padded", "async,layout=padded"])
+def test_markov_confidence_lossless(spec):
     """Random Markov target/drafter, confidence c_k = table[x_{k-1}], 4 requests per batch."""
     g = _gen(70)
     target = T.ToyLM.random(6, generator=g)
     drafter = T.ToyDrafter(T.ToyLM.random(6, scale=1.5, generator=g),
                            confidence_table=0.1 + 0.85 * torch.rand(6, generator=g))
     seen: list = []
-    make = lambda: _warm(build_scheduler(name, SMOOTH), drafter, 4, 3, 7)  # noqa: E731
+    warm_seeds = itertools.count(7)  # each batch's scheduler gets its own history (async decides from it)
+    build = lambda: _warm(make(spec, COLUMNS if "padded" in spec else SMOOTH), drafter, 4, 3, 2 * next(warm_seeds))  # noqa: E731
     tokens = T.simulate_speculative(
         target, drafter, num_requests=3200, gamma=3, num_tokens=2, x0=2,
-        length_policy=grouped(make, 4 if GROUP[name] == 1 else GROUP[name], seen), generator=_gen(71),
+        length_policy=grouped(build, 4 if spec != "threshold" else GROUP[spec], seen), generator=_gen(71),
     )
-    _first_two(tokens, target, 2, f"markov, {name}")
+    _first_two(tokens, target, 2, f"markov, {spec}")
     counts = torch.bincount(torch.cat(seen), minlength=4)
     assert int((counts > 100).sum()) >= 2, f"decisions barely vary: {counts.tolist()}"
 
@@ -371,6 +446,22 @@ def test_simulate_load():
     assert budgets[0] > budgets[1] > budgets[2]  # the budget shrinks under load (Fig. 8)
     with pytest.raises(DspecError, match="--concurrency"):
         simulate_load(FixedScheduler(), rounds, flat, concurrency=0)
+
+
+def test_simulate_load_padded_engine_pays_the_widest_row():
+    rounds = toy_rounds()
+    cliff = table([10.0] * 8 + [1.0] * 600)  # R = 4: two tokens per row are free, a third costs 10x
+    threshold = ThresholdScheduler(threshold=0.5)  # ragged ℓ
+    packed = simulate_load(threshold, rounds, cliff, concurrency=4, steps=40, generator=_gen(3))
+    padded = simulate_load(threshold, rounds, cliff, concurrency=4, steps=40, generator=_gen(3), layout="padded")
+    assert packed["tau"] == padded["tau"] and padded["layout"] == "padded"
+    assert padded["tokens_per_s"] < packed["tokens_per_s"]  # the same choices priced as the grid
+    by_layout = {layout: simulate_load(make(f"hardware,layout={layout}", cliff), rounds, cliff, concurrency=4,
+                                       steps=40, generator=_gen(3), layout="padded") for layout in ("packed", "padded")}
+    # Algorithm 1 by candidates spends the 4 free tokens raggedly and pays for the grid; by columns it stays free
+    assert by_layout["padded"]["tokens_per_s"] > 2 * by_layout["packed"]["tokens_per_s"]
+    with pytest.raises(DspecError, match="--layout must be packed or padded"):
+        simulate_load(threshold, rounds, cliff, concurrency=4, layout="ragged")
 
 
 

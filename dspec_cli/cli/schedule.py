@@ -19,9 +19,10 @@ from dspec_cli.cli.profile import int_list
 def schedule_command(
     cost_table: Path = typer.Option(..., "--cost-table", help="Cost table JSON from `dspec profile-hardware`."),
     traces: Path = typer.Option(..., "--traces", help="Round traces (jsonl) from `dspec calibrate --save-traces`."),
-    scheduler: list[str] = typer.Option(["hardware"], "--scheduler", "-s", help="Scheduler name (repeatable): fixed, threshold, hardware, async, or a plugin's."),
+    scheduler: list[str] = typer.Option(["hardware"], "--scheduler", "-s", help="Scheduler (repeatable): fixed, threshold, hardware, async, or a plugin's; options as NAME,key=value (e.g. hardware,layout=padded)."),
     concurrency: str = typer.Option("1,4,16,64", "--concurrency", help="Concurrent requests R, e.g. 1,4,16,64."),
     steps: int = typer.Option(200, "--steps", help="Simulated rounds per (scheduler, R)."),
+    layout: str = typer.Option("packed", "--layout", help="How the simulated engine lays out a ragged verify: packed (cost of Σ(ℓ+1) tokens, the paper's engines) or padded (R·(1 + max ℓ), dspec's engine)."),
     threshold: float = typer.Option(0.5, "--threshold", help="Threshold of the 'threshold' scheduler."),
     context: Optional[int] = typer.Option(None, "--context", help="Context length for SPS lookups (default: mean over the profiled contexts)."),
     calibration: Optional[Path] = typer.Option(None, "--calibration", help="calibration.json whose temperatures are applied to the trace confidences."),
@@ -38,6 +39,7 @@ def schedule_command(
     from dspec_cli.calibration import Calibration, load_traces
     from dspec_cli.errors import DspecError
     from dspec_cli.hardware import CostTable
+    from dspec_cli.bench import parse_scheduler_spec
     from dspec_cli.schedule import build_scheduler, simulate_load
 
     levels = int_list(concurrency, "--concurrency")
@@ -53,12 +55,15 @@ def schedule_command(
     rounds, meta = load_traces(traces)
     cal = Calibration.load(calibration, drafter=meta["drafter"] or None, block_size=meta["block_size"]) if calibration else None
     results = []
-    for name in scheduler:
-        options = {"threshold": threshold} if name == "threshold" else {}
+    for spec in scheduler:
+        name, options = parse_scheduler_spec(spec)
+        if name == "threshold":
+            options.setdefault("threshold", threshold)
         sched = build_scheduler(name, table, calibration=cal, context=context, **options)
         for R in levels:
             gen = torch.Generator().manual_seed(seed)
-            results.append(simulate_load(sched, rounds, table, concurrency=R, steps=steps, generator=gen))
+            res = simulate_load(sched, rounds, table, concurrency=R, steps=steps, generator=gen, layout=layout)
+            results.append({**res, "scheduler": spec})
     out = Console()
     console = out if out.is_terminal else Console(width=200)
     view = Table(title=f"schedulers on {len(rounds)} recorded rounds · {table.model} · {table.device_name}")

@@ -278,22 +278,26 @@ class DFlashDrafter(TrainableDrafter):
 
     @torch.no_grad()
     def propose(self, state: BlockDraftState, anchors: torch.Tensor, max_len: int, sampler: Sampler) -> Proposal:
-        """One parallel forward, then left-to-right sampling of min(max_len, γ) slots with the
-        run's sampler: q_k = sampler.probs(U_k [+ head bias]) is what x_k is drawn from; the
-        confidence uses h_k and x_{k−1} only."""
+        """One parallel forward, then min(max_len, γ) draws with the run's sampler: q_k =
+        sampler.probs(U_k [+ head bias]) is what x_k is drawn from (all slots at once without a
+        sequential head, left to right with one); the confidence uses h_k and x_{k−1} only."""
         R, gamma = anchors.shape[0], min(max_len, self.config.block_size)
         h = self._block_hidden(state, anchors)[:, :gamma]  # [R, γ, d]
         base = self._lm_logits(h)  # [R, γ, V]: one LM-head matmul for the whole block
         head, conf_head = self.net.head, self.net.confidence
-        prev, hstate = anchors, None
-        tokens, probs = [], []
-        for k in range(gamma):
-            logits, hstate = self.head_logits(base[:, k], h[:, k], prev, hstate)  # [R, V]
-            q = sampler.probs(logits)  # [R, V]
-            prev = sampler.sample(q, k)
-            tokens.append(prev)
-            probs.append(q)
-        drafts = torch.stack(tokens, 1)  # [R, γ]
+        if head is None:  # independent slots: every draw at once
+            probs = sampler.probs(base.flatten(0, 1)).view_as(base)  # [R, γ, V]
+            drafts = sampler.sample(probs, 0)  # [R, γ]
+        else:
+            prev, hstate = anchors, None
+            tokens, qs = [], []
+            for k in range(gamma):
+                logits, hstate = self.head_logits(base[:, k], h[:, k], prev, hstate)  # [R, V]
+                q = sampler.probs(logits)  # [R, V]
+                prev = sampler.sample(q, k)
+                tokens.append(prev)
+                qs.append(q)
+            drafts, probs = torch.stack(tokens, 1), torch.stack(qs, 1)  # [R, γ], [R, γ, V]
         conf = None
         if conf_head is not None:  # one pass over the block: slot k sees h_k and x_{k−1} only
             prevs = torch.cat([anchors[:, None], drafts[:, :-1]], 1)  # [R, γ]: x_{k−1}
@@ -301,7 +305,7 @@ class DFlashDrafter(TrainableDrafter):
         return Proposal(
             tokens=drafts,
             lengths=torch.full((R,), gamma, dtype=torch.long, device=anchors.device),
-            draft_probs=torch.stack(probs, 1),
+            draft_probs=probs,
             confidence=conf,
         )
 

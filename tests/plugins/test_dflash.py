@@ -71,7 +71,7 @@ class SeededSampler:
         return logits_to_probs(logits, **self.sampling)
 
     def sample(self, probs, step):
-        return torch.multinomial(probs, 1, generator=self.gen).squeeze(1)
+        return torch.multinomial(probs.flatten(0, -2), 1, generator=self.gen).view(probs.shape[:-1])
 
 
 def check_draft_probs(target: Target, drafter, rows: int = 4000) -> None:
