@@ -331,7 +331,7 @@ class _GatedScheduler(Scheduler):
     LAYOUTS = ("packed", "padded")
 
     def __init__(self, cost_table: CostTable | None = None, *, gate: bool = True, draft_seconds: float | None = None,
-                 probe_share: float = 0.02, layout: str = "packed", **kwargs):
+                 probe_share: float = 0.02, layout: str = "padded", **kwargs):
         if layout not in self.LAYOUTS:
             raise DspecError(f"layout must be one of {', '.join(self.LAYOUTS)}, got {layout!r}")
         self.layout = layout

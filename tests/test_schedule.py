@@ -59,6 +59,7 @@ APPENDIX = table([1.0, 0.5, 0.45])
 SMOOTH = table([1.0] * 4 + [1.0 / (1.0 + 0.1 * i) for i in range(1, 60)])
 # for R = 4 rows verifying whole columns: the first column costs 50 %, so w = 1 pays when the mean a_1 > 1/2
 COLUMNS = table([1.0] * 4 + [2 / 3] * 4 + [0.55] * 4 + [0.45] * 40)
+COLUMNS_8 = table([1.0] * 8 + [0.75] * 8 + [0.6] * 8 + [0.5] * 40)  # R = 8: the first column pays when the mean a_1 > 1/3
 DIP = table([1.0, 1.0, 1.0, 0.7] + [max(0.7 - 0.05 * i, 0.05) for i in range(1, 60)])
 
 
@@ -174,7 +175,7 @@ def test_hardware_matches_literal_algorithm_1(seed):
     conf[torch.rand(R, gamma, generator=g) < 0.1] = 0.0  # dead candidates (a = 0)
     lmax = torch.randint(0, gamma + 1, (R,), generator=g)
     sps_table = table(sorted((0.2 + torch.rand(R * (gamma + 1), generator=g)).tolist(), reverse=True))
-    sched = HardwareScheduler(sps_table)
+    sched = HardwareScheduler(sps_table, layout="packed")
     got = sched(proposal(conf, lmax), lmax)
     assert got.tolist() == algorithm1(conf, lmax, sps_table.sps_curve(R * (gamma + 1)))
     assert bool((got <= lmax).all())
@@ -216,7 +217,7 @@ def test_gate_prices_whole_columns_when_padded():
 
 
 def test_async_capacity_comes_from_two_rounds_earlier():
-    sched = AsyncScheduler(APPENDIX)
+    sched = AsyncScheduler(APPENDIX, layout="packed")
     high, low = torch.tensor([[0.8, 0.9]]), torch.tensor([[0.8, 0.0]])
     lmax = torch.tensor([2])
     # K is the global argmax of Θ over the round two calls back: after `high` K = 2 (Θ_2 = 1.134),
@@ -229,13 +230,13 @@ def test_async_capacity_comes_from_two_rounds_earlier():
 
 
 def test_async_admits_top_k_of_current_survivals():
-    sched = AsyncScheduler(table([1.0] * 40))  # flat SPS: the global search admits every candidate
+    sched = AsyncScheduler(table([1.0] * 40), layout="packed")  # flat SPS: the global search admits every candidate
     old = torch.full((4, 3), 0.5)
     for _ in range(2):
         sched(proposal(old), torch.tensor([3, 3, 3, 3]))  # K = 12 from these
     cur = torch.tensor([[0.9, 0.9, 0.9], [0.2, 0.9, 0.9], [0.9, 0.5, 0.1], [0.6, 0.6, 0.6]])
     assert sched(proposal(cur), torch.tensor([3, 1, 2, 0])).tolist() == [3, 1, 2, 0]
-    small = AsyncScheduler(table([1.0, 1.0, 1.0, 1.0, 0.1, 0.1] + [0.01] * 30))  # a cliff after B = 4
+    small = AsyncScheduler(table([1.0, 1.0, 1.0, 1.0, 0.1, 0.1] + [0.01] * 30), layout="packed")  # a cliff after B = 4
     for _ in range(2):
         small(proposal(torch.full((1, 3), 0.99)), torch.tensor([3]))
     # R = 2 now: Θ(K) = (2 + Σ a) · SPS(2 + K) peaks at K = 2 (B = 4); the top-2 current survivals win
@@ -271,7 +272,7 @@ def anticipation_violations(make, rounds: int = 20, seed: int = 0) -> int:
 
 
 @pytest.mark.parametrize("cost", [JAGGED, DIP], ids=["jagged", "dip"])
-@pytest.mark.parametrize("spec", ["fixed", "threshold", "hardware", "async", "hardware,layout=padded", "async,layout=padded"])
+@pytest.mark.parametrize("spec", ["fixed", "threshold", "hardware", "async", "hardware,layout=packed", "async,layout=packed"])
 def test_schedulers_are_non_anticipating(spec, cost):
     assert anticipation_violations(lambda: make(spec, cost)) == 0
 
@@ -324,28 +325,33 @@ def _warm(sched, drafter, group: int, gamma: int, seed: int):
 GROUP = {"fixed": 10**6, "threshold": 10**6, "hardware": 1, "async": 1}
 
 
-@pytest.mark.parametrize("name", list(GROUP))
-def test_appendix_a_lossless(name):
+SPECS = ["fixed", "threshold", "hardware,layout=packed", "async,layout=packed", "hardware", "async"]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_appendix_a_lossless(spec):
     ex = T.appendix_a()
-    build = lambda: _warm(make(f"{name},layout=packed" if GROUP[name] == 1 else name, APPENDIX), ex.drafter, 1, ex.gamma, 5)  # noqa: E731
+    name = spec.split(",")[0]
+    build = lambda: _warm(make(spec, APPENDIX), ex.drafter, 1, ex.gamma, 5)  # noqa: E731
     tokens = T.simulate_speculative(
         ex.target, ex.drafter, num_requests=1200, gamma=ex.gamma, num_tokens=2, x0=ex.anchor,
-        length_policy=grouped(build, GROUP[name]), generator=_gen(40 + list(GROUP).index(name)),
+        length_policy=grouped(build, GROUP[name]), generator=_gen(40 + SPECS.index(spec)),
     )
-    _first_two(tokens, ex.target, ex.anchor, f"appendix A, {name}")
+    _first_two(tokens, ex.target, ex.anchor, f"appendix A, {spec}")
 
 
-def test_appendix_a_retrospective_is_caught():
+@pytest.mark.parametrize("cls", [RetrospectiveScheduler, RetrospectiveColumns])
+def test_appendix_a_retrospective_is_caught(cls):
     ex = T.appendix_a()
     tokens = T.simulate_speculative(
         ex.target, ex.drafter, num_requests=1200, gamma=ex.gamma, num_tokens=1, x0=ex.anchor,
-        length_policy=grouped(lambda: RetrospectiveScheduler(APPENDIX), 1), generator=_gen(49),
+        length_policy=grouped(lambda: cls(APPENDIX), 1), generator=_gen(49),
     )
     assert T.gof_test(tokens[:, 0], ex.target_first).p_value < 1e-12
     T.assert_same_distribution(tokens[:, 0], ex.retrospective_first, alpha=ALPHA, name="the paper's (0.85, 0.15)")
 
 
-@pytest.mark.parametrize("spec", ["threshold", "hardware", "async", "hardware,layout=padded", "async,layout=padded"])
+@pytest.mark.parametrize("spec", ["threshold", "hardware", "async", "hardware,layout=packed", "async,layout=packed"])
 def test_markov_confidence_lossless(spec):
     """Random Markov target/drafter, confidence c_k = table[x_{k-1}], 4 requests per batch."""
     g = _gen(70)
@@ -354,7 +360,7 @@ def test_markov_confidence_lossless(spec):
                            confidence_table=0.1 + 0.85 * torch.rand(6, generator=g))
     seen: list = []
     warm_seeds = itertools.count(7)  # each batch's scheduler gets its own history (async decides from it)
-    build = lambda: _warm(make(spec, COLUMNS if "padded" in spec else SMOOTH), drafter, 4, 3, 2 * next(warm_seeds))  # noqa: E731
+    build = lambda: _warm(make(spec, SMOOTH if "packed" in spec else COLUMNS), drafter, 4, 3, 2 * next(warm_seeds))  # noqa: E731
     tokens = T.simulate_speculative(
         target, drafter, num_requests=3200, gamma=3, num_tokens=2, x0=2,
         length_policy=grouped(build, 4 if spec != "threshold" else GROUP[spec], seen), generator=_gen(71),
@@ -404,11 +410,14 @@ def test_engine_greedy_identity_and_budgets(target, name):
     assert all(len(c) == v for r in got for c, v in zip(r.confidence, r.verified))
 
 
-def test_engine_lossless_with_hardware_scheduler(target):
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_engine_lossless_with_hardware_scheduler(target, layout):
     """Two-token continuations through the engine: hardware scheduler, Markov-style confidences."""
     prompt = target.render_prompt("Speculative decoding drafts")
-    cfg = GenerationConfig(max_new_tokens=3, block_size=3, max_batch=50, seed=3)
-    sched = build_scheduler("hardware", table([1.0] * 50 + [1.0 / (1.0 + 0.01 * i) for i in range(1, 200)]), gate=False)
+    rows = 50 if layout == "packed" else 8  # whole columns: few rows, so the width varies between rounds
+    cfg = GenerationConfig(max_new_tokens=3, block_size=3, max_batch=rows, seed=3)
+    costs = table([1.0] * 50 + [1.0 / (1.0 + 0.01 * i) for i in range(1, 200)]) if layout == "packed" else COLUMNS_8
+    sched = build_scheduler("hardware", costs, gate=False, layout=layout)
     drafter = draft_model(target, cls=MarkovConfidenceDraft)
     results = SpeculativeEngine(target, drafter, cfg, scheduler=sched, stop_ids=[]).generate([prompt] * 2000)
     samples = torch.tensor([r.output_ids[:2] for r in results])
@@ -416,6 +425,7 @@ def test_engine_lossless_with_hardware_scheduler(target):
                                  alpha=ALPHA, name="engine + hardware scheduler")
     first = torch.bincount(torch.tensor([r.verified[0] for r in results]), minlength=3)
     assert int((first > 50).sum()) >= 2, f"ℓ barely varies: {first.tolist()}"
+
 
 
 # --------------------------------------------------------------------------------------
