@@ -18,6 +18,13 @@ and on earlier rounds, but never on c_{r,k+1..} (those depend on x_k).
   ordering). Until ``delay`` rounds of history exist, K comes from Algorithm 1 on the
   current round. History lives in the scheduler object; :meth:`Scheduler.reset` clears it.
 
+The two above are the paper's, for an engine that packs ragged rows (B = Σ(ℓ_r + 1)):
+``layout="packed"``. dspec's engine verifies an [R, 1 + max ℓ] grid, so the default
+``layout="padded"`` admits whole columns instead: every row verifies min(w, lmax_r), B =
+R·(w + 1); ``hardware`` widens w while Θ rises (first non-improving column stops), ``async``
+takes w by the global argmax over the per-row column means of the round ``delay`` calls earlier.
+Column w's admission looks at columns <= w only, so it is non-anticipating too.
+
 Candidates with a_{r,j} = 0 are never admitted. An optional :class:`Calibration` is applied
 to the confidences first (for drafters whose confidences are not calibrated by the drafter
 itself, e.g. the Σq² heuristic).
