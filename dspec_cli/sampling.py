@@ -145,13 +145,9 @@ def _fmix32(h):
     return h
 
 
-def _absorb(h, word):
-    """Fold a 32-bit word into a 32-bit lane state (bijective in each argument; ints or tensors)."""
-    return _absorb_spread(h, _mul32(word, _GOLDEN))
-
-
 def _absorb_spread(h, spread):
-    """:func:`_absorb` of a word already spread as ``_mul32(word, _GOLDEN)``."""
+    """Fold a 32-bit word, spread as ``_mul32(word, _GOLDEN)``, into a 32-bit lane state
+    (bijective in each argument)."""
     h = h + spread
     h &= _M32
     return _fmix32(h)
@@ -181,13 +177,25 @@ _HOST_KEYS = 16  # keys hashed on the host (per key ~100 integer operations)
 
 def _host_lanes(salt: int, seed: int, offset: int) -> list[int]:
     """The two lane states of one key with python ints (same words, same order as the tensor path)."""
-    words = [w & _M32 for w in (salt, seed, seed >> 32, offset, offset >> 32)]
-    lanes = []
-    for h in _LANE_IV:
-        for w in words:
-            h = _absorb(h, w)
-        lanes.append(h)
-    return lanes
+    return [_host_absorb(h, offset & _M32, (offset >> 32) & _M32) for h in _host_prefix(salt, seed)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _host_prefix(salt: int, seed: int) -> tuple[int, ...]:
+    """Lane states after (salt, seed low, seed high): shared by every offset of a request."""
+    return tuple(_host_absorb(h, salt & _M32, seed & _M32, (seed >> 32) & _M32) for h in _LANE_IV)
+
+
+def _host_absorb(h: int, *words: int) -> int:
+    """h with each 32-bit word absorbed in turn: :func:`_absorb_spread` for python ints."""
+    for w in words:
+        h = (h + w * _GOLDEN) & _M32
+        h ^= h >> 16
+        h = (h * 0x85EBCA6B) & _M32
+        h ^= h >> 13
+        h = (h * 0xC2B2AE35) & _M32
+        h ^= h >> 16
+    return h
 
 
 def uniform(seeds: torch.Tensor, offsets: torch.Tensor, salt=0) -> torch.Tensor:

@@ -114,6 +114,16 @@ class TestCounterRandomness:
             assert torch.equal(uniform(seeds[i : i + 1], offs[i : i + 1]), full[i : i + 1])
         assert torch.equal(uniform(seeds.flip(0), offs.flip(0)), full.flip(0))
 
+    def test_host_and_tensor_hashing_agree(self):
+        # a few keys on a CPU are hashed with python ints, more with tensor ops: same numbers
+        seeds = torch.tensor([5, -3, 2**40 + 1, 0, 7] * 8)
+        offs = torch.arange(40) * 2**29
+        full = uniform(seeds, offs, salt=9)  # 40 keys: tensor path
+        for i in range(0, 40, 5):
+            assert torch.equal(uniform(seeds[i : i + 5], offs[i : i + 5], salt=9), full[i : i + 5])
+        noise = exponential(seeds[:20], offs[:20], 64, salt=2)  # 20 keys: tensor path
+        assert torch.equal(exponential(seeds[3:5], offs[3:5], 64, salt=2), noise[3:5])
+
     def test_uniform_keys_change_values(self):
         base = uniform(torch.tensor([1]), torch.tensor([1]))
         for other in (
