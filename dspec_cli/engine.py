@@ -242,6 +242,7 @@ class SpeculativeEngine:
             return None, torch.zeros(R, dtype=torch.long, device=dev)
         t0 = time.perf_counter()
         rows.lag.flush(self.drafter, rows.dstate)
+        rows.catch_up = time.perf_counter() - t0
         max_len = cfg.block_size  # not max(budget): a draft tree's shape must not depend on other rows
         sampler = RoundSampler(cfg, rows.seeds, rows.rounds, max_len)
         proposal = self.drafter.propose(rows.dstate, rows.anchors, max_len, sampler)
@@ -328,7 +329,8 @@ class SpeculativeEngine:
         self.stats.other_seconds += t3 - t2
         observe = getattr(self.scheduler, "observe_round", None)
         if observe is not None:
-            observe(R, t3 - t0, proposal is not None)
+            observe(R, t3 - t0, proposal is not None, R + sum(acc_list), rows.catch_up)
+        rows.catch_up = 0.0
 
     def _retire(self, rows: _Rows, results: list[RequestResult], on_finish) -> None:
         """Finished requests leave the batch (stop token or max_new_tokens)."""
@@ -422,6 +424,7 @@ class _Rows:
     device: torch.device
     active: list[int] = field(default_factory=list)  # request index per row
     lag: DrafterLag = field(default_factory=DrafterLag)  # what the drafter has not seen yet
+    catch_up: float = 0.0  # seconds this round's lag hand-over took
 
     def __post_init__(self) -> None:
         empty = torch.empty(0, dtype=torch.long, device=self.device)

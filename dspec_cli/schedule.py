@@ -140,16 +140,31 @@ class DraftGate:
     up), at least its drafting time; until those are known, and with a fixed
     ``draft_seconds``, a closed round counts 1/SPS(R) and a probe its drafting time. Estimates
     persist across runs (:meth:`new_run`); :meth:`reset` forgets them.
+
+    Measured rates (``measure=True``, the default; not with a fixed ``draft_seconds``): once
+    ``min_rounds`` drafted rounds and a plain round at this R report their committed tokens,
+    the gate compares the measured tokens/s of drafted and plain rounds at R directly instead
+    of the prediction above, and while open it runs a plain *probe* round whenever the open
+    rounds' time times ``probe_share`` reaches a plain round's time, so both rates stay
+    current. Rates are averages (the first ``1/rate_smoothing`` rounds) then exponential
+    moving averages of tokens and of seconds, drafted rounds without the drafter's catch-up
+    on skipped rounds (a cost of probing, not of drafting).
     """
 
     def __init__(self, *, draft_seconds: float | None = None, probe_share: float = 0.02, smoothing: float = 0.25,
-                 padded: bool = False):
+                 padded: bool = False, measure: bool = True, min_rounds: int = 8, rate_smoothing: float = 0.03):
         if draft_seconds is not None and draft_seconds < 0:
             raise DspecError(f"draft_seconds must be >= 0, got {draft_seconds}")
         if not 0 < probe_share <= 1:
             raise DspecError(f"probe_share must be in (0, 1], got {probe_share}")
+        if min_rounds < 1:
+            raise DspecError(f"min_rounds must be >= 1, got {min_rounds}")
+        if not 0 < rate_smoothing <= 1:
+            raise DspecError(f"rate_smoothing must be in (0, 1], got {rate_smoothing}")
         self.draft_seconds, self.probe_share, self.smoothing = draft_seconds, probe_share, smoothing
         self.padded = padded  # rounds verify whole columns (see ``layout``)
+        self.measure = measure and draft_seconds is None
+        self.min_rounds, self.rate_smoothing = min_rounds, rate_smoothing
         self.reset()
 
     def reset(self) -> None:
@@ -157,12 +172,14 @@ class DraftGate:
         self.survival: torch.Tensor | None = None  # [γ] EMA of the mean survival curve (CPU float64)
         self.times: dict[int, float] = {}  # R -> EMA of drafting seconds per round
         self.rounds: dict[tuple[int, bool], float] = {}  # (R, drafted) -> EMA of whole-round seconds
+        self.rates: dict[tuple[int, bool], Rate] = {}  # (R, drafted) -> committed tokens and seconds
         self._verdict: tuple[int, bool] | None = None  # (R, prediction) until the next observation
         self.new_run()
 
     def new_run(self) -> None:
         """A new engine run: keep the estimates (they describe drafter and hardware), zero the counters."""
         self.closed_seconds = 0.0  # time of closed rounds (measured or modelled) since the last drafted one
+        self.open_seconds = 0.0  # time of open rounds since the last plain one (measured mode)
         self.opened = self.closed = 0  # decisions taken
 
     def observe_survival(self, survival: torch.Tensor) -> None:
@@ -176,10 +193,24 @@ class DraftGate:
         self.times[num_rows] = seconds if old is None else old + self.smoothing * (seconds - old)
         self._verdict = None
 
-    def observe_round(self, num_rows: int, seconds: float, drafted: bool) -> None:
-        """Wall time of a whole round (draft, verify, commit) with or without a draft."""
+    def observe_round(self, num_rows: int, seconds: float, drafted: bool, tokens: int | None = None,
+                      catch_up: float = 0.0) -> None:
+        """Wall time of a whole round (draft, verify, commit) with or without a draft; ``tokens``
+        committed in it (all rows) and the ``catch_up`` seconds of the drafter's lag hand-over."""
         old = self.rounds.get((num_rows, drafted))
         self.rounds[num_rows, drafted] = seconds if old is None else old + self.smoothing * (seconds - old)
+        if tokens is not None and self.measure:
+            rate = self.rates.setdefault((num_rows, drafted), Rate())
+            rate.add(tokens, max(seconds - catch_up, 1e-9), self.rate_smoothing)
+            if rate.count == self.min_rounds or not drafted:
+                self._verdict = None
+
+    def measured(self, num_rows: int) -> bool | None:
+        """Drafted rounds beat plain ones at R = ``num_rows`` by measured tokens/s (None: not yet measured)."""
+        drafted, plain = self.rates.get((num_rows, True)), self.rates.get((num_rows, False))
+        if drafted is None or plain is None or drafted.count < self.min_rounds:
+            return None
+        return drafted.per_second > plain.per_second
 
     def _probe_cost(self, num_rows: int) -> float:
         """Expected extra seconds of a probe round over a plain one: measured at the nearest R
@@ -218,22 +249,50 @@ class DraftGate:
         return draft_throughput(self.survival, num_rows, sps, seconds + extra, self.padded) > plain
 
     def decide(self, num_rows: int, sps: Callable[[], torch.Tensor]) -> bool:
-        """Draft this round? ``sps()`` gives the SPS curve for :meth:`_predict`. The prediction is
-        reused until R changes or something new is observed (a drafted round)."""
+        """Draft this round? Measured rates at this R when there are (:meth:`measured`), else
+        :meth:`_predict` on ``sps()``, the SPS curve. The verdict is reused until R changes or
+        something new is observed (a drafted round; a rate becoming or staying usable)."""
         if self._verdict is not None and self._verdict[0] == num_rows:
             is_open = self._verdict[1]
         else:
-            is_open = self._predict(num_rows, sps())
+            is_open = self.measured(num_rows)
+            if is_open is None:
+                is_open = self._predict(num_rows, sps())
             self._verdict = (num_rows, is_open)
         if not is_open:  # a probe once the closed rounds have "paid" for one
             plain = self.rounds.get((num_rows, False)) if self.draft_seconds is None else None
             self.closed_seconds += plain if plain is not None else 1.0 / float(sps()[num_rows])
             is_open = self.closed_seconds * self.probe_share >= self._probe_cost(num_rows)
+        elif self.measure and (num_rows, True) in self.rounds:  # a plain probe once open rounds have paid for one
+            self.open_seconds += self.rounds[num_rows, True]
+            plain = self.rounds.get((num_rows, False))
+            drafted = self.rates.get((num_rows, True))
+            due = plain is None and drafted is not None and drafted.count >= self.min_rounds
+            if due or (plain is not None and self.open_seconds * self.probe_share >= plain):
+                is_open, self.open_seconds = False, 0.0
         if is_open:
             self.closed_seconds = 0.0
         self.opened += is_open
         self.closed += not is_open
         return is_open
+
+
+class Rate:
+    """Committed tokens per second of one kind of round: an average over the first 1/α rounds,
+    then exponential moving averages (factor α) of tokens and of seconds."""
+
+    def __init__(self):
+        self.count, self.tokens, self.seconds = 0, 0.0, 0.0
+
+    def add(self, tokens: float, seconds: float, alpha: float) -> None:
+        self.count += 1
+        weight = max(1.0 / self.count, alpha)
+        self.tokens += weight * (tokens - self.tokens)
+        self.seconds += weight * (seconds - self.seconds)
+
+    @property
+    def per_second(self) -> float:
+        return self.tokens / self.seconds
 
 
 def admit(rows: torch.Tensor, count: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -286,10 +345,12 @@ class Scheduler:
         if self.gate is not None:
             self.gate.observe_time(num_rows, seconds)
 
-    def observe_round(self, num_rows: int, seconds: float, drafted: bool) -> None:
-        """Called by the engine after every round with its wall time and whether it drafted."""
+    def observe_round(self, num_rows: int, seconds: float, drafted: bool, tokens: int | None = None,
+                      catch_up: float = 0.0) -> None:
+        """Called by the engine after every round: its wall time, whether it drafted, the tokens
+        it committed (all rows) and the seconds the drafter spent catching up on skipped rounds."""
         if self.gate is not None:
-            self.gate.observe_round(num_rows, seconds, drafted)
+            self.gate.observe_round(num_rows, seconds, drafted, tokens, catch_up)
 
     def lengths(self, confidence: torch.Tensor, lmax: torch.Tensor) -> torch.Tensor:  # [R, γ], [R] -> [R]
         raise NotImplementedError
@@ -338,12 +399,13 @@ class _GatedScheduler(Scheduler):
     LAYOUTS = ("packed", "padded")
 
     def __init__(self, cost_table: CostTable | None = None, *, gate: bool = True, draft_seconds: float | None = None,
-                 probe_share: float = 0.02, layout: str = "padded", **kwargs):
+                 probe_share: float = 0.02, layout: str = "padded", measure: bool = True, **kwargs):
         if layout not in self.LAYOUTS:
             raise DspecError(f"layout must be one of {', '.join(self.LAYOUTS)}, got {layout!r}")
         self.layout = layout
         padded = layout == "padded"
-        draft_gate = DraftGate(draft_seconds=draft_seconds, probe_share=probe_share, padded=padded) if gate else None
+        draft_gate = DraftGate(draft_seconds=draft_seconds, probe_share=probe_share, padded=padded,
+                               measure=measure) if gate else None
         super().__init__(cost_table, gate=draft_gate, **kwargs)
 
     def _round_sps(self, num_rows: int, max_tokens: int, device: torch.device) -> torch.Tensor:

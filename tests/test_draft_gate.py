@@ -14,7 +14,7 @@ from dspec_cli.engine import GenerationConfig, RoundSampler, SpeculativeEngine
 from dspec_cli.errors import DspecError
 from dspec_cli.hardware import CostTable
 from dspec_cli.plugins import get_drafter_class
-from dspec_cli.schedule import DraftGate, HardwareScheduler, build_scheduler, draft_throughput
+from dspec_cli.schedule import DraftGate, HardwareScheduler, Rate, build_scheduler, draft_throughput
 from dspec_cli.target import Target
 
 
@@ -333,3 +333,82 @@ def test_hardware_scheduler_prices_rounds_with_the_gate_estimates():
     proposal = Proposal(tokens=torch.zeros(1, 4, dtype=torch.long), lengths=lmax, confidence=conf)
     assert int(gated(proposal, lmax)) >= int(plain(proposal, lmax))
     assert int(gated(proposal, lmax)) == 4
+
+
+# --------------------------------------------------------------------------------------
+# Measured rates: drafted against plain tokens/s at this R
+# --------------------------------------------------------------------------------------
+
+
+def test_rate_averages_then_smooths():
+    rate = Rate()
+    for tokens in (2, 4, 6):
+        rate.add(tokens, 1.0, alpha=0.25)
+    assert rate.tokens == pytest.approx(4.0) and rate.per_second == pytest.approx(4.0)  # mean of the first 1/α
+    rate.add(4, 1.0, alpha=0.25)
+    rate.add(8, 1.0, alpha=0.25)  # the fifth round has weight α, not 1/5
+    assert rate.tokens == pytest.approx(4.0 + 0.25 * (8 - 4.0))
+
+
+def measured_gate(survival: list[float], **kwargs) -> DraftGate:
+    gate = DraftGate(min_rounds=4, **kwargs)
+    gate.observe_survival(torch.tensor([survival], dtype=torch.float64))
+    gate.observe_time(1, 0.001)
+    return gate
+
+
+def test_measured_rates_overrule_the_prediction():
+    """The cost table predicts drafting wins (cheap draft, long accepts), but drafted rounds
+    measure 2 tokens in 25 ms against plain 1 token in 10 ms: the gate closes; and the other way."""
+    sps = curve(CPU)
+    gate = measured_gate([0.95, 0.9, 0.85, 0.8])
+    assert gate._predict(1, sps()) and gate.decide(1, sps)
+    for _ in range(4):
+        gate.observe_round(1, 0.025, True, tokens=2)
+    assert gate.measured(1) is None  # no plain round at R = 1 yet
+    gate.observe_round(1, 0.010, False, tokens=1)
+    assert gate.measured(1) is False and not gate.decide(1, sps)
+    pessimist = measured_gate([0.1, 0.01, 0.0, 0.0])
+    assert not pessimist._predict(1, sps())
+    for _ in range(4):
+        pessimist.observe_round(1, 0.030, True, tokens=4, catch_up=0.005)  # 25 ms without the catch-up
+    pessimist.observe_round(1, 0.010, False, tokens=1)
+    assert pessimist.rates[1, True].per_second == pytest.approx(4 / 0.025)
+    assert pessimist.measured(1) is True and pessimist.decide(1, sps)
+    assert pessimist.measured(4) is None  # rates are per concurrency
+    assert DraftGate(draft_seconds=0.001).measure is False and DraftGate(measure=False).measure is False
+
+
+def test_open_gate_runs_plain_probes():
+    """Open on measured rates, a plain probe comes once the open rounds' time (10 ms each)
+    times probe_share (0.1) reaches a plain round's (5 ms): every 5th decision; the first
+    comes as soon as min_rounds drafted rounds are in and no plain one is."""
+    gate = measured_gate([0.95, 0.9, 0.85, 0.8], probe_share=0.1)
+    for _ in range(4):
+        gate.observe_round(1, 0.010, True, tokens=3)
+    assert gate.decide(1, curve(CPU)) is False  # first plain measurement
+    gate.observe_round(1, 0.005, False, tokens=1)
+    decisions = [gate.decide(1, curve(CPU)) for _ in range(10)]
+    assert [i for i, d in enumerate(decisions) if not d] == [4, 9]
+    off = measured_gate([0.95, 0.9, 0.85, 0.8], measure=False)
+    for _ in range(4):
+        off.observe_round(1, 0.010, True, tokens=3)
+    assert all(off.decide(1, curve(CPU)) for _ in range(20))  # the model alone: no plain probes
+
+
+class FakeClockScheduler(HardwareScheduler):
+    """The real gate on measured rates, with a fake clock: a plain round takes 1 s, a drafted one
+    2.4 s, so drafting wins when the last rounds committed more than 2.4 tokens per row. Whether
+    a round drafts depends on how many drafts earlier rounds accepted."""
+
+    def observe_round(self, num_rows, seconds, drafted, tokens=None, catch_up=0.0):
+        super().observe_round(num_rows, 2.4 if drafted else 1.0, drafted, tokens * 10 // num_rows)
+
+
+def test_engine_lossless_with_measured_gate(target):
+    sched = FakeClockScheduler(table(FLAT), probe_share=0.5)
+    sched.gate.min_rounds, sched.gate.rate_smoothing = 2, 0.5
+    samples, exact, stats = _samples(target, sched)
+    T.assert_continuations_match(samples, exact, alpha=1e-4, name="engine + measured gate")
+    drafted, plain = stats.drafted_rounds, stats.rounds - stats.drafted_rounds
+    assert min(drafted, plain) >= 20, f"the gate did not mix rounds: {drafted} drafted, {plain} plain"
