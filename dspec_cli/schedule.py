@@ -148,7 +148,10 @@ class DraftGate:
     rounds' time times ``probe_share`` reaches a plain round's time, so both rates stay
     current. Rates are averages (the first ``1/rate_smoothing`` rounds) then exponential
     moving averages of tokens and of seconds, drafted rounds without the drafter's catch-up
-    on skipped rounds (a cost of probing, not of drafting).
+    on skipped rounds (a cost of probing, not of drafting). Where the prediction keeps the gate
+    closed at an R for ``4 · min_rounds`` rounds before the drafted rate is usable, the gate
+    drafts ``min_rounds`` rounds in a row to measure it (probes alone would take hundreds of
+    rounds to get there).
     """
 
     def __init__(self, *, draft_seconds: float | None = None, probe_share: float = 0.02, smoothing: float = 0.25,
@@ -173,6 +176,7 @@ class DraftGate:
         self.times: dict[int, float] = {}  # R -> EMA of drafting seconds per round
         self.rounds: dict[tuple[int, bool], float] = {}  # (R, drafted) -> EMA of whole-round seconds
         self.rates: dict[tuple[int, bool], Rate] = {}  # (R, drafted) -> committed tokens and seconds
+        self.closed_at: dict[int, int] = {}  # R -> closed decisions (measured mode: when to explore)
         self._verdict: tuple[int, bool] | None = None  # (R, prediction) until the next observation
         self.new_run()
 
@@ -202,8 +206,6 @@ class DraftGate:
         if tokens is not None and self.measure:
             rate = self.rates.setdefault((num_rows, drafted), Rate())
             rate.add(tokens, max(seconds - catch_up, 1e-9), self.rate_smoothing)
-            if rate.count == self.min_rounds or not drafted:
-                self._verdict = None
 
     def measured(self, num_rows: int) -> bool | None:
         """Drafted rounds beat plain ones at R = ``num_rows`` by measured tokens/s (None: not yet measured)."""
@@ -250,15 +252,13 @@ class DraftGate:
 
     def decide(self, num_rows: int, sps: Callable[[], torch.Tensor]) -> bool:
         """Draft this round? Measured rates at this R when there are (:meth:`measured`), else
-        :meth:`_predict` on ``sps()``, the SPS curve. The verdict is reused until R changes or
-        something new is observed (a drafted round; a rate becoming or staying usable)."""
-        if self._verdict is not None and self._verdict[0] == num_rows:
-            is_open = self._verdict[1]
-        else:
-            is_open = self.measured(num_rows)
-            if is_open is None:
-                is_open = self._predict(num_rows, sps())
-            self._verdict = (num_rows, is_open)
+        :meth:`_predict` on ``sps()``, the SPS curve (its verdict reused until R changes or a
+        drafted round brings new observations) or a measuring run of drafted rounds."""
+        is_open = self.measured(num_rows)
+        if is_open is None:
+            if self._verdict is None or self._verdict[0] != num_rows:
+                self._verdict = (num_rows, self._predict(num_rows, sps()))
+            is_open = self._verdict[1] or self._explore(num_rows)
         if not is_open:  # a probe once the closed rounds have "paid" for one
             plain = self.rounds.get((num_rows, False)) if self.draft_seconds is None else None
             self.closed_seconds += plain if plain is not None else 1.0 / float(sps()[num_rows])
@@ -272,9 +272,15 @@ class DraftGate:
                 is_open, self.open_seconds = False, 0.0
         if is_open:
             self.closed_seconds = 0.0
+        else:
+            self.closed_at[num_rows] = self.closed_at.get(num_rows, 0) + 1
         self.opened += is_open
         self.closed += not is_open
         return is_open
+
+    def _explore(self, num_rows: int) -> bool:
+        """Measured mode, no usable drafted rate at R: draft in a row once closed long enough at R."""
+        return self.measure and self.closed_at.get(num_rows, 0) >= 4 * self.min_rounds
 
 
 class Rate:

@@ -412,3 +412,17 @@ def test_engine_lossless_with_measured_gate(target):
     T.assert_continuations_match(samples, exact, alpha=1e-4, name="engine + measured gate")
     drafted, plain = stats.drafted_rounds, stats.rounds - stats.drafted_rounds
     assert min(drafted, plain) >= 20, f"the gate did not mix rounds: {drafted} drafted, {plain} plain"
+
+
+def test_closed_gate_explores_to_measure():
+    """Closed by the prediction with no usable drafted rate at R, the gate drafts min_rounds
+    rounds in a row after 4 · min_rounds closed ones; then the measured rates decide."""
+    gate = measured_gate([0.1, 0.01, 0.0, 0.0], probe_share=1e-6)  # probes out of the way
+    decisions = []
+    for _ in range(40):
+        decisions.append(gate.decide(1, curve(CPU)))
+        gate.observe_round(1, 0.010, decisions[-1], tokens=3 if decisions[-1] else 1)
+    assert decisions[:16] == [False] * 16 and decisions[16:20] == [True] * 4  # 4 · 4 closed, then 4 drafted
+    assert gate.measured(1) is True and all(decisions[20:])  # 3 tokens per 10 ms beats 1
+    assert not any(measured_gate([0.1, 0.01, 0.0, 0.0], probe_share=1e-6, measure=False).decide(1, curve(CPU))
+                   for _ in range(40))
