@@ -4,7 +4,8 @@
 
 Default columns: dataset, drafter, τ, tokens/s, baseline, speedup, target tokens verified per
 committed token, conditional acceptance by position, draft time share. ``--load`` switches to
-the serving columns (scheduler, concurrency, aggregate and per-user tokens/s, budget).
+the serving columns (scheduler, concurrency, aggregate and per-user tokens/s, budget, share of
+rounds that drafted).
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ from pathlib import Path
 
 def _f(x, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
+
+
+def _pct(share) -> str:
+    """A share as a percentage ("-" when the report predates the field)."""
+    return "-" if share is None else f"{100 * share:.0f}%"
 
 
 def drafter_table(runs: list[dict]) -> str:
@@ -32,11 +38,11 @@ def drafter_table(runs: list[dict]) -> str:
 
 def load_table(runs: list[dict]) -> str:
     head = ("| dataset | drafter | scheduler | R | τ | aggregate tokens/s | plain tokens/s | vs plain "
-            "| per-user tokens/s | mean budget |\n|---|---|---|---|---|---|---|---|---|---|")
+            "| per-user tokens/s | mean budget | rounds drafted |\n|---|---|---|---|---|---|---|---|---|---|---|")
     rows = [
         f"| {r['dataset']} | {r['drafter']} | {r['scheduler']} | {r['concurrency']} | {r['tau']:.2f} | "
         f"{r['throughput_tokens_per_s']:.1f} | {_f(r['baseline_tokens_per_s'], '.1f')} | {_f(r['speedup'], '.2f')}x | "
-        f"{r['per_user_tokens_per_s']:.1f} | {r['mean_verify_budget']:.2f} |"
+        f"{r['per_user_tokens_per_s']:.1f} | {r['mean_verify_budget']:.2f} | {_pct(r.get('drafted_round_share'))} |"
         for r in runs
     ]
     return "\n".join([head, *rows])

@@ -32,7 +32,7 @@ def _fmt(x, spec=".2f") -> str:
 
 def render_table(report: dict, console: Console) -> None:
     table = Table(title=f"dspec bench · target {report['target']} · {report['env']['device']}")
-    for col in ("dataset", "drafter", "scheduler", "R", "τ", "tok/s", "per user", "base tok/s", "speedup", "budget", "cond. accept by position", "draft %"):
+    for col in ("dataset", "drafter", "scheduler", "R", "τ", "tok/s", "per user", "base tok/s", "speedup", "budget", "cond. accept by position", "draft %", "drafted"):
         left = col in ("dataset", "drafter", "scheduler", "cond. accept by position")
         table.add_column(col, justify="left" if left else "right", no_wrap=col in ("dataset", "drafter", "scheduler"))
     for run in report["runs"]:
@@ -41,7 +41,7 @@ def render_table(report: dict, console: Console) -> None:
             run["dataset"], run["drafter"], run["scheduler"], str(run["concurrency"]), _fmt(run["tau"]),
             _fmt(run["tokens_per_s"], ".1f"), _fmt(run["per_user_tokens_per_s"], ".1f"),
             _fmt(run["baseline_tokens_per_s"], ".1f"), _fmt(run["speedup"]) + "x", _fmt(run["mean_verify_budget"]), cond,
-            _fmt(100 * run["draft_time_share"], ".0f"),
+            _fmt(100 * run["draft_time_share"], ".0f"), _fmt(100 * run["drafted_round_share"], ".0f") + "%",
         )
     console.print(table)
 
