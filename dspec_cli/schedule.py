@@ -177,6 +177,7 @@ class DraftGate:
         self.rounds: dict[tuple[int, bool], float] = {}  # (R, drafted) -> EMA of whole-round seconds
         self.rates: dict[tuple[int, bool], Rate] = {}  # (R, drafted) -> committed tokens and seconds
         self.closed_at: dict[int, int] = {}  # R -> closed decisions (measured mode: when to explore)
+        self.explored: dict[int, int] = {}  # R -> rounds drafted to measure the drafted rate
         self._verdict: tuple[int, bool] | None = None  # (R, prediction) until the next observation
         self.new_run()
 
@@ -279,8 +280,15 @@ class DraftGate:
         return is_open
 
     def _explore(self, num_rows: int) -> bool:
-        """Measured mode, no usable drafted rate at R: draft in a row once closed long enough at R."""
-        return self.measure and self.closed_at.get(num_rows, 0) >= 4 * self.min_rounds
+        """Measured mode, no usable drafted rate at R but a plain one: draft ``min_rounds``
+        rounds in a row (once) after ``4 · min_rounds`` closed rounds at R."""
+        done = self.explored.get(num_rows, 0)
+        if not self.measure or (num_rows, False) not in self.rates or done >= self.min_rounds:
+            return False
+        if self.closed_at.get(num_rows, 0) < 4 * self.min_rounds:
+            return False
+        self.explored[num_rows] = done + 1
+        return True
 
 
 class Rate:

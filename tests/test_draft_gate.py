@@ -426,3 +426,7 @@ def test_closed_gate_explores_to_measure():
     assert gate.measured(1) is True and all(decisions[20:])  # 3 tokens per 10 ms beats 1
     assert not any(measured_gate([0.1, 0.01, 0.0, 0.0], probe_share=1e-6, measure=False).decide(1, curve(CPU))
                    for _ in range(40))
+    silent = measured_gate([0.1, 0.01, 0.0, 0.0], probe_share=1e-6)  # rounds reported without tokens
+    for _ in range(40):
+        silent.observe_round(1, 0.010, silent.decide(1, curve(CPU)))
+    assert (silent.opened, silent.explored) == (0, {})  # nothing to measure with: no measuring run
