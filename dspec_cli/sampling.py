@@ -187,14 +187,9 @@ def _host_prefix(salt: int, seed: int) -> tuple[int, ...]:
 
 
 def _host_absorb(h: int, *words: int) -> int:
-    """h with each 32-bit word absorbed in turn: :func:`_absorb_spread` for python ints."""
+    """h with each 32-bit word absorbed in turn (python ints, the tensor path's functions)."""
     for w in words:
-        h = (h + w * _GOLDEN) & _M32
-        h ^= h >> 16
-        h = (h * 0x85EBCA6B) & _M32
-        h ^= h >> 13
-        h = (h * 0xC2B2AE35) & _M32
-        h ^= h >> 16
+        h = _absorb_spread(h, _mul32(w, _GOLDEN))
     return h
 
 
