@@ -161,12 +161,15 @@ def warm_up(engines, ids) -> None:
 
 
 def run_interleaved(engines, ids, repeats: int, conc: int, dset: str, progress) -> list[list[tuple[list, float]]]:
-    """Run every engine ``repeats`` times, round-robin (baseline, drafter 1, ..., baseline, ...),
-    so drifting machine load hits all alike. Returns per engine [(results, tokens/s)] by repeat;
-    each engine's ``stats`` hold its first repeat."""
+    """Run every engine ``repeats`` times, round-robin, so drifting machine load hits all alike;
+    repeat r starts at engine r mod n (baseline, drafter 1, ..., then drafter 1, ..., baseline, ...)
+    so no engine always runs right after the same one. Returns per engine [(results, tokens/s)]
+    by repeat; each engine's ``stats`` hold its first repeat."""
     timed: list[list[tuple[list, float]]] = [[] for _ in engines]
+    n = len(engines)
     for rep in range(repeats):
-        for i, (name, sname, eng) in enumerate(engines):
+        for i in [(rep + j) % n for j in range(n)]:
+            name, sname, eng = engines[i]
             label = name if sname in ("-", "fixed") else f"{name} · {sname}"
             label += f" · R={conc}" + (f" · {rep + 1}/{repeats}" if repeats > 1 else "")
             cb = progress(f"{dataset_name(dset)} · {label}", len(ids)) if progress else (lambda _res: None)
@@ -184,11 +187,15 @@ def run_interleaved(engines, ids, repeats: int, conc: int, dset: str, progress) 
 def run_metrics(reps: list[tuple[list, float]], baseline: list[tuple[list, float]], stats: RunStats,
                 block_size: int) -> dict:
     """Acceptance, speed and serving metrics of one engine's timed repeats (:func:`run_interleaved`)
-    against the plain-decoding baseline's; outputs and statistics come from the first repeat."""
+    against the plain-decoding baseline's; outputs and statistics come from the first repeat.
+
+    speedup is the median over repeats of tokens/s / the baseline's tokens/s of the same repeat
+    (paired: a slow phase of the machine that hits both cancels out)."""
     results = reps[0][0]
     tps_runs = [tps for _, tps in reps]
+    base_runs = [tps for _, tps in baseline]
     tps = statistics.median(tps_runs)
-    baseline_tps = statistics.median(tps for _, tps in baseline)
+    paired = [a / b for a, b in zip(tps_runs, base_runs) if b > 0]
     busy = stats.draft_seconds + stats.verify_seconds + stats.prefill_seconds + stats.other_seconds
     latency = [r.end_time - r.start_time for r in results if r.end_time > r.start_time]
     per_user = sum(len(r.output_ids) / t for r, t in zip(results, latency)) / len(latency) if latency else 0.0
@@ -203,13 +210,23 @@ def run_metrics(reps: list[tuple[list, float]], baseline: list[tuple[list, float
         "throughput_tokens_per_s": tps,
         "per_user_tokens_per_s": per_user,
         "mean_verify_budget": sum(budgets) / len(budgets) if budgets else 0.0,
-        "baseline_tokens_per_s": baseline_tps,
-        "baseline_tokens_per_s_runs": [tps for _, tps in baseline],
-        "speedup": tps / baseline_tps if baseline_tps else None,
+        "baseline_tokens_per_s": statistics.median(base_runs),
+        "baseline_tokens_per_s_runs": base_runs,
+        "speedup": statistics.median(paired) if paired else None,
+        "speedup_runs": paired,
         "drafted_round_share": stats.drafted_rounds / stats.rounds if stats.rounds else 0.0,
         "draft_time_share": stats.draft_seconds / busy if busy else 0.0,
         "verify_time_share": stats.verify_seconds / busy if busy else 0.0,
     }
+
+
+def format_speedup(run: dict) -> str:
+    """"1.03x", or with several repeats "1.03x (0.95–1.08)": the median and range of the paired ratios."""
+    if run.get("speedup") is None:
+        return "-"
+    text = f"{run['speedup']:.2f}x"
+    runs = run.get("speedup_runs") or []
+    return text + (f" ({min(runs):.2f}–{max(runs):.2f})" if len(runs) > 1 else "")
 
 
 def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | None = None) -> dict:

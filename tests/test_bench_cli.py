@@ -11,6 +11,8 @@ from tiny_models import run_cli as run
 from tiny_models import tiny_tokenizer
 from transformers import AutoModelForCausalLM, Qwen3Config
 
+from dspec_cli.engine import RequestResult, RunStats
+
 
 def test_bench_runs_and_writes_json(model_dir, tmp_path, capsys):
     report = tmp_path / "bench.json"
@@ -118,6 +120,7 @@ def test_bench_schedulers_under_concurrency(model_dir, tmp_path, capsys):
         assert r["throughput_tokens_per_s"] > 0 and r["per_user_tokens_per_s"] > 0
         assert 1 <= r["mean_verify_budget"] <= 4
         assert r["repeats"] == 2 and len(r["tokens_per_s_runs"]) == 2 and len(r["baseline_tokens_per_s_runs"]) == 2
+        assert len(r["speedup_runs"]) == 2 and min(r["speedup_runs"]) <= r["speedup"] <= max(r["speedup_runs"])
         assert 0 <= r["drafted_round_share"] <= 1
 
 
@@ -151,3 +154,36 @@ def test_hardware_scheduler_needs_cost_table(model_dir, capsys):
 def test_concurrency_zero(model_dir, capsys):
     _bad(["bench", "--target", str(model_dir), "--drafter", "prompt-lookup", "--concurrency", "0"], capsys,
          "--concurrency values must be >= 1")
+
+
+
+class _ClockEngine:
+    """A stand-in engine: each run emits 10 tokens and advances a fake clock by its cost
+    (3x during the machine's 'slow phase', the second repeat)."""
+
+    def __init__(self, name: str, cost: float, log: list, now: list):
+        self.name, self.cost, self.log, self.now = name, cost, log, now
+        self.stats = RunStats()
+
+    def generate(self, ids, on_finish=None):
+        self.log.append(self.name)
+        self.now[0] += self.cost * (3 if 4 <= len(self.log) <= 6 else 1)
+        return [RequestResult(0, [1], output_ids=[2] * 10)]
+
+
+def test_repeats_rotate_engine_order_and_speedup_is_paired(monkeypatch):
+    """Repeat r starts at engine r mod n, and speedup is the median of per-repeat ratios, so a
+    slow phase of the machine that hits one whole repeat does not move it."""
+    import dspec_cli.bench as bench
+
+    log, now = [], [0.0]
+    engines = [(n, "-", _ClockEngine(n, c, log, now)) for n, c in (("base", 1.0), ("a", 0.5), ("b", 2.0))]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
+    timed = bench.run_interleaved(engines, [[1]], 3, 1, "builtin", None)
+    assert log == ["base", "a", "b", "a", "b", "base", "b", "base", "a"]
+    a = bench.run_metrics(timed[1], timed[0], RunStats(), 3)
+    b = bench.run_metrics(timed[2], timed[0], RunStats(), 3)
+    assert a["speedup_runs"] == pytest.approx([2.0, 2.0, 2.0]) and a["speedup"] == pytest.approx(2.0)
+    assert b["speedup_runs"] == pytest.approx([0.5, 0.5, 0.5])
+    assert a["tokens_per_s_runs"] == pytest.approx([20.0, 20 / 3, 20.0])
+    assert bench.format_speedup(a) == "2.00x (2.00–2.00)"

@@ -14,6 +14,8 @@ import argparse
 import json
 from pathlib import Path
 
+from dspec_cli.bench import format_speedup
+
 
 def _f(x, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
@@ -29,7 +31,7 @@ def drafter_table(runs: list[dict]) -> str:
             "| cond. acceptance k=1..γ | draft time |\n|---|---|---|---|---|---|---|---|---|")
     rows = [
         f"| {r['dataset']} | {r['drafter']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
-        f"{_f(r['baseline_tokens_per_s'], '.1f')} | {_f(r['speedup'], '.2f')}x | {r['verified_per_committed']:.2f} | "
+        f"{_f(r['baseline_tokens_per_s'], '.1f')} | {format_speedup(r)} | {r['verified_per_committed']:.2f} | "
         f"{' '.join(_f(a, '.2f') for a in r['cond_accept'])} | {100 * r['draft_time_share']:.0f}% |"
         for r in runs
     ]
@@ -41,7 +43,7 @@ def load_table(runs: list[dict]) -> str:
             "| per-user tokens/s | mean budget | rounds drafted |\n|---|---|---|---|---|---|---|---|---|---|---|")
     rows = [
         f"| {r['dataset']} | {r['drafter']} | {r['scheduler']} | {r['concurrency']} | {r['tau']:.2f} | "
-        f"{r['throughput_tokens_per_s']:.1f} | {_f(r['baseline_tokens_per_s'], '.1f')} | {_f(r['speedup'], '.2f')}x | "
+        f"{r['throughput_tokens_per_s']:.1f} | {_f(r['baseline_tokens_per_s'], '.1f')} | {format_speedup(r)} | "
         f"{r['per_user_tokens_per_s']:.1f} | {r['mean_verify_budget']:.2f} | {_pct(r.get('drafted_round_share'))} |"
         for r in runs
     ]
