@@ -160,12 +160,12 @@ def warm_up(engines, ids) -> None:
         SpeculativeEngine(eng.target, eng.drafter, cfg, scheduler=eng.scheduler, stop_ids=eng.stop_ids).generate(ids)
 
 
-def run_interleaved(engines, ids, repeats: int, conc: int, dset: str, progress) -> list[list[tuple[list, float]]]:
+def run_interleaved(engines, ids, repeats: int, conc: int, dset: str, progress) -> list[list[tuple[list, float, RunStats]]]:
     """Run every engine ``repeats`` times, round-robin, so drifting machine load hits all alike;
     repeat r starts at engine r mod n (baseline, drafter 1, ..., then drafter 1, ..., baseline, ...)
-    so no engine always runs right after the same one. Returns per engine [(results, tokens/s)]
-    by repeat; each engine's ``stats`` hold its first repeat."""
-    timed: list[list[tuple[list, float]]] = [[] for _ in engines]
+    so no engine always runs right after the same one. Returns per engine [(results, tokens/s,
+    RunStats)] by repeat; each engine's ``stats`` hold its first repeat."""
+    timed: list[list[tuple[list, float, RunStats]]] = [[] for _ in engines]
     n = len(engines)
     for rep in range(repeats):
         for i in [(rep + j) % n for j in range(n)]:
@@ -178,13 +178,14 @@ def run_interleaved(engines, ids, repeats: int, conc: int, dset: str, progress) 
             t0 = time.perf_counter()
             results = eng.generate(ids, on_finish=cb)
             wall = time.perf_counter() - t0
+            run_stats = eng.stats
             if rep:
                 eng.stats = stats
-            timed[i].append((results, generated_tokens(results) / wall if wall > 0 else 0.0))
+            timed[i].append((results, generated_tokens(results) / wall if wall > 0 else 0.0, run_stats))
     return timed
 
 
-def run_metrics(reps: list[tuple[list, float]], baseline: list[tuple[list, float]], stats: RunStats,
+def run_metrics(reps: list[tuple[list, float, RunStats]], baseline: list[tuple[list, float, RunStats]], stats: RunStats,
                 block_size: int) -> dict:
     """Acceptance, speed and serving metrics of one engine's timed repeats (:func:`run_interleaved`)
     against the plain-decoding baseline's; outputs and statistics come from the first repeat.
@@ -192,8 +193,8 @@ def run_metrics(reps: list[tuple[list, float]], baseline: list[tuple[list, float
     speedup is the median over repeats of tokens/s / the baseline's tokens/s of the same repeat
     (paired: a slow phase of the machine that hits both cancels out)."""
     results = reps[0][0]
-    tps_runs = [tps for _, tps in reps]
-    base_runs = [tps for _, tps in baseline]
+    tps_runs = [tps for _, tps, _ in reps]
+    base_runs = [tps for _, tps, _ in baseline]
     tps = statistics.median(tps_runs)
     paired = [a / b for a, b in zip(tps_runs, base_runs) if b > 0]
     busy = stats.draft_seconds + stats.verify_seconds + stats.prefill_seconds + stats.other_seconds
@@ -215,6 +216,7 @@ def run_metrics(reps: list[tuple[list, float]], baseline: list[tuple[list, float
         "speedup": statistics.median(paired) if paired else None,
         "speedup_runs": paired,
         "drafted_round_share": stats.drafted_rounds / stats.rounds if stats.rounds else 0.0,
+        "drafted_round_share_runs": [s.drafted_rounds / s.rounds if s.rounds else 0.0 for _, _, s in reps],
         "draft_time_share": stats.draft_seconds / busy if busy else 0.0,
         "verify_time_share": stats.verify_seconds / busy if busy else 0.0,
     }

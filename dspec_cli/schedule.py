@@ -148,10 +148,12 @@ class DraftGate:
     rounds' time times ``probe_share`` reaches a plain round's time, so both rates stay
     current. Rates are averages (the first ``1/rate_smoothing`` rounds) then exponential
     moving averages of tokens and of seconds, drafted rounds without the drafter's catch-up
-    on skipped rounds (a cost of probing, not of drafting). Where the prediction keeps the gate
-    closed at an R for ``4 · min_rounds`` rounds before the drafted rate is usable, the gate
-    drafts ``min_rounds`` rounds in a row to measure it (probes alone would take hundreds of
-    rounds to get there).
+    on skipped rounds (a cost of probing, not of drafting). At an R without both rates,
+    measured verdicts at other R decide where they apply (:meth:`inferred`: losing at a lower R
+    means losing here, winning at a higher R means winning here). Where neither decides and
+    the prediction keeps the gate closed at an R for ``4 · min_rounds`` rounds before the
+    drafted rate is usable, the gate drafts ``min_rounds`` rounds in a row to measure it
+    (probes alone would take hundreds of rounds to get there).
     """
 
     def __init__(self, *, draft_seconds: float | None = None, probe_share: float = 0.02, smoothing: float = 0.25,
@@ -215,6 +217,16 @@ class DraftGate:
             return None
         return drafted.per_second > plain.per_second
 
+    def inferred(self, num_rows: int) -> bool | None:
+        """The verdict at an R without its own measured rates, from those at other R: drafting that
+        loses at a lower concurrency loses at a higher one, and drafting that wins at a higher
+        concurrency wins at a lower one (larger batches make verification dearer). None when no
+        measured R says so, or when measured R's contradict each other around ``num_rows``."""
+        verdicts = {r: self.measured(r) for r, drafted in self.rates if drafted}
+        loses = any(v is False and r <= num_rows for r, v in verdicts.items())
+        wins = any(v is True and r >= num_rows for r, v in verdicts.items())
+        return None if loses == wins else wins
+
     def _probe_cost(self, num_rows: int) -> float:
         """Expected extra seconds of a probe round over a plain one: measured at the nearest R
         with both kinds of rounds, never below the drafting time."""
@@ -253,9 +265,12 @@ class DraftGate:
 
     def decide(self, num_rows: int, sps: Callable[[], torch.Tensor]) -> bool:
         """Draft this round? Measured rates at this R when there are (:meth:`measured`), else
-        :meth:`_predict` on ``sps()``, the SPS curve (its verdict reused until R changes or a
-        drafted round brings new observations) or a measuring run of drafted rounds."""
+        what measured rates at other R imply (:meth:`inferred`), else :meth:`_predict` on
+        ``sps()``, the SPS curve (its verdict reused until R changes or a drafted round brings
+        new observations) or a measuring run of drafted rounds."""
         is_open = self.measured(num_rows)
+        if is_open is None:
+            is_open = self.inferred(num_rows)
         if is_open is None:
             if self._verdict is None or self._verdict[0] != num_rows:
                 self._verdict = (num_rows, self._predict(num_rows, sps()))

@@ -184,6 +184,6 @@ def test_repeats_rotate_engine_order_and_speedup_is_paired(monkeypatch):
     a = bench.run_metrics(timed[1], timed[0], RunStats(), 3)
     b = bench.run_metrics(timed[2], timed[0], RunStats(), 3)
     assert a["speedup_runs"] == pytest.approx([2.0, 2.0, 2.0]) and a["speedup"] == pytest.approx(2.0)
-    assert b["speedup_runs"] == pytest.approx([0.5, 0.5, 0.5])
+    assert b["speedup_runs"] == pytest.approx([0.5, 0.5, 0.5]) and len(b["drafted_round_share_runs"]) == 3
     assert a["tokens_per_s_runs"] == pytest.approx([20.0, 20 / 3, 20.0])
     assert bench.format_speedup(a) == "2.00x (2.00–2.00)"

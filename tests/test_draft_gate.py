@@ -430,3 +430,38 @@ def test_closed_gate_explores_to_measure():
     for _ in range(40):
         silent.observe_round(1, 0.010, silent.decide(1, curve(CPU)))
     assert (silent.opened, silent.explored) == (0, {})  # nothing to measure with: no measuring run
+
+
+def test_measured_verdicts_carry_to_unmeasured_concurrencies():
+    """Drafting measured to lose at R = 4 closes the gate at R = 16 and R = 64 without a
+    measuring run there, but says nothing about R = 1; drafting measured to win at R = 4 opens
+    it at R = 1 and R = 2 (where the prediction would close it) but not at R = 16. R's own
+    measurements still come first."""
+    sps = curve(CPU)
+
+    def measured_at(rows: int, drafted_tokens: int) -> DraftGate:
+        gate = measured_gate([0.1, 0.01, 0.0, 0.0], probe_share=1e-6)  # the prediction: closed
+        for _ in range(4):
+            gate.observe_round(rows, 0.010, True, tokens=drafted_tokens)
+        gate.observe_round(rows, 0.010, False, tokens=rows)
+        return gate
+
+    loses = measured_at(4, drafted_tokens=2)  # 2 tokens per drafted round against 4 plain
+    assert loses.measured(4) is False
+    assert (loses.inferred(16), loses.inferred(64), loses.inferred(1)) == (False, False, None)
+    for _ in range(40):  # no measuring run at R = 16
+        assert not loses.decide(16, sps)
+        loses.observe_round(16, 0.010, False, tokens=16)
+    assert loses.explored == {}
+    wins = measured_at(4, drafted_tokens=12)
+    assert (wins.inferred(1), wins.inferred(2), wins.inferred(16)) == (True, True, None)
+    assert not wins._predict(1, sps()) and wins.decide(1, sps)
+    for _ in range(4):  # R = 16's own rates: drafting wins there too
+        wins.observe_round(16, 0.010, True, tokens=40)
+    wins.observe_round(16, 0.010, False, tokens=16)
+    assert wins.measured(16) is True and wins.inferred(8) is True
+    both = measured_at(4, drafted_tokens=2)
+    for _ in range(4):
+        both.observe_round(16, 0.010, True, tokens=40)
+    both.observe_round(16, 0.010, False, tokens=16)
+    assert both.inferred(8) is None  # R = 4 loses, R = 16 wins: no monotone verdict in between

@@ -59,7 +59,7 @@ def bench_command(
     top_k: int = typer.Option(0, "--top-k"),
     block_size: int = typer.Option(7, "--block-size", help="γ: most draft tokens verified per round."),
     seed: int = typer.Option(0, "--seed"),
-    repeats: int = typer.Option(1, "--repeats", help="Timed runs per engine, interleaved with the baseline's; tokens/s is the median."),
+    repeats: int = typer.Option(1, "--repeats", help="Timed runs per engine, round-robin with the baseline; tokens/s is the median, speedup the median of per-repeat ratios."),
     concurrency: str = typer.Option("1", "--concurrency", help="Concurrent requests, e.g. 1,4,16."),
     scheduler: list[str] = typer.Option(["fixed"], "--scheduler", help="Verification-length scheduler (repeatable): NAME[,KEY=VALUE...], e.g. fixed, threshold,threshold=0.6, hardware, hardware,gate=false, async."),
     cost_table: Optional[Path] = typer.Option(None, "--cost-table", help="Cost table from `dspec profile-hardware --json` (hardware/async schedulers)."),
