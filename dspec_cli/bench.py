@@ -223,7 +223,8 @@ def run_metrics(reps: list[tuple[list, float, RunStats]], baseline: list[tuple[l
 
 
 def format_speedup(run: dict) -> str:
-    """"1.03x", or with several repeats "1.03x (0.95–1.08)": the median and range of the paired ratios."""
+    """The speedup cell: "1.03x", or with several repeats "1.03x (0.95–1.08)" (the median and the
+    range of the paired ratios)."""
     if run.get("speedup") is None:
         return "-"
     text = f"{run['speedup']:.2f}x"
