@@ -232,6 +232,12 @@ def format_speedup(run: dict) -> str:
     return text + (f" ({min(runs):.2f}–{max(runs):.2f})" if len(runs) > 1 else "")
 
 
+def drafted_share(run: dict) -> float | None:
+    """Share of rounds that drafted, over every repeat when the report lists them."""
+    runs = run.get("drafted_round_share_runs")
+    return sum(runs) / len(runs) if runs else run.get("drafted_round_share")
+
+
 def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | None = None) -> dict:
     """Run every (dataset, drafter, concurrency) and the plain-decoding baseline; return the JSON dict.
 

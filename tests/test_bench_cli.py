@@ -187,3 +187,10 @@ def test_repeats_rotate_engine_order_and_speedup_is_paired(monkeypatch):
     assert b["speedup_runs"] == pytest.approx([0.5, 0.5, 0.5]) and len(b["drafted_round_share_runs"]) == 3
     assert a["tokens_per_s_runs"] == pytest.approx([20.0, 20 / 3, 20.0])
     assert bench.format_speedup(a) == "2.00x (2.00–2.00)"
+
+
+def test_tables_show_the_drafted_share_of_every_repeat():
+    import dspec_cli.bench as bench
+
+    assert bench.drafted_share({"drafted_round_share": 0.0, "drafted_round_share_runs": [0.0, 0.3, 0.0]}) == pytest.approx(0.1)
+    assert bench.drafted_share({"drafted_round_share": 0.25}) == 0.25  # reports from before the field

@@ -5,7 +5,7 @@
 Default columns: dataset, drafter, τ, tokens/s, baseline, speedup, target tokens verified per
 committed token, conditional acceptance by position, draft time share. ``--load`` switches to
 the serving columns (scheduler, concurrency, aggregate and per-user tokens/s, budget, share of
-rounds that drafted).
+rounds that drafted, over all repeats).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from dspec_cli.bench import format_speedup
+from dspec_cli.bench import drafted_share, format_speedup
 
 
 def _f(x, fmt: str) -> str:
@@ -44,7 +44,7 @@ def load_table(runs: list[dict]) -> str:
     rows = [
         f"| {r['dataset']} | {r['drafter']} | {r['scheduler']} | {r['concurrency']} | {r['tau']:.2f} | "
         f"{r['throughput_tokens_per_s']:.1f} | {_f(r['baseline_tokens_per_s'], '.1f')} | {format_speedup(r)} | "
-        f"{r['per_user_tokens_per_s']:.1f} | {r['mean_verify_budget']:.2f} | {_pct(r.get('drafted_round_share'))} |"
+        f"{r['per_user_tokens_per_s']:.1f} | {r['mean_verify_budget']:.2f} | {_pct(drafted_share(r))} |"
         for r in runs
     ]
     return "\n".join([head, *rows])

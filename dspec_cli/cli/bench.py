@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from dspec_cli.bench import BenchOptions, format_speedup, run_bench
+from dspec_cli.bench import BenchOptions, drafted_share, format_speedup, run_bench
 from dspec_cli.cli import app
 from dspec_cli.cli.progress import CommandProgress
 from dspec_cli.errors import DspecError
@@ -41,7 +41,7 @@ def render_table(report: dict, console: Console) -> None:
             run["dataset"], run["drafter"], run["scheduler"], str(run["concurrency"]), _fmt(run["tau"]),
             _fmt(run["tokens_per_s"], ".1f"), _fmt(run["per_user_tokens_per_s"], ".1f"),
             _fmt(run["baseline_tokens_per_s"], ".1f"), format_speedup(run), _fmt(run["mean_verify_budget"]), cond,
-            _fmt(100 * run["draft_time_share"], ".0f"), _fmt(100 * run["drafted_round_share"], ".0f") + "%",
+            _fmt(100 * run["draft_time_share"], ".0f"), _fmt(100 * drafted_share(run), ".0f") + "%",
         )
     console.print(table)
 
