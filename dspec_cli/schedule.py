@@ -178,6 +178,7 @@ class DraftGate:
         self.times: dict[int, float] = {}  # R -> EMA of drafting seconds per round
         self.rounds: dict[tuple[int, bool], float] = {}  # (R, drafted) -> EMA of whole-round seconds
         self.rates: dict[tuple[int, bool], Rate] = {}  # (R, drafted) -> committed tokens and seconds
+        self.paired: dict[int, Rate] = {}  # R -> drafted rounds' tokens and plain-rate tokens in their time
         self.closed_at: dict[int, int] = {}  # R -> closed decisions (measured mode: when to explore)
         self.explored: dict[int, int] = {}  # R -> rounds drafted to measure the drafted rate
         self._verdict: tuple[int, bool] | None = None  # (R, prediction) until the next observation
@@ -206,16 +207,26 @@ class DraftGate:
         committed in it (all rows) and the ``catch_up`` seconds of the drafter's lag hand-over."""
         old = self.rounds.get((num_rows, drafted))
         self.rounds[num_rows, drafted] = seconds if old is None else old + self.smoothing * (seconds - old)
-        if tokens is not None and self.measure:
-            rate = self.rates.setdefault((num_rows, drafted), Rate())
-            rate.add(tokens, max(seconds - catch_up, 1e-9), self.rate_smoothing)
+        if tokens is None or not self.measure:
+            return
+        busy = max(seconds - catch_up, 1e-9)
+        plain = self.rates.get((num_rows, False))
+        if drafted and plain is not None:  # against what plain decoding commits in that time now
+            self.paired.setdefault(num_rows, Rate()).add(tokens, busy * plain.per_second, self.rate_smoothing)
+        self.rates.setdefault((num_rows, drafted), Rate()).add(tokens, busy, self.rate_smoothing)
+        first = self.rates.get((num_rows, True))
+        if not drafted and num_rows not in self.paired and first is not None:
+            # drafted rounds that ran before the first plain one: priced at this first plain rate
+            self.paired[num_rows] = first.scaled(self.rates[num_rows, False].per_second)
 
     def measured(self, num_rows: int) -> bool | None:
-        """Drafted rounds beat plain ones at R = ``num_rows`` by measured tokens/s (None: not yet measured)."""
-        drafted, plain = self.rates.get((num_rows, True)), self.rates.get((num_rows, False))
-        if drafted is None or plain is None or drafted.count < self.min_rounds:
+        """Drafted rounds beat plain ones at R = ``num_rows`` (None: not yet measured): the drafted
+        rounds' committed tokens against what plain decoding committed in the same seconds at its
+        rate when each drafted round ran, so a slowdown of the whole machine moves both sides."""
+        paired = self.paired.get(num_rows)
+        if paired is None or paired.count < self.min_rounds:
             return None
-        return drafted.per_second > plain.per_second
+        return paired.per_second > 1.0
 
     def inferred(self, num_rows: int) -> bool | None:
         """The verdict at an R without its own measured rates, from those at other R: drafting that
@@ -322,6 +333,12 @@ class Rate:
     @property
     def per_second(self) -> float:
         return self.tokens / self.seconds
+
+    def scaled(self, factor: float) -> Rate:
+        """The same rounds with their seconds multiplied by ``factor``."""
+        rate = Rate()
+        rate.count, rate.tokens, rate.seconds = self.count, self.tokens, self.seconds * factor
+        return rate
 
 
 def admit(rows: torch.Tensor, count: torch.Tensor, num_rows: int) -> torch.Tensor:

@@ -465,3 +465,20 @@ def test_measured_verdicts_carry_to_unmeasured_concurrencies():
         both.observe_round(16, 0.010, True, tokens=40)
     both.observe_round(16, 0.010, False, tokens=16)
     assert both.inferred(8) is None  # R = 4 loses, R = 16 wins: no monotone verdict in between
+
+
+def test_a_slowdown_of_the_whole_machine_does_not_open_the_gate():
+    """Drafted rounds were measured at 0.8x plain decoding while the machine was fast; then every
+    round takes twice as long. The plain rate falls at once, the drafted rate would only follow
+    at the next drafted rounds, but each drafted round was priced against the plain rate of its
+    own time: the gate stays closed."""
+    gate = measured_gate([0.1, 0.01, 0.0, 0.0], probe_share=1e-6)
+    gate.observe_round(4, 0.010, False, tokens=4)
+    for _ in range(4):  # 8 tokens per 25 ms against 4 per 10 ms: 0.8x
+        gate.observe_round(4, 0.025, True, tokens=8)
+    assert gate.measured(4) is False
+    for _ in range(200):  # the slow phase: plain rounds take 20 ms
+        assert not gate.decide(4, curve(CPU))
+        gate.observe_round(4, 0.020, False, tokens=4)
+    assert gate.rates[4, True].per_second > gate.rates[4, False].per_second  # unpaired rates would open it
+    assert gate.measured(4) is False
