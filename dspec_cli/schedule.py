@@ -143,8 +143,9 @@ class DraftGate:
 
     Measured rates (``measure=True``, the default; not with a fixed ``draft_seconds``): once
     ``min_rounds`` drafted rounds and a plain round at this R report their committed tokens,
-    the gate compares the measured tokens/s of drafted and plain rounds at R directly instead
-    of the prediction above, and while open it runs a plain *probe* round whenever the open
+    the gate compares drafted rounds' tokens with what plain decoding would have committed in
+    their seconds at the plain rate of their own time (:meth:`measured`) instead of the
+    prediction above, and while open it runs a plain *probe* round whenever the open
     rounds' time times ``probe_share`` reaches a plain round's time, so both rates stay
     current. Rates are averages (the first ``1/rate_smoothing`` rounds) then exponential
     moving averages of tokens and of seconds, drafted rounds without the drafter's catch-up
