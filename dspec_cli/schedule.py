@@ -227,14 +227,14 @@ class DraftGate:
         paired = self.paired.get(num_rows)
         if paired is None or paired.count < self.min_rounds:
             return None
-        return paired.per_second > 1.0
+        return paired.per_second > 1.0  # drafted tokens per plain-equivalent token
 
     def inferred(self, num_rows: int) -> bool | None:
         """The verdict at an R without its own measured rates, from those at other R: drafting that
         loses at a lower concurrency loses at a higher one, and drafting that wins at a higher
         concurrency wins at a lower one (larger batches make verification dearer). None when no
         measured R says so, or when measured R's contradict each other around ``num_rows``."""
-        verdicts = {r: self.measured(r) for r, drafted in self.rates if drafted}
+        verdicts = {r: self.measured(r) for r in self.paired}
         loses = any(v is False and r <= num_rows for r, v in verdicts.items())
         wins = any(v is True and r >= num_rows for r, v in verdicts.items())
         return None if loses == wins else wins
