@@ -21,6 +21,7 @@ from dspec_cli.data import BUILTIN, dataset_name, load_prompts
 from dspec_cli.drafter import Drafter
 from dspec_cli.engine import GenerationConfig, RunStats, SpeculativeEngine
 from dspec_cli.errors import DspecError
+from dspec_cli.hardware import device_name
 from dspec_cli.hub import resolve_checkpoint
 from dspec_cli.metrics import acceptance, generated_tokens
 from dspec_cli.target import Target
@@ -59,7 +60,7 @@ def environment(target: Target) -> dict:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "device": str(target.device),
-        "device_name": torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else platform.processor() or platform.machine(),
+        "device_name": device_name(target.device),
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "dtype": str(target.dtype).replace("torch.", ""),

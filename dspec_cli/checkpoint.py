@@ -27,6 +27,7 @@ import os
 import random
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -290,6 +291,7 @@ def validate_checkpoint(path: Path, target: str | None = None, device: str = "cp
     """Load the checkpoint in ``path`` against its target (``target``, else the one config.json
     names, else the embedded one) exactly as bench would; return its config."""
     from dspec_cli import plugins
+    from dspec_cli.hardware import SlowHalfPrecision
     from dspec_cli.recipes import EMBEDDED
     from dspec_cli.target import Target
 
@@ -302,7 +304,9 @@ def validate_checkpoint(path: Path, target: str | None = None, device: str = "cp
     cls = plugins.get_drafter_class(raw["drafter"])
     name = target or config_target(raw).get("name_or_path")
     try:
-        tgt = Target.load(None if name in (None, "", EMBEDDED) else name, dtype="bfloat16", device=device)
+        with warnings.catch_warnings():  # loaded to check shapes only: no matmul speed concern
+            warnings.simplefilter("ignore", SlowHalfPrecision)
+            tgt = Target.load(None if name in (None, "", EMBEDDED) else name, dtype="bfloat16", device=device)
     except DspecError as exc:
         raise DspecError(f"{exc} (pass --target to validate against another copy of the target)") from None
     cls.from_pretrained(path, tgt)

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from dspec_cli.errors import DspecError
+from dspec_cli.hardware import warn_if_slow_half
 from dspec_cli.target_cache import (
     PendingStep,
     TargetBatch,
@@ -115,6 +116,8 @@ class Target:
         torch_dtype = _parse_dtype(dtype)
         if torch_dtype == "auto" and torch.device(device).type == "cpu":
             torch_dtype = torch.float32  # CPUs: fp32 keeps verification numerically batch-invariant
+        if isinstance(torch_dtype, torch.dtype):
+            warn_if_slow_half(torch_dtype, device)
         try:
             model = AutoModelForCausalLM.from_pretrained(local, dtype=torch_dtype, attn_implementation="sdpa")
             tokenizer = AutoTokenizer.from_pretrained(local)

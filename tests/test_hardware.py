@@ -144,3 +144,38 @@ def test_profile_cli_bad_input(model_dir, capsys):
     _bad(base + ["--contexts", "8,abc"], capsys, "--contexts must be a comma-separated list")
     _bad(base + ["--repeats", "0"], capsys, "--repeats must be >= 1")
     _bad(base + ["--contexts", "4096", "--grid", "1"], capsys, "exceeds the model's context of 256")
+
+
+def test_slow_half_precision_warning(monkeypatch, model_dir):
+    """bf16 / fp16 on a CPU without native support warns once at load; native or GPU: silent."""
+    import dspec_cli.hardware as hw
+    from dspec_cli.target import Target
+
+    monkeypatch.setattr(hw, "cpu_native_half", lambda dtype: False)
+    with pytest.warns(hw.SlowHalfPrecision, match="bfloat16 on this CPU .*use --dtype float32"):
+        Target.load(str(model_dir), dtype="bfloat16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hw.SlowHalfPrecision)
+        Target.load(str(model_dir), dtype="float32")
+        assert not hw.warn_if_slow_half(torch.bfloat16, "cuda")
+        monkeypatch.setattr(hw, "cpu_native_half", lambda dtype: True)
+        assert not hw.warn_if_slow_half(torch.bfloat16, "cpu")
+
+
+def test_cpu_native_half_reads_cpu_flags():
+    """None for dtypes that are not half precision; a bool from the flags on x86 Linux."""
+    from dspec_cli.hardware import cpu_native_half
+
+    assert cpu_native_half(torch.float32) is None
+    assert cpu_native_half(torch.bfloat16) in (True, False, None)
+
+
+def test_cpu_device_name_is_the_cpu_model():
+    """A CPU cost table names the CPU model, so one from another CPU is flagged."""
+    from pathlib import Path
+
+    name = device_name("cpu")
+    cpuinfo = Path("/proc/cpuinfo")
+    models = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+              if line.startswith("model name")] if cpuinfo.exists() else []
+    assert name and (not models or name == models[0])

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from dspec_cli.hardware import device_name
 from dspec_cli.sampling import torch_exponential, torch_uniform
 from dspec_cli.verify import triton_available, verify_chain, verify_greedy
 
@@ -77,7 +78,7 @@ def _gib(R: int, gamma: int, V: int) -> float:
 
 
 def _env(device: torch.device) -> dict:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    name = device_name(device)
     triton_version = None
     if triton_available():
         import triton
