@@ -148,6 +148,7 @@ def write_model_card(out: Path, info: dict[str, Any]) -> None:
          f"global batch {info['global_batch']} |"),
         f"| optimizer | AdamW, lr {info['lr']:g}, {info['schedule']} schedule, warmup {info['warmup_ratio']:g} |",
         f"| world size | {info['world_size']} |",
+        *([f"| initialised from | `{info['init_from']}` (fine-tuned) |"] if info.get("init_from") else []),
         f"| final metrics | {metrics or '-'} |",
         "",
         "## Use",

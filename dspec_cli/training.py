@@ -30,6 +30,8 @@ import torch.distributed as dist
 
 from dspec_cli import plugins
 from dspec_cli.checkpoint import (
+    WEIGHTS_FILE,
+    check_checkpoint_config,
     capture_rng,
     latest_checkpoint,
     load_checkpoint,
@@ -62,6 +64,7 @@ class TrainOptions:
     stop_after: int | None = None  # stop (with a checkpoint) once this many steps are done
     json_log: str | Path | None = None  # default: OUT/train_log.jsonl
     feature_cache: str | Path | None = None
+    init_from: str | Path | None = None  # a drafter checkpoint to fine-tune (fresh optimizer and schedule)
 
 
 @dataclass
@@ -125,6 +128,10 @@ def _prepare(opts: TrainOptions) -> tuple[Recipe, type, Path, Path | None]:
         raise DspecError(f"--max-steps must be >= 1, got {opts.max_steps}")
     if opts.stop_after is not None and opts.stop_after < 1:
         raise DspecError(f"--stop-after must be >= 1, got {opts.stop_after}")
+    if opts.resume and opts.init_from is not None:
+        raise DspecError("--init-from starts a new run from a drafter's weights; --resume continues a run: use one")
+    if opts.init_from is not None and not Path(opts.init_from).is_dir():
+        raise DspecError(f"--init-from {opts.init_from}: no such checkpoint folder")
     if opts.resume and out is None:
         raise DspecError("--resume needs --output (the folder of the run to continue)")
     resume_from = latest_checkpoint(out) if opts.resume else None
@@ -282,6 +289,8 @@ class _Run:
                 f"recipe {self.recipe.source}: drafter.target_layer_ids {bad} are outside [-1, {target.num_layers}) "
                 f"for target {self.recipe.target.name!r}"
             )
+        if self.opts.init_from is not None:
+            _load_initial_weights(drafter, Path(self.opts.init_from), target)
         drafter.net.to(self.device).train()
         if not drafter.trainable_parameters():
             raise DspecError(f"drafter {self.cls.name!r} has no trainable parameters")
@@ -446,9 +455,34 @@ class _Run:
             "step": step, "total_steps": self.total, "epochs": step * r.train.global_batch / len(data),
             "global_batch": r.train.global_batch, "lr": r.train.lr, "schedule": r.train.schedule,
             "warmup_ratio": r.train.warmup_ratio, "world_size": self.rank.world,
+            "init_from": str(self.opts.init_from) if self.opts.init_from is not None else None,
             "metrics": {k: v for k, v in row.items() if k not in _CARD_SKIP},
             "recipe": r.to_dict(),
         }
+
+
+def _load_initial_weights(drafter, path: Path, target) -> None:
+    """Fine-tuning: copy a checkpoint's weights into the freshly built drafter. The checkpoint
+    must hold the same drafter for a target of the same sizes and tokenizer, and its tensors
+    must fit the recipe's architecture exactly."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    check_checkpoint_config(drafter.name, path, target)
+    try:
+        weights = load_file(str(path / WEIGHTS_FILE))
+    except (SafetensorError, OSError) as exc:
+        raise DspecError(f"--init-from {path}: cannot read {WEIGHTS_FILE} ({exc})") from None
+    own = drafter.net.state_dict()
+    missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
+    shapes = [k for k in set(own) & set(weights) if own[k].shape != weights[k].shape]
+    if missing or unexpected or shapes:
+        what = (f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}" if unexpected
+                else f"{shapes[0]} is {tuple(weights[shapes[0]].shape)}, the recipe builds {tuple(own[shapes[0]].shape)}")
+        raise DspecError(f"--init-from {path}: its weights do not fit the recipe's {drafter.name} drafter ({what})")
+    with torch.no_grad():
+        for k, v in own.items():
+            v.copy_(weights[k])
 
 
 def _sync_grads(params: list[torch.nn.Parameter], world: int) -> None:

@@ -471,3 +471,33 @@ def test_eagle3_reduced_vocabulary_trains_through_the_pipeline(tmp_path, tiny_di
 
     drafter = plugins.get_drafter_class("eagle3").from_pretrained(result.output, Target.load(str(tiny_dir)))
     assert drafter.net.draft_ids().numel() == 64
+
+
+def test_init_from_fine_tunes_a_checkpoint_and_refuses_misfits(setup):
+    """--init-from copies a drafter checkpoint's weights into a new run (lr 0 keeps them); another
+    drafter's or another architecture's checkpoint is a one-line error; it excludes --resume."""
+    tmp, recipe = setup
+    base = train(TrainOptions(recipe=recipe, output=tmp / "base"))
+    tuned = train(TrainOptions(recipe=recipe, output=tmp / "tuned", init_from=base.output,
+                               overrides=["train.lr=0.0", "train.max_steps=2"]))
+    assert tuned.finished and torch.equal(_weights(base.output)["weight"], _weights(tuned.output)["weight"])
+    assert f"initialised from | `{base.output}`" in (tmp / "tuned" / "README.md").read_text()
+    moved = train(TrainOptions(recipe=recipe, output=tmp / "moved", init_from=base.output,
+                               overrides=["train.max_steps=2"]))
+    assert not torch.equal(_weights(base.output)["weight"], _weights(moved.output)["weight"])
+    with pytest.raises(DspecError, match="use one"):
+        train(TrainOptions(recipe=recipe, output=tmp / "base", resume=True, init_from=base.output))
+    with pytest.raises(DspecError, match="no such checkpoint folder"):
+        train(TrainOptions(recipe=recipe, output=tmp / "x", init_from=tmp / "nowhere"))
+    config = base.output / "config.json"
+    raw = json.loads(config.read_text())
+    config.write_text(json.dumps({**raw, "drafter": "dflash"}))
+    with pytest.raises(DspecError, match="holds a 'dflash' drafter"):
+        train(TrainOptions(recipe=recipe, output=tmp / "y", init_from=base.output))
+    config.write_text(json.dumps(raw))
+    from safetensors.torch import save_file
+
+    save_file({"weight": torch.zeros(3, 3)}, str(base.output / "model.safetensors"))
+    with pytest.raises(DspecError, match=r"weights do not fit the recipe's .* \(weight is \(3, 3\)"):
+        train(TrainOptions(recipe=recipe, output=tmp / "z", init_from=base.output))
+    assert not (tmp / "z").exists() or not any((tmp / "z").iterdir())
