@@ -15,11 +15,14 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
 STAGES = ("corpus", "tokenizer", "target", "draft", "export")
+ASSET_NAMES = {"target": "tiny-target", "draft": "tiny-draft-model"}
 
 
 def _log(msg: str) -> None:
@@ -36,9 +39,15 @@ def stage_corpus(args) -> None:
 
 def stage_tokenizer(args) -> None:
     import bpe
+    from tokenizers import Tokenizer
     t = time.time()
-    tok = bpe.train_tokenizer(args.out / "corpus", args.out / "tokenizer.json")
-    _log(f"tokenizer trained in {time.time() - t:.0f}s")
+    if args.tokenizer:  # keep an existing vocabulary (a continued phase of shipped weights)
+        tok = Tokenizer.from_file(str(args.tokenizer))
+        tok.save(str(args.out / "tokenizer.json"))
+        _log(f"tokenizer: reusing {args.tokenizer}")
+    else:
+        tok = bpe.train_tokenizer(args.out / "corpus", args.out / "tokenizer.json")
+        _log(f"tokenizer trained in {time.time() - t:.0f}s")
     stats = bpe.encode_corpus(tok, args.out / "corpus", args.out / "data")
     _log("encoded: " + ", ".join(f"{k} {v['tokens']}" for k, v in stats.items()))
 
@@ -46,7 +55,11 @@ def stage_tokenizer(args) -> None:
 def stage_train(args, size: str, minutes: float, max_steps: int | None) -> None:
     import train
     init_from = None
-    if args.continue_training:
+    if args.init_from:
+        init_from = args.init_from / ASSET_NAMES[size]
+        if not (init_from / "train_state.json").exists():
+            raise SystemExit(f"error: --init-from needs {init_from / 'train_state.json'}")
+    elif args.continue_training:
         final = args.out / size / "final"
         if not final.exists():
             raise SystemExit(f"error: --continue needs {final}")
@@ -54,14 +67,26 @@ def stage_train(args, size: str, minutes: float, max_steps: int | None) -> None:
         final.rename(init_from)
     train.train(size=size, out_dir=args.out / size, data_dir=args.out / "data",
                 tokenizer_file=args.out / "tokenizer.json", minutes=minutes,
-                max_steps=max_steps, seed=args.seed, bf16=not args.fp32,
+                max_steps=max_steps, seed=args.seed, bf16=_use_bf16(args),
                 init_from=init_from)
+
+
+def _use_bf16(args) -> bool:
+    """bf16 autocast unless --fp32, or where the CPU has no native bf16 matmul (there the
+    fallback is two orders of magnitude slower than float32)."""
+    from dspec_cli.hardware import cpu_native_half
+    if args.fp32:
+        return False
+    if cpu_native_half(torch.bfloat16) is False:
+        _log("this CPU has no native bf16 matmul (avx512_bf16 / amx_bf16): training in float32")
+        return False
+    return True
 
 
 def stage_export(args) -> None:
     import export
     assets = args.assets
-    for size, name in (("target", "tiny-target"), ("draft", "tiny-draft-model")):
+    for size, name in ASSET_NAMES.items():
         if (args.out / size / "final").exists():
             export.export(size=size, run_dir=args.out / size, data_dir=args.out / "data",
                           tokenizer_file=args.out / "tokenizer.json", dest=assets / name,
@@ -82,13 +107,21 @@ def main(argv=None) -> None:
     p.add_argument("--assets", type=Path, default=REPO / "dspec_cli" / "assets",
                    help="export: folder that receives tiny-target/ and tiny-draft-model/")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--fp32", action="store_true", help="disable bf16 autocast")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="tokenizer stage: encode with this tokenizer.json instead of training one")
+    p.add_argument("--fp32", action="store_true",
+                   help="disable bf16 autocast (off anyway on CPUs without native bf16)")
     p.add_argument("--continue", dest="continue_training", action="store_true",
                    help="target/draft: continue from <out>/<size>/final for another budget")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="target/draft: continue from the exported weights in this assets folder "
+                        "(tiny-target/, tiny-draft-model/ with their train_state.json)")
     args = p.parse_args(argv)
     if args.minutes <= 0 or args.draft_minutes <= 0:
         raise SystemExit("error: --minutes and --draft-minutes must be > 0")
     args.out, args.assets = args.out.resolve(), args.assets.resolve()
+    if args.init_from:
+        args.init_from = args.init_from.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     _log(f"args: {json.dumps({k: str(v) for k, v in vars(args).items()})}")
     todo = STAGES if args.stage == "all" else (args.stage,)

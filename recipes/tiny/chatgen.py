@@ -72,16 +72,29 @@ class Pools:
     austen: list      # paragraphs
     kjv: list         # (chapter name, verses)
     fortunes: list
+    narrative: list   # short plain Austen sentences (math story padding)
 
     @classmethod
     def load(cls, stdlib: list) -> "Pools":
+        austen = [p for novel in sources.austen_novels() for ch in novel
+                  for p in ch.split("\n\n") if len(p) > 200]
         return cls(functions=sources.stdlib_functions(stdlib),
                    modules=sources.module_docstrings(stdlib), topics=sources.pydoc_topics(),
                    manual=sources.python_manual(), gnu=sources.gnu_standards(),
                    jargon=sources.jargon_entries(), debian_faq=sources.debian_faq(),
-                   austen=[p for novel in sources.austen_novels() for ch in novel
-                           for p in ch.split("\n\n") if len(p) > 200],
-                   kjv=sources.kjv_chapters(), fortunes=sources.fortunes())
+                   austen=austen, kjv=sources.kjv_chapters(), fortunes=sources.fortunes(),
+                   narrative=_plain_sentences(austen))
+
+
+def _plain_sentences(paragraphs: list[str]) -> list[str]:
+    """Sentences of 6-24 words without dialogue, semicolons or abbreviations, in source order."""
+    out = []
+    for para in paragraphs:
+        for sent in re.findall(r"[A-Z][^.!?]*[.]", " ".join(para.split())):
+            if (6 <= len(sent.split()) <= 24 and not re.search(r"[\"“”;:_()]", sent)
+                    and not re.search(r"\b(Mr|Mrs|Dr|St|Col)\.$", sent)):
+                out.append(sent)
+    return out
 
 
 # ---------------------------------------------------------------- math
@@ -92,9 +105,34 @@ _MATH_SUFFIX = [_BOXED] * 5 + ["", "", " Show your work.", " Explain your reason
                                 "\nSolve it step by step."]
 
 
+# Share of instructed problems told as a story: pronouns for the name, an unrelated sentence.
+STORY_SHARE = 0.5
+
+
+def _storify(q: str, rng: random.Random, pools: Pools) -> str:
+    """GSM8K-like surface: after its first mention the name becomes a pronoun, and a sentence
+    of unrelated narrative joins the question, so the instruction, not the wording, marks the
+    request as a math problem."""
+    name = next((w for w in re.findall(r"[A-Z][a-z]+", q) if w in mathgen.NAMES), None)
+    if name:
+        subj, poss = rng.choice([("she", "her"), ("he", "his"), ("she", "her"), ("he", "his")])
+        first = q.index(name) + len(name)
+
+        def pronoun(m: re.Match) -> str:
+            word = poss if m.group(1) else subj
+            starts = q[:first + m.start()].rstrip().endswith((".", "?", "!"))
+            return word.capitalize() if starts else word
+        q = q[:first] + re.sub(rf"\b{name}('s)?\b", pronoun, q[first:])
+    sentences = re.split(r"(?<=[.!?])\s+", q)
+    sentences.insert(rng.randrange(len(sentences)), rng.choice(pools.narrative))
+    return " ".join(sentences)
+
+
 def math_chat(rng: random.Random, pools: Pools) -> list[dict]:
     q, steps, ans = mathgen.problem(rng)
     suffix = rng.choice(_MATH_SUFFIX)
+    if suffix.strip() and rng.random() < STORY_SHARE:
+        q = _storify(q, rng, pools)
     intro = rng.choice(["", "", "Let's solve this step by step.\n", "Step by step:\n"])
     if "boxed" in suffix or rng.random() < 0.3:
         final = rng.choice([f"The answer is \\boxed{{{ans}}}.", f"So the final answer is \\boxed{{{ans}}}."])

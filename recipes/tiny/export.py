@@ -97,22 +97,26 @@ def _table(ev: dict) -> str:
 
 
 def _command(size: str, state: dict, phases: list[dict]) -> str:
-    """The build.py stage command that trained these weights (seed, budget, step limit)."""
+    """The build.py stage commands that trained these weights, one per phase (seed, budget,
+    step limit); later phases continue from the earlier weights."""
     minutes, steps = ("--minutes", "--max-steps") if size == "target" else ("--draft-minutes", "--draft-max-steps")
-    cmd = f"python recipes/tiny/build.py --stage {size} --seed {state['seed']}"
-    if "minutes" in state:
-        cmd += f" {minutes} {state['minutes']:g}"
-    if state.get("max_steps"):
-        cmd += f" {steps} {state['max_steps']}"
-    if len(phases) > 1:
-        cmd += f" (then --continue, {len(phases)} phases)"
-    return cmd
+    cmds = []
+    for i, phase in enumerate(phases):
+        cmd = f"python recipes/tiny/build.py --stage {size} --seed {state['seed']}"
+        if phase.get("minutes"):
+            cmd += f" {minutes} {phase['minutes']:g}"
+        if phase.get("max_steps"):
+            cmd += f" {steps} {phase['max_steps']}"
+        if phase.get("bf16") is False:
+            cmd += " --fp32"
+        cmds.append(cmd + (" --continue" if i else ""))
+    return "` then `".join(cmds)
 
 
 def _card(size: str, cfg, state: dict, ev: dict, samples: dict, n_params: int, size_mb: float,
           data_stats: dict) -> str:
     train_tokens = sum(v["tokens"] for k, v in data_stats.items() if k.endswith(".train"))
-    phases = state.get("phases", []) + [{k: state[k] for k in train.PHASE_KEYS}]
+    phases = state.get("phases", []) + [{k: state.get(k) for k in train.PHASE_KEYS}]
     total_tokens = sum(p["tokens"] for p in phases)
     shares = ", ".join(f"{k} {w:.2f}" for k, w in state["weights"].items())
     name = "tiny-target" if size == "target" else "tiny-draft-model"
@@ -144,7 +148,7 @@ def _card(size: str, cfg, state: dict, ev: dict, samples: dict, n_params: int, s
         f"so {total_tokens / train_tokens:.2f} epochs).",
         f"- {state.get('total_train_s', state['train_s']) / 60:.1f} min of training time; "
         f"measured wall time {state.get('total_wall_s', state['wall_s']) / 60:.1f} min including "
-        f"evaluation, on 2 CPU cores shared with other jobs (bf16 autocast: {state['bf16']}).",
+        f"evaluation, on 2 CPU cores shared with other jobs (bf16 autocast: {', then '.join(str(p.get('bf16')) for p in phases)}).",
         *[f"- Phase {i + 1}: {p['step']} steps, {p['tokens'] / 1e6:.2f}M tokens, "
           f"{p['train_s'] / 60:.1f} min training / {p['wall_s'] / 60:.1f} min wall, "
           f"{p['tok_per_s']} tokens/s, AdamW lr {p['hparams']['lr']:g} -> {p['hparams']['min_lr']:g}"
@@ -154,7 +158,7 @@ def _card(size: str, cfg, state: dict, ev: dict, samples: dict, n_params: int, s
         "ends first, clip 1.0. A continued phase "
         "(`build.py --continue`) restarts the schedule from the previous weights.",
         f"- Sampling shares (domain.kind): {shares}. `chat` streams are synthetic ChatML "
-        "conversations: math word problems with step-by-step answers, Python functions from "
+        "conversations: math word problems with step-by-step answers (half of the instructed ones told as a story: pronouns, an unrelated Austen sentence), Python functions from "
         "their signature/docstring, documentation Q&A, story continuations, Bible and fortune "
         "requests.", "",
         "## Validation (held-out every 50th 32 KB chunk, exported bf16 weights)", "",
@@ -193,6 +197,7 @@ def export(size: str, run_dir: Path, data_dir: Path, tokenizer_file: Path, dest:
     shutil.rmtree(dest, ignore_errors=True)
     model.to(torch.bfloat16).save_pretrained(dest)
     tok.save_pretrained(dest)
+    (dest / "train_state.json").write_text(json.dumps(state, indent=1))  # provenance; --init-from
     # Reload exactly what ships and measure it.
     model = AutoModelForCausalLM.from_pretrained(dest)
     tok = AutoTokenizer.from_pretrained(dest)

@@ -23,7 +23,7 @@ HPARAMS = {  # batch x seq = 4096 tokens/step for both sizes
     "draft": dict(lr=3e-3, min_lr=3e-4, warmup=50, batch=8, seq=512),
 }
 CONTINUE_LR_FACTOR = 0.5  # a continued phase re-warms to half the peak learning rate
-PHASE_KEYS = ("step", "tokens", "train_s", "wall_s", "tok_per_s", "hparams")
+PHASE_KEYS = ("step", "tokens", "train_s", "wall_s", "tok_per_s", "hparams", "minutes", "max_steps", "bf16")
 EVAL_WINDOWS = 12
 EVAL_EVERY_MIN = 2.5
 CKPT_AT_MIN = (5, 15)
@@ -139,7 +139,7 @@ def train(size: str, out_dir: Path, data_dir: Path, tokenizer_file: Path, minute
     else:
         model = Qwen3ForCausalLM.from_pretrained(init_from, dtype=torch.float32)
         prev = json.loads((init_from / "train_state.json").read_text())
-        phases = prev.get("phases", []) + [{k: prev[k] for k in PHASE_KEYS}]
+        phases = prev.get("phases", []) + [{k: prev.get(k) for k in PHASE_KEYS}]
         hp = dict(hp, lr=hp["lr"] * CONTINUE_LR_FACTOR, min_lr=hp["min_lr"] * CONTINUE_LR_FACTOR)
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for p in model.parameters() if p.dim() >= 2]
