@@ -162,20 +162,32 @@ def test_slow_half_precision_warning(monkeypatch, model_dir):
         assert not hw.warn_if_slow_half(torch.bfloat16, "cpu")
 
 
-def test_cpu_native_half_reads_cpu_flags():
-    """None for dtypes that are not half precision; a bool from the flags on x86 Linux."""
-    from dspec_cli.hardware import cpu_native_half
+def test_cpu_native_half_reads_cpu_flags(monkeypatch):
+    """x86 Linux: True / False from the cpuinfo flags; None for other dtypes, machines or no cpuinfo."""
+    import dspec_cli.hardware as hw
 
-    assert cpu_native_half(torch.float32) is None
-    assert cpu_native_half(torch.bfloat16) in (True, False, None)
+    monkeypatch.setattr(hw.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(hw, "_cpuinfo", lambda: ["flags\t\t: fpu avx2 avx512f avx512_bf16"])
+    assert hw.cpu_native_half(torch.bfloat16) is True and hw.cpu_native_half(torch.float16) is False
+    assert hw.cpu_native_half(torch.float32) is None
+    monkeypatch.setattr(hw, "_cpuinfo", lambda: ["flags\t\t: fpu avx2"])
+    assert hw.cpu_native_half(torch.bfloat16) is False
+    monkeypatch.setattr(hw, "_cpuinfo", lambda: [])
+    assert hw.cpu_native_half(torch.bfloat16) is None
+    monkeypatch.setattr(hw, "_cpuinfo", lambda: ["flags\t\t: fpu avx2 avx512_bf16"])
+    monkeypatch.setattr(hw.platform, "machine", lambda: "aarch64")
+    assert hw.cpu_native_half(torch.bfloat16) is None
 
 
-def test_cpu_device_name_is_the_cpu_model():
+def test_cpu_device_name_is_the_cpu_model(monkeypatch):
     """A CPU cost table names the CPU model, so one from another CPU is flagged."""
-    from pathlib import Path
+    import dspec_cli.hardware as hw
 
-    name = device_name("cpu")
-    cpuinfo = Path("/proc/cpuinfo")
-    models = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-              if line.startswith("model name")] if cpuinfo.exists() else []
-    assert name and (not models or name == models[0])
+    monkeypatch.setattr(hw, "_cpuinfo", lambda: ["processor\t: 0", "model name\t: AMD EPYC 9B14", "flags\t: avx2"])
+    assert device_name("cpu") == "AMD EPYC 9B14"
+    monkeypatch.setattr(hw, "_cpuinfo", lambda: [])
+    assert device_name("cpu") == (hw.platform.processor() or hw.platform.machine())
+    table = make_table({128: [1.0] * 4}, device_name="Intel Xeon")
+    monkeypatch.setattr(hw, "_cpuinfo", lambda: ["model name\t: AMD EPYC 9B14"])
+    with pytest.warns(CostTableMismatch, match="profiled on 'Intel Xeon', this run uses 'AMD EPYC 9B14'"):
+        table.check(device="cpu")
