@@ -193,7 +193,7 @@ def test_lag_flush_equals_eager_updates(target, name):
                 lag.skip(*c)
             lag.keep(drafter, state, [0, 2])
             lag.skip(*after)
-            assert (lag.admitted, len(lag.pending), len(lag.backlog)) == (1, 1, 2)  # merged by keep, then one more
+            assert (lag.admitted, len(lag.pending), len(lag.backlog)) == (1, 1, 3)  # row 1's entries stay until the flush
             lag.flush(drafter, state)
             assert (lag.admitted, lag.pending, lag.backlog) == (2, [], [])
         else:
@@ -229,9 +229,20 @@ def test_lag_orders_tokens_per_row():
     assert seen == [("add", [[7, 7]]), ("advance", [10, 11, 12, 20, 21, 30], [3, 2, 1], [10.0, 11.0, 12.0, 20.0, 21.0, 30.0])]
     seen.clear()
     lag.skip(torch.tensor([13, 22, 31]), torch.tensor([1, 1, 1]), torch.tensor([[13.0], [22.0], [31.0]]))
-    lag.keep(Recorder(), None, [0, 2])  # row 1 leaves: the drafter drops it, the backlog too
+    lag.keep(Recorder(), None, [0, 2])  # row 1 leaves: the drafter drops it, the flush its entries
+    assert len(lag.backlog) == 1  # no copy: 1 dead entry, 2 live
     lag.flush(Recorder(), None)
     assert seen == [("remove", [0, 2]), ("advance", [13, 31], [1, 1], [13.0, 31.0])]
+    seen.clear()
+    lag.skip(torch.tensor([14, 32]), torch.tensor([1, 1]), torch.tensor([[14.0], [32.0]]))
+    lag.admit([torch.tensor([8])], [torch.zeros(1, 1)])  # row 2 (pending) joins
+    lag.skip(torch.tensor([15, 33, 40]), torch.tensor([1, 1, 1]), torch.tensor([[15.0], [33.0], [40.0]]))
+    lag.keep(Recorder(), None, [1, 2])  # row 0 leaves with 2 entries against 3 live: kept
+    assert len(lag.backlog) == 2
+    lag.keep(Recorder(), None, [0])  # the pending row leaves with 1 more: 3 dead > 2 live, compacted
+    assert len(lag.backlog) == 1 and lag.backlog[0][1].tolist() == [32, 33]
+    lag.flush(Recorder(), None)
+    assert seen == [("remove", [1]), ("advance", [32, 33], [2], [32.0, 33.0])]
 
 
 # --------------------------------------------------------------------------------------
