@@ -23,7 +23,7 @@ from dspec_cli.engine import GenerationConfig, RunStats, SpeculativeEngine
 from dspec_cli.errors import DspecError
 from dspec_cli.hardware import device_name
 from dspec_cli.hub import resolve_checkpoint
-from dspec_cli.metrics import acceptance, generated_tokens
+from dspec_cli.metrics import acceptance, generated_tokens, ratio_interval
 from dspec_cli.target import Target
 
 
@@ -216,11 +216,22 @@ def run_metrics(reps: list[tuple[list, float, RunStats]], baseline: list[tuple[l
         "baseline_tokens_per_s_runs": base_runs,
         "speedup": statistics.median(paired) if paired else None,
         "speedup_runs": paired,
+        **_interval(paired),
         "drafted_round_share": stats.drafted_rounds / stats.rounds if stats.rounds else 0.0,
         "drafted_round_share_runs": [s.drafted_rounds / s.rounds if s.rounds else 0.0 for _, _, s in reps],
         "draft_time_share": stats.draft_seconds / busy if busy else 0.0,
         "verify_time_share": stats.verify_seconds / busy if busy else 0.0,
     }
+
+
+def _interval(paired: list[float]) -> dict:
+    """speedup_geomean and speedup_ci95 ([low, high], 95 % t-interval) of the paired ratios
+    (two repeats or more): what a comparison on this machine can resolve."""
+    interval = ratio_interval(paired)
+    if interval is None:
+        return {}
+    mean, low, high = interval
+    return {"speedup_geomean": mean, "speedup_ci95": [low, high]}
 
 
 def format_speedup(run: dict) -> str:

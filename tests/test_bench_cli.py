@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import statistics
 
 import pytest
 import torch
@@ -187,6 +189,18 @@ def test_repeats_rotate_engine_order_and_speedup_is_paired(monkeypatch):
     assert b["speedup_runs"] == pytest.approx([0.5, 0.5, 0.5]) and len(b["drafted_round_share_runs"]) == 3
     assert a["tokens_per_s_runs"] == pytest.approx([20.0, 20 / 3, 20.0])
     assert bench.format_speedup(a) == "2.00x (2.00–2.00)"
+    assert a["speedup_geomean"] == pytest.approx(2.0) and a["speedup_ci95"] == pytest.approx([2.0, 2.0])
+    assert "speedup_ci95" not in bench.run_metrics(timed[1][:1], timed[0][:1], RunStats(), 3)
+
+
+def test_ratio_interval_is_a_t_interval_on_log_ratios():
+    from dspec_cli.metrics import ratio_interval, t975
+
+    mean, low, high = ratio_interval([math.exp(0.1), math.exp(-0.1)] * 2)
+    half = 3.182 * statistics.stdev([0.1, -0.1] * 2) / 2  # t_0.975 with 3 degrees of freedom
+    assert (mean, low, high) == pytest.approx((1.0, math.exp(-half), math.exp(half)))
+    assert ratio_interval([1.3]) is None
+    assert t975(100) == pytest.approx(1.984, abs=1e-3) and t975(30) == 2.042
 
 
 def test_tables_show_the_drafted_share_of_every_repeat():
