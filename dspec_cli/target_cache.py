@@ -1,6 +1,7 @@
 """Slot bookkeeping of a batch KV cache: validity, logical positions, holes, compaction.
 
-The cache is one ``DynamicCache`` whose layers hold keys/values ``[R, H, S, D]`` over S *slots*.
+The cache is one ``DynamicCache`` whose layers (:class:`SlackLayer`: new slots are written into
+spare capacity, not concatenated) hold keys/values ``[R, H, S, D]`` over S *slots*.
 Each verify step writes the new tokens of every row at the same slot range (right-padded per
 row); the slots of rejected drafts and of padding stay in place as *holes*, hidden from
 attention by a per-row validity mask. Each slot also remembers the logical (RoPE) position
@@ -16,8 +17,9 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
-__all__ = ["PendingStep", "TargetBatch", "ancestor_visibility", "attention_layout", "causal_visibility"]
+__all__ = ["PendingStep", "SlackLayer", "TargetBatch", "ancestor_visibility", "attention_layout", "causal_visibility"]
 
 
 @dataclass
@@ -59,6 +61,7 @@ class TargetBatch:
 
     def _reset(self, rows: int) -> None:
         self.cache = DynamicCache()
+        self.cache.layer_class_to_replicate = SlackLayer  # layers are made on first use
         self.valid = torch.zeros(rows, 0, dtype=torch.bool, device=self.device)  # [R, S]
         self.pos = torch.zeros(rows, 0, dtype=torch.long, device=self.device)  # [R, S]
         self.committed = torch.zeros(rows, dtype=torch.long, device=self.device)  # [R]
@@ -229,6 +232,52 @@ class TargetBatch:
         self.pos = self.pos.gather(1, order)
         self.valid = torch.arange(width, device=self.device)[None, :] < self.committed[:, None]
         self.num_compactions += 1
+
+
+class SlackLayer(DynamicLayer):
+    """A ``DynamicLayer`` that appends new slots into spare capacity instead of concatenating the
+    whole cache on every forward: a step copies its own q slots, not S + q. ``keys`` / ``values``
+    stay plain attributes (leading slices of a buffer with spare slots); whatever assigns them
+    (the batch's compaction, row selection, trimming) works as with ``DynamicLayer``, and an
+    assignment that is not a leading slice of the buffer retires it. When full, the buffer grows
+    by an eighth of its slots (at least 64). Tensors under 256 KB (R = 1 at short contexts) are
+    concatenated as before: as cheap there, and K/V stay contiguous."""
+
+    GROWTH = 0.125  # spare slots added when full, as a share of the slots in use (at least MIN_SPARE)
+    MIN_SPARE = 64
+    SMALL = 1 << 18  # bytes: below this a concatenation costs no more than a write into spare slots
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self._buffers: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        self.keys, kbuf = self._append(self.keys, self._buffers[0], key_states)
+        self.values, vbuf = self._append(self.values, self._buffers[1], value_states)
+        self._buffers = (kbuf, vbuf)
+        return self.keys, self.values
+
+    def _append(self, cur: torch.Tensor, buf: torch.Tensor | None, new: torch.Tensor):
+        """cur [R, H, n, D] (or empty) followed by new [R, H, q, D], and the buffer holding it."""
+        n, q = (cur.shape[2] if cur.dim() == 4 else 0), new.shape[2]
+        if buf is not None and n + q <= buf.shape[2] and _leading_slice(cur, buf):
+            buf.narrow(2, n, q).copy_(new)
+            return buf.narrow(2, 0, n + q), buf
+        if new[:, :, :1].nbytes * (n + q) < self.SMALL:
+            return torch.cat([cur, new], dim=2), None
+        grown = new.new_empty(new.shape[0], new.shape[1], n + q + max(int(self.GROWTH * (n + q)), self.MIN_SPARE),
+                              new.shape[3])  # fmt: skip
+        if n:
+            grown.narrow(2, 0, n).copy_(cur)
+        grown.narrow(2, n, q).copy_(new)
+        return grown.narrow(2, 0, n + q), grown
+
+
+def _leading_slice(value: torch.Tensor, buf: torch.Tensor) -> bool:
+    """``value`` is ``buf[:, :, :k]`` for some k (same storage start, strides and other dims)."""
+    return (
+        value.dim() == 4 and value.data_ptr() == buf.data_ptr() and value.stride() == buf.stride()
+        and value.shape[:2] == buf.shape[:2] and value.shape[3] == buf.shape[3]
+    )  # fmt: skip
 
 
 def _pad_slots(x: torch.Tensor, width: int, dim: int) -> torch.Tensor:

@@ -19,6 +19,15 @@ def target(request) -> Target:
     return tiny_target(request.param)
 
 
+@pytest.fixture(params=["concat", "slack"])
+def kv_append(request, monkeypatch):
+    """Both ways a cache layer appends (tiny models are all under the concatenation threshold)."""
+    from dspec_cli.target_cache import SlackLayer
+
+    monkeypatch.setattr(SlackLayer, "SMALL", 1 << 62 if request.param == "concat" else 0)
+    return request.param
+
+
 class Session:
     """A batch plus the reference token sequence (committed tokens) of every row."""
 
@@ -131,7 +140,7 @@ class Session:
         assert self.batch.valid.sum(1).tolist() == [len(s) for s in self.seqs]
 
 
-def test_ragged_chains_match_full_forward(target):
+def test_ragged_chains_match_full_forward(target, kv_append):
     s = Session(target, seed=1, compact_fraction=1.0)
     s.prefill([5, 11, 3])
     for _ in range(5):
@@ -140,7 +149,7 @@ def test_ragged_chains_match_full_forward(target):
     assert s.batch.holes > 0 and s.batch.num_compactions == 0
 
 
-def test_trees_then_chains_match_full_forward(target):
+def test_trees_then_chains_match_full_forward(target, kv_append):
     s = Session(target, seed=2, compact_fraction=1.0)
     s.prefill([4, 9, 6])
     s.tree_round()
@@ -150,7 +159,7 @@ def test_trees_then_chains_match_full_forward(target):
     s.assert_committed()
 
 
-def test_compaction_and_continuous_batching(target):
+def test_compaction_and_continuous_batching(target, kv_append):
     s = Session(target, seed=3, compact_fraction=0.1)
     s.prefill([7, 2, 10])
     s.chain_round()
@@ -205,7 +214,7 @@ def test_prefill_groups_and_duplicates(target, monkeypatch):
 
 
 @pytest.mark.parametrize("lens", [[5], [5, 11, 3]])
-def test_append_and_single_row_steps_match_full_forward(target, lens):
+def test_append_and_single_row_steps_match_full_forward(target, lens, kv_append):
     """append (a drafter's own model), chains and rollbacks; one row takes the mask-free dense path."""
     s = Session(target, seed=6)
     s.prefill(lens)
@@ -226,6 +235,38 @@ def test_max_slots_bound_compacts():
         s.chain_round()
     assert s.batch.num_compactions > 0
     s.assert_committed()
+
+
+def test_slack_layer_appends_in_place_and_keeps_dynamic_semantics(monkeypatch):
+    """Appending writes into spare slots (no copy of the cache while it fits); reads equal what
+    concatenation gives; trimming shortens in place; assigning a new tensor replaces the buffer;
+    small tensors are concatenated."""
+    from dspec_cli.target_cache import SlackLayer
+
+    small = SlackLayer()
+    small.update(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4))
+    keys, _ = small.update(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
+    assert keys.shape == (1, 2, 4, 4) and keys.is_contiguous()  # 64 bytes per slot: under SMALL
+    monkeypatch.setattr(SlackLayer, "SMALL", 0)
+    layer, ref = SlackLayer(), torch.zeros(2, 3, 0, 4)
+    g = torch.Generator().manual_seed(0)
+    ptrs = set()
+    for q in (5, 1, 1, 7, 1):
+        k = torch.randn(2, 3, q, 4, generator=g)
+        keys, values = layer.update(k, -k)
+        ref = torch.cat([ref, k], dim=2)
+        assert torch.equal(keys, ref) and torch.equal(values, -ref) and torch.equal(layer.keys, ref)
+        ptrs.add(layer.keys.data_ptr())
+    assert len(ptrs) == 1 and layer.get_seq_length() == 15  # one buffer (5 + 64 spare slots)
+    layer.keys, layer.values = layer.keys[:, :, :9], layer.values[:, :, :9]  # a trim: same buffer
+    assert layer.keys.shape[2] == 9 and layer.keys.data_ptr() in ptrs
+    layer.update(torch.ones(2, 3, 1, 4), torch.ones(2, 3, 1, 4))
+    assert torch.equal(layer.keys[:, :, :9], ref[:, :, :9]) and torch.equal(layer.keys[:, :, 9], torch.ones(2, 3, 4))
+    layer.keys = layer.keys.index_select(0, torch.tensor([1]))  # row selection: a new buffer
+    assert layer.keys.shape == (1, 3, 10, 4) and layer.keys.data_ptr() not in ptrs
+    layer.values = layer.values.index_select(0, torch.tensor([1]))
+    keys, _ = layer.update(torch.zeros(1, 3, 2, 4), torch.zeros(1, 3, 2, 4))  # grows by copying once
+    assert torch.equal(keys[:, :, :9], ref[1:, :, :9]) and keys.shape[2] == 12
 
 
 def test_eager_attention_matches_full_forward():
@@ -318,3 +359,24 @@ def test_load_local_and_default(tmp_path, monkeypatch):
         Target.load(str(tmp_path / "nope"))
     with pytest.raises(DspecError, match="dtype"):
         Target.load(str(tmp_path / "m"), dtype="float33")
+
+
+def test_kv_cache_benchmark_runs_both_layer_kinds():
+    """The micro-benchmark's report, and that it leaves SlackLayer in place afterwards."""
+    from dspec_cli import target_cache
+    from dspec_cli.benchmarks import kv_cache
+
+    layers = []
+    real = kv_cache.decode_seconds
+
+    def spy(target, ids, steps, layer):
+        layers.append(layer)
+        return real(target, ids, steps, layer)
+
+    kv_cache.decode_seconds = spy
+    try:
+        runs = kv_cache.measure(tiny_target("qwen3"), kv_cache.BUILTIN, [1, 3], steps=2, repeats=2)
+    finally:
+        kv_cache.decode_seconds = real
+    assert [r["rows"] for r in runs] == [1, 3] and all(r["speedup"] > 0 and len(r["speedup_runs"]) == 2 for r in runs)
+    assert set(layers) == set(kv_cache.KINDS.values()) and target_cache.SlackLayer is kv_cache.KINDS["slack"]
