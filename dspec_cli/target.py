@@ -187,13 +187,16 @@ class Target:
     # -- batch API -------------------------------------------------------------------------------
 
     def new_batch(
-        self, layer_ids: Sequence[int] = (), *, compact_fraction: float = 0.25, max_slots: int | None = None
+        self, layer_ids: Sequence[int] = (), *, compact_fraction: float = 0.25, max_slots: int | None = None,
+        kv_layer: type | None = None,
     ) -> TargetBatch:
-        """An empty batch tapping the raw outputs of ``layer_ids`` (-1 = embedding output)."""
+        """An empty batch tapping the raw outputs of ``layer_ids`` (-1 = embedding output);
+        ``kv_layer``: its cache layer class (default ``SlackLayer``)."""
         bad = [i for i in layer_ids if not -1 <= int(i) < self.num_layers]
         if bad:
             raise ValueError(f"layer_ids must be in [-1, {self.num_layers}), got {bad}")
-        return TargetBatch(layer_ids, self.device, compact_fraction=compact_fraction, max_slots=max_slots)
+        return TargetBatch(layer_ids, self.device, compact_fraction=compact_fraction, max_slots=max_slots,
+                           kv_layer=kv_layer)
 
     @torch.no_grad()
     def prefill(self, batch: TargetBatch, prompts: Sequence[Sequence[int]]) -> StepOutput:

@@ -46,6 +46,7 @@ class TargetBatch:
         device: torch.device,
         compact_fraction: float = 0.25,
         max_slots: int | None = None,
+        kv_layer: type | None = None,
     ):
         if not 0.0 <= compact_fraction <= 1.0:
             raise ValueError(f"compact_fraction must be in [0, 1], got {compact_fraction}")
@@ -55,13 +56,14 @@ class TargetBatch:
         self.device = torch.device(device)
         self.compact_fraction = compact_fraction
         self.max_slots = max_slots
+        self.kv_layer = kv_layer or SlackLayer  # cache layer class (DynamicLayer: transformers' own)
         self.pending: PendingStep | None = None
         self.num_compactions = 0
         self._reset(0)
 
     def _reset(self, rows: int) -> None:
         self.cache = DynamicCache()
-        self.cache.layer_class_to_replicate = SlackLayer  # layers are made on first use
+        self.cache.layer_class_to_replicate = self.kv_layer  # layers are made on first use
         self.valid = torch.zeros(rows, 0, dtype=torch.bool, device=self.device)  # [R, S]
         self.pos = torch.zeros(rows, 0, dtype=torch.long, device=self.device)  # [R, S]
         self.committed = torch.zeros(rows, dtype=torch.long, device=self.device)  # [R]
@@ -82,7 +84,7 @@ class TargetBatch:
 
     def empty_like(self, rows: int) -> TargetBatch:
         """A batch with this one's settings, ``rows`` rows and no slots (for prefill)."""
-        fresh = TargetBatch(self.layer_ids, self.device, self.compact_fraction, self.max_slots)
+        fresh = TargetBatch(self.layer_ids, self.device, self.compact_fraction, self.max_slots, self.kv_layer)
         fresh._reset(rows)
         return fresh
 
@@ -262,7 +264,7 @@ class SlackLayer(DynamicLayer):
         if buf is not None and n + q <= buf.shape[2] and _leading_slice(cur, buf):
             buf.narrow(2, n, q).copy_(new)
             return buf.narrow(2, 0, n + q), buf
-        if new[:, :, :1].nbytes * (n + q) < self.SMALL:
+        if new.nbytes // q * (n + q) < self.SMALL:
             return torch.cat([cur, new], dim=2), None
         grown = new.new_empty(new.shape[0], new.shape[1], n + q + max(int(self.GROWTH * (n + q)), self.MIN_SPARE),
                               new.shape[3])  # fmt: skip

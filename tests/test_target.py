@@ -362,8 +362,7 @@ def test_load_local_and_default(tmp_path, monkeypatch):
 
 
 def test_kv_cache_benchmark_runs_both_layer_kinds():
-    """The micro-benchmark's report, and that it leaves SlackLayer in place afterwards."""
-    from dspec_cli import target_cache
+    """The micro-benchmark times both layer kinds, and batches are made of the kind asked for."""
     from dspec_cli.benchmarks import kv_cache
 
     layers = []
@@ -379,4 +378,9 @@ def test_kv_cache_benchmark_runs_both_layer_kinds():
     finally:
         kv_cache.decode_seconds = real
     assert [r["rows"] for r in runs] == [1, 3] and all(r["speedup"] > 0 and len(r["speedup_runs"]) == 2 for r in runs)
-    assert set(layers) == set(kv_cache.KINDS.values()) and target_cache.SlackLayer is kv_cache.KINDS["slack"]
+    assert set(layers) == set(kv_cache.KINDS.values())
+    target = tiny_target("qwen3")
+    for layer in kv_cache.KINDS.values():
+        batch = target.new_batch((), kv_layer=layer)
+        target.prefill(batch, [[1, 2, 3]])
+        assert {type(x) for x in batch.cache.layers} == {layer}

@@ -23,34 +23,29 @@ from pathlib import Path
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from dspec_cli import target_cache
 from dspec_cli.bench import environment
 from dspec_cli.data import BUILTIN, dataset_name, load_prompts
 from dspec_cli.target import Target
+from dspec_cli.target_cache import SlackLayer
 
-KINDS = {"dynamic": DynamicLayer, "slack": target_cache.SlackLayer}
+KINDS = {"dynamic": DynamicLayer, "slack": SlackLayer}
 
 
 def decode_seconds(target: Target, ids: list[list[int]], steps: int, layer: type) -> float:
     """Wall seconds of ``steps`` plain decoding steps after prefilling ``ids``, with cache layer ``layer``."""
-    saved = target_cache.SlackLayer
-    target_cache.SlackLayer = layer  # what TargetBatch makes its layers from
-    try:
-        batch = target.new_batch(())
-        target.prefill(batch, ids)
-        rows = len(ids)
-        tokens = torch.ones(rows, dtype=torch.long, device=target.device)
-        ones = torch.ones(rows, dtype=torch.long, device=target.device)
-        sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            target.verify(batch, tokens, ones)
-            target.commit(batch, ones)
-        sync()
-        return time.perf_counter() - t0
-    finally:
-        target_cache.SlackLayer = saved
+    batch = target.new_batch((), kv_layer=layer)
+    target.prefill(batch, ids)
+    rows = len(ids)
+    tokens = torch.ones(rows, dtype=torch.long, device=target.device)
+    ones = torch.ones(rows, dtype=torch.long, device=target.device)
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        target.verify(batch, tokens, ones)
+        target.commit(batch, ones)
+    sync()
+    return time.perf_counter() - t0
 
 
 def measure(target: Target, dataset: str, rows: list[int], steps: int, repeats: int) -> list[dict]:
