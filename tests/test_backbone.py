@@ -8,11 +8,16 @@ import pytest
 import torch
 from tiny_models import tiny_target
 
-from dspec_cli.backbone import build_blocks, build_target_layer_ids, sample_anchors, training_mask
-from dspec_cli.engine import GenerationConfig, SpeculativeEngine
-from dspec_cli.sampling import logits_to_probs
-from dspec_cli.plugins import get_drafter_class
-from dspec_cli.verify import verify_greedy
+from dspec_cli.core.plugins import get_drafter_class
+from dspec_cli.core.sampling import logits_to_probs
+from dspec_cli.nn.backbone import (
+    build_blocks,
+    build_target_layer_ids,
+    sample_anchors,
+    training_mask,
+)
+from dspec_cli.runtime.engine import GenerationConfig, SpeculativeEngine
+from dspec_cli.runtime.verify import verify_greedy
 
 B = 4
 

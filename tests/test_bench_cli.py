@@ -13,7 +13,7 @@ from tiny_models import run_cli as run
 from tiny_models import tiny_tokenizer
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from dspec_cli.engine import RequestResult, RunStats
+from dspec_cli.runtime.engine import RequestResult, RunStats
 
 
 def test_bench_runs_and_writes_json(model_dir, tmp_path, capsys):
@@ -176,7 +176,7 @@ class _ClockEngine:
 def test_repeats_rotate_engine_order_and_speedup_is_paired(monkeypatch):
     """Repeat r starts at engine r mod n, and speedup is the median of per-repeat ratios, so a
     slow phase of the machine that hits one whole repeat does not move it."""
-    import dspec_cli.bench as bench
+    import dspec_cli.workflows.bench as bench
 
     log, now = [], [0.0]
     engines = [(n, "-", _ClockEngine(n, c, log, now)) for n, c in (("base", 1.0), ("a", 0.5), ("b", 2.0))]
@@ -194,7 +194,7 @@ def test_repeats_rotate_engine_order_and_speedup_is_paired(monkeypatch):
 
 
 def test_ratio_interval_is_a_t_interval_on_log_ratios():
-    from dspec_cli.metrics import ratio_interval, t975
+    from dspec_cli.workflows.metrics import ratio_interval, t975
 
     mean, low, high = ratio_interval([math.exp(0.1), math.exp(-0.1)] * 2)
     half = 3.182 * statistics.stdev([0.1, -0.1] * 2) / 2  # t_0.975 with 3 degrees of freedom
@@ -204,7 +204,7 @@ def test_ratio_interval_is_a_t_interval_on_log_ratios():
 
 
 def test_tables_show_the_drafted_share_of_every_repeat():
-    import dspec_cli.bench as bench
+    import dspec_cli.workflows.bench as bench
 
     assert bench.drafted_share({"drafted_round_share": 0.0, "drafted_round_share_runs": [0.0, 0.3, 0.0]}) == pytest.approx(0.1)
     assert bench.drafted_share({"drafted_round_share": 0.25}) == 0.25  # reports from before the field

@@ -8,12 +8,15 @@ import json
 
 import pytest
 import torch
-from tiny_models import run_cli as run, assert_cli_error as _bad, tiny_qwen3, tiny_tokenizer
+from tiny_models import assert_cli_error as _bad
+from tiny_models import run_cli as run
+from tiny_models import tiny_qwen3, tiny_tokenizer
 
-from dspec_cli.calibration import (
-    Calibration,
+from dspec_cli.core.calibration import Calibration, apply_temperatures
+from dspec_cli.core.errors import DspecError
+from dspec_cli.runtime.engine import RequestResult
+from dspec_cli.workflows.calibrate import (
     Rounds,
-    apply_temperatures,
     auroc,
     brier,
     calibrate,
@@ -25,8 +28,6 @@ from dspec_cli.calibration import (
     save_traces,
     threshold_sweep,
 )
-from dspec_cli.engine import RequestResult
-from dspec_cli.errors import DspecError
 
 
 def _gen(seed: int) -> torch.Generator:

@@ -9,12 +9,12 @@ import torch
 from tiny_models import tiny_qwen3, tiny_target, tiny_tokenizer
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from dspec_cli import __version__
-from dspec_cli.checkpoint import target_id, tokenizer_fingerprint
-from dspec_cli.errors import DspecError
-from dspec_cli.model_card import MEASURED_BEGIN, refresh_model_card
-from dspec_cli.plugins import get_drafter_class
-from dspec_cli.target import Target
+from dspec_cli.checkpoints.model_card import MEASURED_BEGIN, refresh_model_card
+from dspec_cli.checkpoints.native import target_id, tokenizer_fingerprint
+from dspec_cli.core.errors import DspecError
+from dspec_cli.core.plugins import get_drafter_class
+from dspec_cli.core.version import __version__
+from dspec_cli.runtime.target import Target
 
 DFLASH = get_drafter_class("dflash")
 
@@ -72,7 +72,7 @@ def test_loading_checks_the_target_and_accepts_old_configs(target, tmp_path):
 def test_target_id(model_dir, monkeypatch):
     loaded = Target.load(str(model_dir))
     assert target_id(loaded) == str(model_dir.resolve())
-    monkeypatch.setattr("dspec_cli.target.DEFAULT_TARGET_PATH", model_dir)
+    monkeypatch.setattr("dspec_cli.checkpoints.native.DEFAULT_TARGET_PATH", model_dir)
     assert target_id(loaded) == "embedded"
     loaded.model.config._name_or_path = "/cache/hub/models--Qwen--Qwen3-4B/snapshots/0123abc"
     assert target_id(loaded) == "Qwen/Qwen3-4B"

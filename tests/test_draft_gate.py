@@ -8,14 +8,20 @@ import torch
 from tiny_models import tiny_qwen3, tiny_target, tiny_tokenizer
 
 from dspec_cli import testing as T
-from dspec_cli.drafter import Proposal
-from dspec_cli.drafter_lag import DrafterLag
-from dspec_cli.engine import GenerationConfig, RoundSampler, SpeculativeEngine
-from dspec_cli.errors import DspecError
-from dspec_cli.hardware import CostTable
-from dspec_cli.plugins import get_drafter_class
-from dspec_cli.schedule import DraftGate, HardwareScheduler, Rate, build_scheduler, draft_throughput
-from dspec_cli.target import Target
+from dspec_cli.core.errors import DspecError
+from dspec_cli.core.hardware import CostTable
+from dspec_cli.core.plugins import get_drafter_class
+from dspec_cli.core.types import Proposal
+from dspec_cli.runtime.drafter_lag import DrafterLag
+from dspec_cli.runtime.engine import GenerationConfig, RoundSampler, SpeculativeEngine
+from dspec_cli.runtime.schedule import (
+    DraftGate,
+    HardwareScheduler,
+    Rate,
+    build_scheduler,
+    draft_throughput,
+)
+from dspec_cli.runtime.target import Target
 
 
 def table(sps: list[float]) -> CostTable:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspec_cli.engine import GenerationConfig, SpeculativeEngine
-from dspec_cli.plugins import registry
-from dspec_cli.target import Target
+from dspec_cli.core.plugins import registry
+from dspec_cli.runtime.engine import GenerationConfig, SpeculativeEngine
+from dspec_cli.runtime.target import Target
 from dspec_cli.testing import assert_continuations_match, exact_continuations
 
 PROMPTS = [
@@ -35,7 +35,7 @@ def _load_default(target, name: str):
     (e.g. weights trained against another embedded target) fails the test instead."""
     import warnings
 
-    from dspec_cli.errors import DspecError
+    from dspec_cli.core.errors import DspecError
 
     item = registry().drafters[name]
     try:

@@ -6,12 +6,17 @@ import pytest
 import torch
 from tiny_models import tiny_qwen3, tiny_target, tiny_tokenizer
 
-from dspec_cli.engine import GenerationConfig, RoundSampler, SpeculativeEngine
-from dspec_cli.errors import DspecError
-from dspec_cli.metrics import acceptance
-from dspec_cli.plugins import get_drafter_class
-from dspec_cli.target import Target
-from dspec_cli.testing import assert_continuations_match, check_engine_lossless, exact_continuations, results_by_concurrency
+from dspec_cli.core.errors import DspecError
+from dspec_cli.core.plugins import get_drafter_class
+from dspec_cli.runtime.engine import GenerationConfig, RoundSampler, SpeculativeEngine
+from dspec_cli.runtime.target import Target
+from dspec_cli.testing import (
+    assert_continuations_match,
+    check_engine_lossless,
+    exact_continuations,
+    results_by_concurrency,
+)
+from dspec_cli.workflows.metrics import acceptance
 
 PROMPTS = ["Speculative decoding drafts", "The quick brown fox", "Numbers like 0 1 2", "def add(a, b):"]
 
@@ -121,7 +126,7 @@ class BigramTreeDrafter:
         self.width = width
 
     def init_state(self):
-        from dspec_cli.drafter import DraftState
+        from dspec_cli.runtime.drafter import DraftState
 
         return DraftState()
 
@@ -138,7 +143,7 @@ class BigramTreeDrafter:
         return None
 
     def propose(self, state, anchors, max_len, sampler):
-        from dspec_cli.drafter import DraftTree, Proposal
+        from dspec_cli.core.types import DraftTree, Proposal
 
         R = anchors.shape[0]
         w1, w2 = self.width
@@ -179,7 +184,7 @@ def test_tree_lossless_end_to_end(target, sampling):
 
 def test_end_to_end_test_catches_a_biased_verifier(target, monkeypatch):
     """The same end-to-end check must fail when the verifier is wrong (min(1, q/p))."""
-    from dspec_cli.verify import reference
+    from dspec_cli.runtime.verify import reference
 
     monkeypatch.setattr(reference, "acceptance_prob", lambda p_x, q_x: torch.clamp(q_x / p_x.clamp_min(1e-30), max=1.0))
     prompt = target.render_prompt(PROMPTS[0])

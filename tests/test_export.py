@@ -11,8 +11,8 @@ import torch
 from test_interop import GAMMA, build, proposal
 from tiny_models import assert_cli_error, run_cli
 
-from dspec_cli.plugins import get_drafter_class
-from dspec_cli.target import Target
+from dspec_cli.core.plugins import get_drafter_class
+from dspec_cli.runtime.target import Target
 
 VARIANTS = {  # name -> (drafter, overrides, layout, vLLM method, SGLang algorithm, SGLang flags)
     "dspark": ("dspark-markov", dict(markov_rank=16), "Qwen3DSparkModel", "dspark", "DSPARK",

@@ -8,10 +8,19 @@ import warnings
 
 import pytest
 import torch
-from tiny_models import run_cli as run, assert_cli_error as _bad, FACTORIES, tiny_qwen3
+from tiny_models import FACTORIES, tiny_qwen3
+from tiny_models import assert_cli_error as _bad
+from tiny_models import run_cli as run
 
-from dspec_cli.errors import DspecError
-from dspec_cli.hardware import CostTable, CostTableMismatch, default_grid, device_name, isotonic, profile_sps
+from dspec_cli.core.errors import DspecError
+from dspec_cli.core.hardware import (
+    CostTable,
+    CostTableMismatch,
+    default_grid,
+    device_name,
+    isotonic,
+    profile_sps,
+)
 
 
 def make_table(measured: dict, grid=(1, 2, 4, 8), **kw) -> CostTable:
@@ -148,8 +157,8 @@ def test_profile_cli_bad_input(model_dir, capsys):
 
 def test_slow_half_precision_warning(monkeypatch, model_dir):
     """bf16 / fp16 on a CPU without native support warns once at load; native or GPU: silent."""
-    import dspec_cli.hardware as hw
-    from dspec_cli.target import Target
+    import dspec_cli.core.hardware as hw
+    from dspec_cli.runtime.target import Target
 
     monkeypatch.setattr(hw, "cpu_native_half", lambda dtype: False)
     with pytest.warns(hw.SlowHalfPrecision, match="bfloat16 on this CPU .*use --dtype float32"):
@@ -164,7 +173,7 @@ def test_slow_half_precision_warning(monkeypatch, model_dir):
 
 def test_cpu_native_half_reads_cpu_flags(monkeypatch):
     """x86 Linux: True / False from the cpuinfo flags; None for other dtypes, machines or no cpuinfo."""
-    import dspec_cli.hardware as hw
+    import dspec_cli.core.hardware as hw
 
     monkeypatch.setattr(hw.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(hw, "_cpuinfo", lambda: ["flags\t\t: fpu avx2 avx512f avx512_bf16"])
@@ -181,7 +190,7 @@ def test_cpu_native_half_reads_cpu_flags(monkeypatch):
 
 def test_cpu_device_name_is_the_cpu_model(monkeypatch):
     """A CPU cost table names the CPU model, so one from another CPU is flagged."""
-    import dspec_cli.hardware as hw
+    import dspec_cli.core.hardware as hw
 
     monkeypatch.setattr(hw, "_cpuinfo", lambda: ["processor\t: 0", "model name\t: AMD EPYC 9B14", "flags\t: avx2"])
     assert device_name("cpu") == "AMD EPYC 9B14"

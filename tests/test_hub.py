@@ -11,11 +11,11 @@ import torch
 from hub_server import HubServer
 from tiny_models import assert_cli_error, run_cli
 
-from dspec_cli.calibration import Calibration
-from dspec_cli.errors import DspecError
-from dspec_cli.hub import resolve_checkpoint
-from dspec_cli.plugins import get_drafter_class
-from dspec_cli.target import Target
+from dspec_cli.checkpoints.hub import resolve_checkpoint
+from dspec_cli.core.calibration import Calibration
+from dspec_cli.core.errors import DspecError
+from dspec_cli.core.plugins import get_drafter_class
+from dspec_cli.runtime.target import Target
 
 REPO = "alice/tiny-dflash"
 # huggingface_hub's LFS PUT passes a file as data=, which its HTTP client deprecates (not ours to fix)

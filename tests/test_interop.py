@@ -1,4 +1,4 @@
-"""Foreign checkpoint layouts (``dspec_cli.interop``).
+"""Foreign checkpoint layouts (``dspec_cli.checkpoints.layouts``).
 
 The tests write DeepSpec ``Qwen3DSparkModel``, z-lab ``DFlashDraftModel`` and SpecForge
 ``LlamaForCausalLMEagle3`` checkpoints by hand (foreign names and shapes, random weights, sized
@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import save_file
 from tiny_models import tiny_target
 
-from dspec_cli import interop
-from dspec_cli.engine import GenerationConfig, SpeculativeEngine
-from dspec_cli.errors import DspecError
-from dspec_cli.plugins import get_drafter_class
-from dspec_cli.target import Target
+from dspec_cli.checkpoints import layouts as interop
+from dspec_cli.core.errors import DspecError
+from dspec_cli.core.plugins import get_drafter_class
+from dspec_cli.runtime.engine import GenerationConfig, SpeculativeEngine
+from dspec_cli.runtime.target import Target
 
 GAMMA = 4
 

@@ -24,10 +24,10 @@ from test_interop import (
 )
 from tiny_models import tiny_gemma4, tiny_tokenizer
 
-from dspec_cli import interop
-from dspec_cli.errors import DspecError
-from dspec_cli.plugins import get_drafter_class
-from dspec_cli.target import Target
+from dspec_cli.checkpoints import layouts as interop
+from dspec_cli.core.errors import DspecError
+from dspec_cli.core.plugins import get_drafter_class
+from dspec_cli.runtime.target import Target
 
 GLOBAL_HEAD_DIM, GLOBAL_KV_HEADS = 32, 1  # tiny_gemma4's full-attention layers
 
@@ -259,7 +259,7 @@ def test_gemma4_errors(target, tmp_path, mutate, message):
 
 def test_gemma4_export_for_vllm(target, tmp_path):
     """``dspec export``: a Gemma-4 dspark drafter is written as Gemma4DSparkModel (vLLM's dspark)."""
-    from dspec_cli.interop import serving
+    from dspec_cli.checkpoints.layouts import serving
 
     config, tensors = gemma4_deepspec(target, rank=8, confidence=True)
     drafter = get_drafter_class("dspark").from_pretrained(write(tmp_path / "in", config, tensors), target)

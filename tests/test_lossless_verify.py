@@ -12,9 +12,9 @@ paper's Appendix A must fail the same check.
 import pytest
 import torch
 
-import dspec_cli.verify.reference as reference
+import dspec_cli.runtime.verify.reference as reference
 from dspec_cli import testing as T
-from dspec_cli.verify import verify_chain, verify_greedy
+from dspec_cli.runtime.verify import verify_chain, verify_greedy
 
 R = 200_000
 V = 8

@@ -12,14 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspec_cli import hookimpl, plugins
-from dspec_cli.drafter import Drafter, Proposal
-from dspec_cli.errors import DspecError
+from dspec_cli import hookimpl
+from dspec_cli.core import plugins
+from dspec_cli.core.errors import DspecError
+from dspec_cli.core.types import Proposal
+from dspec_cli.runtime.drafter import Drafter
 
 ECHO_PLUGIN = '''
 import torch
 from dspec_cli import hookimpl
-from dspec_cli.drafter import Drafter, Proposal
+from dspec_cli.runtime.drafter import Drafter, Proposal
 
 
 class EchoDrafter(Drafter):
@@ -104,7 +106,7 @@ def test_third_party_plugin_is_listed_and_usable(third_party_site):
         [
             sys.executable,
             "-c",
-            "import torch; from dspec_cli.plugins import get_drafter_class as g; from dspec_cli.drafter import DrafterConfig;"
+            "import torch; from dspec_cli.core.plugins import get_drafter_class as g; from dspec_cli.runtime.drafter import DrafterConfig;"
             "d = g('parrot')(DrafterConfig(block_size=3), None); p = d.propose(d.init_state(), torch.tensor([5, 7]), 3, None);"
             "print(p.tokens.tolist(), p.lengths.tolist())",
         ],

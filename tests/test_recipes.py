@@ -7,9 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from dspec_cli import plugins
-from dspec_cli.errors import DspecError
-from dspec_cli.recipes import Recipe, apply_overrides, load_recipe, parse_override, resume_conflicts
+from dspec_cli.core import plugins
+from dspec_cli.core.errors import DspecError
+from dspec_cli.training.recipes import (
+    Recipe,
+    apply_overrides,
+    load_recipe,
+    parse_override,
+    resume_conflicts,
+)
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 HUB = {

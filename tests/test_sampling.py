@@ -1,11 +1,11 @@
-"""dspec_cli.sampling: temperature / top-k / top-p and counter-based randomness."""
+"""dspec_cli.core.sampling: temperature / top-k / top-p and counter-based randomness."""
 
 import itertools
 
 import pytest
 import torch
 
-from dspec_cli.sampling import (
+from dspec_cli.core.sampling import (
     exponential,
     logits_to_probs,
     sample_from_probs,

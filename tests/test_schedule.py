@@ -10,17 +10,19 @@ import json
 
 import pytest
 import torch
-from tiny_models import run_cli as run, assert_cli_error as _bad, tiny_qwen3, tiny_target, tiny_tokenizer
+from tiny_models import assert_cli_error as _bad
+from tiny_models import run_cli as run
+from tiny_models import tiny_qwen3, tiny_target, tiny_tokenizer
 
-from dspec_cli import plugins
 from dspec_cli import testing as T
-from dspec_cli.bench import parse_scheduler_spec
-from dspec_cli.calibration import Calibration, Rounds, save_traces
-from dspec_cli.drafter import Proposal
-from dspec_cli.engine import GenerationConfig, SpeculativeEngine
-from dspec_cli.errors import DspecError
-from dspec_cli.hardware import CostTable
-from dspec_cli.schedule import (
+from dspec_cli.core import plugins
+from dspec_cli.core.calibration import Calibration
+from dspec_cli.core.errors import DspecError
+from dspec_cli.core.hardware import CostTable
+from dspec_cli.core.specs import parse_scheduler_spec
+from dspec_cli.core.types import Proposal
+from dspec_cli.runtime.engine import GenerationConfig, SpeculativeEngine
+from dspec_cli.runtime.schedule import (
     AsyncScheduler,
     FixedScheduler,
     HardwareScheduler,
@@ -30,12 +32,13 @@ from dspec_cli.schedule import (
     column_sums,
     draft_throughput,
     global_capacity,
-    simulate_load,
     sorted_candidates,
     survival,
     width_throughput,
 )
-from dspec_cli.target import Target
+from dspec_cli.runtime.target import Target
+from dspec_cli.workflows.calibrate import Rounds, save_traces
+from dspec_cli.workflows.simulate import simulate_load
 
 ALPHA = 1e-4
 

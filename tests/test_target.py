@@ -5,10 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspec_cli import target as target_mod
-from dspec_cli.errors import DspecError
-from dspec_cli.target import Target
-from tests.tiny_models import FACTORIES, VOCAB_SIZE, tiny_qwen3, tiny_target, tiny_tokenizer
+from dspec_cli.core.errors import DspecError
+from dspec_cli.runtime import target as target_mod
+from dspec_cli.runtime.target import Target
+from tests.tiny_models import (
+    FACTORIES,
+    VOCAB_SIZE,
+    tiny_qwen3,
+    tiny_target,
+    tiny_tokenizer,
+)
 
 LAYERS = (-1, 0, 2)
 ATOL = 1e-4
@@ -22,7 +28,7 @@ def target(request) -> Target:
 @pytest.fixture(params=["concat", "slack"])
 def kv_append(request, monkeypatch):
     """Both ways a cache layer appends (tiny models are all under the concatenation threshold)."""
-    from dspec_cli.target_cache import SlackLayer
+    from dspec_cli.runtime.kv_cache import SlackLayer
 
     monkeypatch.setattr(SlackLayer, "SMALL", 1 << 62 if request.param == "concat" else 0)
     return request.param
@@ -241,7 +247,7 @@ def test_slack_layer_appends_in_place_and_keeps_dynamic_semantics(monkeypatch):
     """Appending writes into spare slots (no copy of the cache while it fits); reads equal what
     concatenation gives; trimming shortens in place; assigning a new tensor replaces the buffer;
     small tensors are concatenated."""
-    from dspec_cli.target_cache import SlackLayer
+    from dspec_cli.runtime.kv_cache import SlackLayer
 
     small = SlackLayer()
     small.update(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4))
@@ -363,7 +369,7 @@ def test_load_local_and_default(tmp_path, monkeypatch):
 
 def test_kv_cache_benchmark_runs_both_layer_kinds():
     """The micro-benchmark times both layer kinds, and batches are made of the kind asked for."""
-    from dspec_cli.benchmarks import kv_cache
+    from benchmarks import kv_cache
 
     layers = []
     real = kv_cache.decode_seconds

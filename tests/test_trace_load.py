@@ -4,8 +4,8 @@ import json
 
 import torch
 
-from dspec_cli.benchmarks import trace_load
-from dspec_cli.verify import verify_greedy
+from benchmarks import trace_load
+from dspec_cli.runtime.verify import verify_greedy
 
 
 def test_force_greedy_accepts_exactly_the_drawn_count():

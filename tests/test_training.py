@@ -19,14 +19,20 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
-from dspec_cli import hookimpl, plugins
-from dspec_cli.data import Conversation
-from dspec_cli.drafter import DrafterConfig, TrainableDrafter
-from dspec_cli.errors import DspecError
-from dspec_cli.train_data import DataOrder, assistant_spans, end_of_turn, tokenize_conversations
-from dspec_cli.training import TrainOptions, lr_factor, train
 from tiny_models import tiny_qwen3, tiny_tokenizer
+
+from dspec_cli import hookimpl
+from dspec_cli.core import plugins
+from dspec_cli.core.data import Conversation
+from dspec_cli.core.errors import DspecError
+from dspec_cli.runtime.drafter import DrafterConfig, TrainableDrafter
+from dspec_cli.training.data import (
+    DataOrder,
+    assistant_spans,
+    end_of_turn,
+    tokenize_conversations,
+)
+from dspec_cli.training.loop import TrainOptions, lr_factor, train
 
 TESTS = Path(__file__).resolve().parent
 
@@ -199,7 +205,7 @@ def test_assistant_text_equal_to_user_text_is_found_after_it():
 
 
 def test_data_path_takes_several_files_in_order_with_one_limit(tmp_path):
-    from dspec_cli.train_data import load_train_data
+    from dspec_cli.training.data import load_train_data
 
     tok = tiny_tokenizer()
     a = write_conversations(tmp_path / "a.jsonl", n=4)
@@ -256,7 +262,7 @@ def test_train_writes_loadable_drafter_checkpoints_log_and_card(setup):
     assert rows[-1]["loss"] < rows[0]["loss"]
     card = (out / "README.md").read_text()
     assert PROBE in card and "6 of 6" in card and "conv.jsonl" in card
-    from dspec_cli.target import Target
+    from dspec_cli.runtime.target import Target
 
     tgt = Target.load(json.loads((out / "checkpoints" / "step_6" / "recipe.json").read_text())["target"]["name"])
     loaded = ProbeDrafter.from_pretrained(out, tgt)
@@ -353,7 +359,7 @@ def test_feature_cache_is_written_then_reused(setup, monkeypatch):
     cache = tmp / "features"
     first = train(TrainOptions(recipe=recipe, output=tmp / "a", feature_cache=cache, max_steps=2))
     assert (cache / "manifest.json").is_file() and len(list(cache.glob("*/*.safetensors"))) > 0
-    import dspec_cli.train_data as td
+    import dspec_cli.training.data as td
 
     def boom(*_a, **_k):
         raise AssertionError("target forward despite a full cache")
@@ -425,7 +431,7 @@ def test_torchrun_two_processes_match_one_process(setup):
     single = train(TrainOptions(recipe=recipe, output=tmp / "single", max_steps=3, overrides=same))
     a, b = _weights(out), _weights(single.output)
     assert torch.allclose(a["weight"], b["weight"], atol=1e-5)
-    from dspec_cli.target import Target
+    from dspec_cli.runtime.target import Target
 
     tgt = Target.load(json.loads((out / "checkpoints" / "step_3" / "recipe.json").read_text())["target"]["name"])
     assert torch.equal(ProbeDrafter.from_pretrained(out, tgt).net.weight, a["weight"])
@@ -449,8 +455,8 @@ def test_tiny_recipe_trains_a_real_drafter_and_resumes_exactly(tmp_path, tiny_di
     assert {"loss", "tau_probabilistic"} <= set(full.metrics)
     a, b = _weights(full.output), _weights(resumed.output)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    from dspec_cli.engine import GenerationConfig, SpeculativeEngine
-    from dspec_cli.target import Target
+    from dspec_cli.runtime.engine import GenerationConfig, SpeculativeEngine
+    from dspec_cli.runtime.target import Target
 
     target = Target.load(str(tiny_dir))
     drafter = plugins.get_drafter_class(name).from_pretrained(full.output, target)
@@ -467,7 +473,7 @@ def test_eagle3_reduced_vocabulary_trains_through_the_pipeline(tmp_path, tiny_di
                  "drafter.draft_vocab_size=64", "drafter.ttt_length=3", "train.global_batch=4", "train.micro_batch=2",
                  "train.max_steps=2", "train.save_every=2"]
     result = train(TrainOptions(recipe=recipe, output=tmp_path / "run", overrides=overrides))
-    from dspec_cli.target import Target
+    from dspec_cli.runtime.target import Target
 
     drafter = plugins.get_drafter_class("eagle3").from_pretrained(result.output, Target.load(str(tiny_dir)))
     assert drafter.net.draft_ids().numel() == 64

@@ -8,8 +8,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspec_cli.sampling import exponential, logits_to_probs, torch_exponential, torch_uniform
-from dspec_cli.verify import reference, triton_available, verify_chain, verify_greedy
+from dspec_cli.core.sampling import (
+    exponential,
+    logits_to_probs,
+    torch_exponential,
+    torch_uniform,
+)
+from dspec_cli.runtime.verify import (
+    reference,
+    triton_available,
+    verify_chain,
+    verify_greedy,
+)
 
 BACKENDS = [
     "torch",
@@ -354,7 +364,7 @@ def test_package_works_without_triton():
         import sys
         sys.modules["triton"] = None  # make `import triton` fail
         import torch
-        from dspec_cli.verify import triton_available, verify_chain
+        from dspec_cli.runtime.verify import triton_available, verify_chain
         assert not triton_available()
         args = (torch.full((3, 4), 0.25), torch.tensor([1, 2]), None, torch.tensor([2]))
         assert verify_chain(*args, generator=torch.Generator()).tokens.shape == (1, 3)

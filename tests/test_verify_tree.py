@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from dspec_cli.sampling import logits_to_probs, torch_exponential, torch_uniform
-from dspec_cli.verify import reference, verify_greedy, verify_tree
+from dspec_cli.core.sampling import logits_to_probs, torch_exponential, torch_uniform
+from dspec_cli.runtime.verify import reference, verify_greedy, verify_tree
 
 METHODS = ["match", "recursive"]
 

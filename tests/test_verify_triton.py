@@ -2,7 +2,7 @@
 
 ``DSPEC_TEST_DEVICE=cuda`` runs the same cases compiled on a GPU instead (docs/benchmarks.md).
 Triton reads TRITON_INTERPRET when `triton.jit` wraps a function, not at `import triton`;
-dspec_cli.verify.triton wraps its kernels lazily, once per setting, so setting the variable
+dspec_cli.runtime.verify.triton wraps its kernels lazily, once per setting, so setting the variable
 per test (monkeypatch) is enough and nothing leaks into other test modules.
 """
 
@@ -13,10 +13,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from dspec_cli.sampling import torch_exponential, torch_uniform  # noqa: E402
-from dspec_cli.verify import reference, verify_chain, verify_greedy  # noqa: E402
-from dspec_cli.verify import triton as triton_backend  # noqa: E402
-
+from dspec_cli.core.sampling import torch_exponential, torch_uniform  # noqa: E402
+from dspec_cli.runtime.verify import reference, verify_chain, verify_greedy  # noqa: E402
+from dspec_cli.runtime.verify import triton as triton_backend  # noqa: E402
 
 DEVICE = torch.device(os.environ.get("DSPEC_TEST_DEVICE", "cpu"))
 

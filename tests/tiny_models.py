@@ -144,8 +144,8 @@ FACTORIES = {"qwen3": tiny_qwen3, "llama": tiny_llama, "gemma3": tiny_gemma3, "g
 
 
 def tiny_target(family: str = "qwen3", seed: int = 0):
-    """A ``dspec_cli.target.Target`` around a tiny model of ``family`` with the ChatML tokenizer."""
-    from dspec_cli.target import Target
+    """A ``dspec_cli.runtime.target.Target`` around a tiny model of ``family`` with the ChatML tokenizer."""
+    from dspec_cli.runtime.target import Target
 
     return Target(FACTORIES[family](seed), tiny_tokenizer())
 

@@ -7,7 +7,7 @@ import sys
 
 import typer
 
-from dspec_cli.errors import DspecError
+from dspec_cli.core.errors import DspecError
 
 app = typer.Typer(
     name="dspec",
@@ -25,7 +25,7 @@ def _root(
 ) -> None:
     """dspec: speculative decoding drafters for Hugging Face causal LMs."""
     if version:
-        from dspec_cli import __version__
+        from dspec_cli.core.version import __version__
 
         print(__version__)
         raise typer.Exit()

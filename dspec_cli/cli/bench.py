@@ -10,10 +10,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from dspec_cli.bench import BenchOptions, drafted_share, format_speedup, run_bench
 from dspec_cli.cli import app
 from dspec_cli.cli.progress import CommandProgress
-from dspec_cli.errors import DspecError
+from dspec_cli.core.errors import DspecError
+from dspec_cli.workflows.bench import (
+    BenchOptions,
+    drafted_share,
+    format_speedup,
+    run_bench,
+)
 
 
 def _concurrency(text: str) -> list[int]:
@@ -93,7 +98,7 @@ def bench_command(
         json_path.write_text(json.dumps(report, indent=2) + "\n")
         err.print(f"wrote {json_path}")
     if plots is not None and report["runs"]:
-        from dspec_cli.plots import acceptance_plot, load_plots
+        from dspec_cli.workflows.plots import acceptance_plot, load_plots
 
         written = [acceptance_plot(report["runs"], plots / "acceptance.png")]
         if len(opts.concurrency) > 1:

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from dspec_cli.cli import app
 from dspec_cli.cli.progress import CommandProgress
-from dspec_cli.errors import DspecError
+from dspec_cli.core.errors import DspecError
 
 
 def _f(x, spec=".3f") -> str:
@@ -58,7 +58,7 @@ def _output_dir(checkpoint: str | None, output: Path | None) -> Path:
 
 def _copy_source(checkpoint: str, folder: Path) -> bool:
     """Copy a local checkpoint folder, or a drafter checkpoint from the Hub (not a draft LM from the Hub)."""
-    from dspec_cli.checkpoint import read_config
+    from dspec_cli.core.files import read_config
 
     return Path(checkpoint).is_dir() or (folder / "config.json").is_file() and "drafter" in read_config(folder)
 
@@ -86,21 +86,20 @@ def calibrate_command(
     save_traces: Optional[Path] = typer.Option(None, "--save-traces", help="Write the recorded rounds (jsonl) for `dspec schedule`."),
 ) -> None:
     """Record confidences and outcomes on held-out prompts, fit STS, write calibration.json."""
-    from dspec_cli import plugins
-    from dspec_cli.calibration import (
-        CALIBRATION_FILE,
-        Calibration,
-        apply_temperatures,
+    from dspec_cli.checkpoints.hub import resolve_checkpoint
+    from dspec_cli.core import plugins
+    from dspec_cli.core.calibration import Calibration, apply_temperatures
+    from dspec_cli.core.data import load_prompts
+    from dspec_cli.core.files import CALIBRATION_FILE
+    from dspec_cli.runtime.engine import GenerationConfig
+    from dspec_cli.runtime.target import Target
+    from dspec_cli.workflows.calibrate import (
         calibrate,
         collect_rounds,
         reliability,
         threshold_sweep,
     )
-    from dspec_cli.calibration import save_traces as write_traces
-    from dspec_cli.data import load_prompts
-    from dspec_cli.engine import GenerationConfig
-    from dspec_cli.hub import resolve_checkpoint
-    from dspec_cli.target import Target
+    from dspec_cli.workflows.calibrate import save_traces as write_traces
 
     if num_prompts is not None and num_prompts < 1:
         raise DspecError(f"--num-prompts must be >= 1, got {num_prompts}")
@@ -144,7 +143,7 @@ def calibrate_command(
         write_traces(save_traces, rounds, drafter=cls.name, block_size=gamma)
         err.print(f"wrote {save_traces}")
     if plots is not None:
-        from dspec_cli.plots import reliability_diagram, threshold_sweep_plot
+        from dspec_cli.workflows.plots import reliability_diagram, threshold_sweep_plot
 
         before = reliability(rounds)
         after = reliability(rounds.with_temperatures(cal.temperatures))

@@ -11,7 +11,7 @@ from rich.progress import MofNCompleteColumn, TextColumn, TimeRemainingColumn
 
 from dspec_cli.cli import app
 from dspec_cli.cli.progress import CommandProgress
-from dspec_cli.errors import DspecError
+from dspec_cli.core.errors import DspecError
 
 data_app = typer.Typer(help="Training data: regenerate responses with the target.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
@@ -39,8 +39,9 @@ def regenerate_command(
     """Regenerate every assistant turn with the target (self-distillation data for dspec train)."""
     from transformers.utils import logging as hf_logging
 
-    from dspec_cli.recipes import EMBEDDED, RegenerateSpec, load_recipe
-    from dspec_cli.regenerate import RegenerateOptions, regenerate
+    from dspec_cli.core.files import EMBEDDED
+    from dspec_cli.training.recipes import RegenerateSpec, load_recipe
+    from dspec_cli.training.regenerate import RegenerateOptions, regenerate
 
     hf_logging.disable_progress_bar()
     spec, target_name, out = RegenerateSpec(), target, output

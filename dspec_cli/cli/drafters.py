@@ -9,8 +9,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from dspec_cli import plugins
 from dspec_cli.cli import app
+from dspec_cli.core import plugins
 
 
 def drafter_rows(reg: plugins.Registry) -> list[dict]:

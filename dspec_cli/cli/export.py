@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 
 from dspec_cli.cli import app
-from dspec_cli.errors import DspecError
+from dspec_cli.core.errors import DspecError
 
 
 @app.command("export")
@@ -23,10 +23,12 @@ def export_command(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the export report (layout, engine settings, command) here."),
 ) -> None:
     """Export a drafter for vLLM or SGLang and print the command that serves it."""
-    from dspec_cli import interop, plugins
-    from dspec_cli.hub import resolve_checkpoint
-    from dspec_cli.interop.serving import FORMATS, export
-    from dspec_cli.target import DEFAULT_TARGET_PATH, Target
+    from dspec_cli.checkpoints import layouts as interop
+    from dspec_cli.checkpoints.hub import resolve_checkpoint
+    from dspec_cli.core import plugins
+    from dspec_cli.core.files import DEFAULT_TARGET_PATH
+    from dspec_cli.runtime.target import Target
+    from dspec_cli.workflows.export import FORMATS, export
 
     if fmt not in FORMATS:
         raise DspecError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from dspec_cli.cli import app
 from dspec_cli.cli.progress import CommandProgress
-from dspec_cli.errors import DspecError
+from dspec_cli.core.errors import DspecError
 
 
 def int_list(text: str, option: str, minimum: int = 1) -> list[int]:
@@ -55,8 +55,8 @@ def profile_command(
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of the SPS(B) curves here."),
 ) -> None:
     """Profile steps per second SPS(B) of the target for token-batch sizes B and context lengths."""
-    from dspec_cli.hardware import default_grid, profile_sps
-    from dspec_cli.target import Target
+    from dspec_cli.core.hardware import default_grid, profile_sps
+    from dspec_cli.runtime.target import Target
 
     points = int_list(grid, "--grid") if grid else default_grid(max_batch_tokens)
     ctx = int_list(contexts, "--contexts")
@@ -83,6 +83,6 @@ def profile_command(
         table.save(json_path)
         err.print(f"wrote {json_path}")
     if plot is not None:
-        from dspec_cli.plots import sps_plot
+        from dspec_cli.workflows.plots import sps_plot
 
         err.print(f"wrote {sps_plot(table, plot)}")

@@ -27,10 +27,11 @@ def push_command(
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
 ) -> None:
     """Check that CHECKPOINT loads against its target, refresh its model card, upload it in one commit."""
-    from dspec_cli import __version__
-    from dspec_cli.checkpoint import CARD_FILE, PUBLISHED_FILES, validate_checkpoint
-    from dspec_cli.hub import push_folder, push_repo_id
-    from dspec_cli.model_card import refresh_model_card
+    from dspec_cli.checkpoints.hub import push_folder, push_repo_id
+    from dspec_cli.checkpoints.model_card import refresh_model_card
+    from dspec_cli.core.files import CARD_FILE, PUBLISHED_FILES
+    from dspec_cli.core.version import __version__
+    from dspec_cli.workflows.validate import validate_checkpoint
 
     push_repo_id(repo_id)  # a bad id fails before anything loads
     err = Console(stderr=True)

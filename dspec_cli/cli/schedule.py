@@ -36,11 +36,13 @@ def schedule_command(
     """Mean verification budget per request and expected throughput τ·SPS(B) under load (paper Fig. 8)."""
     import torch
 
-    from dspec_cli.calibration import Calibration, load_traces
-    from dspec_cli.errors import DspecError
-    from dspec_cli.hardware import CostTable
-    from dspec_cli.bench import parse_scheduler_spec
-    from dspec_cli.schedule import build_scheduler, simulate_load
+    from dspec_cli.core.calibration import Calibration
+    from dspec_cli.core.errors import DspecError
+    from dspec_cli.core.hardware import CostTable
+    from dspec_cli.core.specs import parse_scheduler_spec
+    from dspec_cli.runtime.schedule import build_scheduler
+    from dspec_cli.workflows.calibrate import load_traces
+    from dspec_cli.workflows.simulate import simulate_load
 
     levels = int_list(concurrency, "--concurrency")
     if steps < 1:
@@ -82,6 +84,6 @@ def schedule_command(
         json_path.write_text(json.dumps(report, indent=2) + "\n")
         err.print(f"wrote {json_path}")
     if plot is not None:
-        from dspec_cli.plots import schedule_plot
+        from dspec_cli.workflows.plots import schedule_plot
 
         err.print(f"wrote {schedule_plot(results, plot)}")

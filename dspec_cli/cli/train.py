@@ -69,7 +69,7 @@ def train_command(
     """Train a drafter for a target: online target features, AdamW + warmup/cosine, atomic checkpoints."""
     from transformers.utils import logging as hf_logging
 
-    from dspec_cli.training import TrainOptions, train
+    from dspec_cli.training.loop import TrainOptions, train
 
     hf_logging.disable_progress_bar()
     opts = TrainOptions(

@@ -20,12 +20,21 @@ from typing import Any
 
 import torch
 
-from dspec_cli import plugins
-from dspec_cli.drafter import Drafter, DrafterConfig, DraftState, DraftTree, Proposal, Sampler, WrappedDrafter
-from dspec_cli.errors import DspecError
-from dspec_cli.target import Target
+from dspec_cli import (
+    Drafter,
+    DrafterConfig,
+    DraftState,
+    DraftTree,
+    DspecError,
+    Proposal,
+    Sampler,
+    Target,
+    WrappedDrafter,
+    best_path,
+    get_drafter_class,
+    registry,
+)
 from dspec_ddtree.tree import grow_tree
-from dspec_eagle3.tree import best_path
 
 
 @dataclass
@@ -47,7 +56,7 @@ class DDTreeConfig(DrafterConfig):
 def base_class(name: str) -> type[Drafter]:
     """The installed drafter class ``name``, checked by :func:`check_base`."""
     try:
-        cls = plugins.get_drafter_class(name)
+        cls = get_drafter_class(name)
     except DspecError:
         raise DspecError(f"base {name!r} is not an installed drafter; ddtree bases: {_bases()}") from None
     check_base(cls)
@@ -61,7 +70,7 @@ def check_base(cls: type[Drafter]) -> None:
 
 
 def _bases() -> str:
-    reg = plugins.registry()
+    reg = registry()
     return ", ".join(sorted(n for n, r in reg.drafters.items() if "marginals" in r.cls.capabilities))
 
 

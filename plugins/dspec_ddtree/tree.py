@@ -11,7 +11,7 @@ best has its parent among the B best and at most B − 1 better prefixes at its 
 keeping the B best candidates of each depth as that depth's frontier loses none of them. Each
 depth therefore needs one batched expansion of at most B frontier nodes (instead of one
 expansion per popped node), and the B best of all candidates are kept by
-:func:`dspec_eagle3.tree.select_tree` (stable: at equal scores the shallower, earlier
+:func:`dspec_cli.runtime.tree_select.select_tree` (stable: at equal scores the shallower, earlier
 candidate wins, so parents always come first).
 """
 
@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from dspec_eagle3.tree import select_tree
+from dspec_cli import select_tree
 
 __all__ = ["Expand", "grow_tree"]
 

@@ -1,14 +1,14 @@
 """The parallel block drafter shared by ``dflash``, ``dspark-markov`` and ``dspark-rnn``.
 
-One implementation: the :mod:`dspec_cli.backbone` backbone plus an optional sequential head
-(Markov / RNN, :mod:`dspec_cli.heads`) and an optional confidence head. DFlash has neither.
+One implementation: the :mod:`dspec_cli.nn.backbone` backbone plus an optional sequential head
+(Markov / RNN, :mod:`dspec_cli.nn.heads`) and an optional confidence head. DFlash has neither.
 
 Block layout (DeepSpec's variant, notes-deepspec §2): the block is [anchor, mask × (γ−1)] and
 the anchor slot is itself the first prediction position, so γ input slots give γ drafts
 (slot k predicts the token after position a+k). The original DFlash paper (and z-lab's
 checkpoints) feeds anchor + γ masks and predicts only the masks; DeepSpec's DFlash baseline and
 DSpark use the variant here. ``anchor_predicts = False`` selects the original layout, for
-training and inference (z-lab checkpoints, :mod:`dspec_cli.interop`).
+training and inference (z-lab checkpoints, :mod:`dspec_cli.checkpoints.layouts`).
 
 The target's input embedding and LM head are shared and frozen: taken from the target at
 build time, never stored in our checkpoints. The mask token id defaults to the tokenizer's
@@ -16,7 +16,7 @@ build time, never stored in our checkpoints. The mask token id defaults to the t
 the tokenizer's vocabulary (DFlash/DeepSpec's choice for Qwen3: 151669), else the pad token,
 else the last id. The resolved id is stored in config.json.
 
-Decoding state: a :class:`~dspec_cli.backbone.ContextCache` with the context K/V of every
+Decoding state: a :class:`~dspec_cli.nn.backbone.ContextCache` with the context K/V of every
 committed token (prompt, anchors, accepted drafts). The anchor itself is not in the cache (its
 target hidden state is unknown until verified), matching the training rule "context strictly
 before the anchor". One backbone forward per round serves all rows.
@@ -25,30 +25,34 @@ before the anchor". One backbone forward per round serves all rows.
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspec_cli.backbone import (
+from dspec_cli import (
+    DrafterConfig,
+    DraftState,
+    DspecError,
+    Proposal,
+    Sampler,
+    Target,
+    TrainableDrafter,
+)
+from dspec_cli.nn import (
     BackboneConfig,
+    ConfidenceHead,
     ContextCache,
     ParallelBackbone,
     build_blocks,
+    build_head,
     build_target_layer_ids,
     resolve_backbone_config,
     sample_anchors,
     training_mask,
 )
-from dspec_cli.drafter import DrafterConfig, DraftState, Proposal, Sampler, TrainableDrafter
-from dspec_cli.errors import DspecError
-from dspec_cli.heads import ConfidenceHead, build_head
-from dspec_cli.target import Target
 from dspec_dflash.loss import block_losses
 
 _MASK_TOKENS = ("<|mask|>", "<|MASK|>", "<mask>")
@@ -60,7 +64,7 @@ class BlockDrafterConfig(BackboneConfig, DrafterConfig):
 
     Architecture fields left at 0 / "" / None are copied from the target when built (as
     DeepSpec copies the target config) and then stored resolved. ``target_layer_ids`` ()
-    defaults to :func:`~dspec_cli.backbone.build_target_layer_ids`; ``mask_token_id`` -1 to the
+    defaults to :func:`~dspec_cli.nn.backbone.build_target_layer_ids`; ``mask_token_id`` -1 to the
     rule in the module docstring. Losses: ``ce_weight``·CE + ``l1_weight``·‖p_d − p_t‖₁ +
     ``conf_weight``·BCE, position weights exp(−k/``loss_decay_gamma``) for slots k = 0..γ−1
     (DeepSpec's code; the paper writes exp(−(k−1)/γ) with k from 1).
@@ -191,34 +195,6 @@ class DFlashDrafter(TrainableDrafter):
         self.lm_head = target.model.get_output_embeddings()
         self.softcap = getattr(target.config, "final_logit_softcapping", None)
         self.net = BlockDrafterNet(self.config).to(device=target.device, dtype=target.dtype)
-        self.conf_temperatures: torch.Tensor | None = None  # [n] from calibration.json
-
-    # -- checkpoints -----------------------------------------------------------------------
-    @classmethod
-    def from_pretrained(cls, path: str | Path, target: Target, **overrides: Any) -> DFlashDrafter:
-        drafter = super().from_pretrained(path, target, **overrides)
-        drafter.load_calibration(path)
-        return drafter
-
-    def save_pretrained(self, path: str | Path) -> None:
-        super().save_pretrained(path)
-        if self.conf_temperatures is not None:
-            data = {"temperatures": self.conf_temperatures.tolist()}
-            (Path(path) / "calibration.json").write_text(json.dumps(data) + "\n")
-
-    def load_calibration(self, path: str | Path) -> None:
-        """Per-position confidence temperatures from ``calibration.json`` ({"temperatures": [..]})."""
-        file = Path(path) / "calibration.json"
-        if not file.is_file():
-            return
-        try:
-            temps = json.loads(file.read_text())["temperatures"]
-            ok = isinstance(temps, list) and all(isinstance(t, (int, float)) and math.isfinite(t) and t > 0 for t in temps)
-        except (json.JSONDecodeError, KeyError, TypeError):
-            ok = False
-        if not ok:
-            raise DspecError(f"{file}: expected {{\"temperatures\": [positive numbers]}}")
-        self.conf_temperatures = torch.tensor(temps, dtype=torch.float32, device=self.target.device)
 
     # -- decoding --------------------------------------------------------------------------
     def init_state(self) -> BlockDraftState:
@@ -301,21 +277,13 @@ class DFlashDrafter(TrainableDrafter):
         conf = None
         if conf_head is not None:  # one pass over the block: slot k sees h_k and x_{k−1} only
             prevs = torch.cat([anchors[:, None], drafts[:, :-1]], 1)  # [R, γ]: x_{k−1}
-            conf = self._calibrated(conf_head(h, head.embed(prevs) if head is not None else None).float())
+            conf = torch.sigmoid(conf_head(h, head.embed(prevs) if head is not None else None).float())  # raw
         return Proposal(
             tokens=drafts,
             lengths=torch.full((R,), gamma, dtype=torch.long, device=anchors.device),
             draft_probs=probs,
             confidence=conf,
         )
-
-    def _calibrated(self, logits: torch.Tensor) -> torch.Tensor:
-        """σ(logit_k / T_k) [R, γ] with T_k from calibration.json (1 past its end)."""
-        temps = self.conf_temperatures
-        if temps is not None:
-            n = min(temps.numel(), logits.shape[1])
-            logits = torch.cat([logits[:, :n] / temps[:n], logits[:, n:]], 1)
-        return torch.sigmoid(logits)
 
     def _block_hidden(self, state: BlockDraftState, anchors: torch.Tensor) -> torch.Tensor:
         """h [R, γ, d] for blocks [anchor, mask × (γ−1)] after each row's committed context."""

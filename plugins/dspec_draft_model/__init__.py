@@ -1,7 +1,7 @@
 """``draft-model``: a separate small causal LM sharing the target's tokenizer (Leviathan et al.).
 
 The draft model drafts autoregressively with its own batched KV cache (a second
-:class:`~dspec_cli.target.Target`), sampling each token at the run's settings and returning
+:class:`~dspec_cli.runtime.target.Target`), sampling each token at the run's settings and returning
 its full distribution q_k, so verification uses lossless rejection sampling. After
 verification the draft cache is rolled back to the committed prefix.
 """
@@ -12,10 +12,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspec_cli import hookimpl
-from dspec_cli.drafter import Drafter, DrafterConfig, DraftState, Proposal, Sampler
-from dspec_cli.errors import DspecError
-from dspec_cli.target import Target, embedded_path
+from dspec_cli import (
+    Drafter,
+    DrafterConfig,
+    DraftState,
+    DspecError,
+    Proposal,
+    Sampler,
+    Target,
+    embedded_path,
+    hookimpl,
+)
 
 
 @dataclass

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dspec_cli import hookimpl
 from dspec_dflash import BlockDrafterConfig, DFlashDrafter
+
+from dspec_cli import hookimpl
 
 __all__ = ["DSparkMarkovConfig", "DSparkMarkovDrafter", "DSparkRNNConfig", "DSparkRNNDrafter"]
 

@@ -10,7 +10,14 @@ verification stays exact. See docs/drafters/eagle3.md.
 from __future__ import annotations
 
 from dspec_cli import hookimpl
-from dspec_eagle3.drafter import Eagle3Config, Eagle3Drafter, Eagle3State, default_layer_ids
+from dspec_cli.checkpoints.layouts import Layout
+from dspec_eagle3 import specforge_layout
+from dspec_eagle3.drafter import (
+    Eagle3Config,
+    Eagle3Drafter,
+    Eagle3State,
+    default_layer_ids,
+)
 from dspec_eagle3.model import Eagle3Net, build_vocab_mapping, ttt_attention_mask
 
 __all__ = [
@@ -27,3 +34,9 @@ __all__ = [
 @hookimpl
 def dspec_register_drafters(register):
     register(Eagle3Drafter)
+
+
+@hookimpl
+def dspec_register_layouts(register):
+    register(Layout(specforge_layout.ARCHITECTURES[0], specforge_layout.read, specforge_layout.write,
+                    lambda d: isinstance(d, Eagle3Drafter)))

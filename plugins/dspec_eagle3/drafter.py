@@ -2,13 +2,13 @@
 
 Decoding state per row (committed length n, anchor x_n not yet committed):
 
-* ``cache``: a :class:`~dspec_cli.backbone.ContextCache` (one layer) with the K/V of the pairs
+* ``cache``: a :class:`~dspec_cli.nn.backbone.ContextCache` (one layer) with the K/V of the pairs
   (g_t = fc(taps_t), x_{t+1}) at positions t = 0..n−2: every committed token whose successor
   is committed too. Its length is therefore n − 1.
 * ``pending`` [R, n·d]: the taps of x_{n−1}, whose successor is the anchor.
 
 ``propose`` runs step 0 on (fc(pending), anchor) at position n−1, then feeds its own outputs
-(chain) or expands an EAGLE-2 tree (:mod:`dspec_eagle3.tree`); draft K/V live only in local
+(chain) or expands an EAGLE-2 tree (:mod:`dspec_cli.runtime.tree_select`); draft K/V live only in local
 tensors, so nothing has to be rolled back. ``advance`` appends the c committed tokens (anchor
 + accepted drafts, for trees the accepted path) paired with [pending, taps[:-1]] and keeps
 taps[-1] as the new pending features.
@@ -24,13 +24,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from dspec_cli.backbone import BackboneConfig, ContextCache, resolve_backbone_config
-from dspec_cli.drafter import DrafterConfig, DraftState, DraftTree, Proposal, Sampler, TrainableDrafter
-from dspec_cli.errors import DspecError
-from dspec_cli.target import Target
+from dspec_cli import (
+    DrafterConfig,
+    DraftState,
+    DraftTree,
+    DspecError,
+    Proposal,
+    Sampler,
+    Target,
+    TrainableDrafter,
+    best_path,
+    select_tree,
+)
+from dspec_cli.nn import BackboneConfig, ContextCache, resolve_backbone_config
 from dspec_eagle3.loss import ttt_losses, ttt_outputs
 from dspec_eagle3.model import Eagle3Net, build_vocab_mapping
-from dspec_eagle3.tree import best_path, select_tree
 
 
 @dataclass

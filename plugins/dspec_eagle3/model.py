@@ -11,7 +11,7 @@ Position t of the draft reads g_t and the next token x_{t+1} and predicts x_{t+2
 
 Attention is Qwen3-style (GQA, q/k RMSNorm per head, RoPE; ``qk_norm=False`` drops the q/k
 norms, as SpecForge's Llama EAGLE-3); the layer's q/k/v projections read the 2d-wide a_t.
-The shared pieces (RMSNorm, Rotary, MLP) come from :mod:`dspec_cli.backbone`. The target's
+The shared pieces (RMSNorm, Rotary, MLP) come from :mod:`dspec_cli.nn.backbone`. The target's
 embedding is not part of this module.
 
 Reduced draft vocabulary (EAGLE's d2t/t2d): the LM head scores N < V target ids; ``d2t``
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dspec_cli.backbone import MLP, BackboneConfig, RMSNorm, Rotary, _attend, _rotate
+from dspec_cli.nn import MLP, BackboneConfig, RMSNorm, Rotary, apply_rotary, attend
 
 __all__ = ["Eagle3Net", "build_vocab_mapping", "ttt_attention_mask"]
 
@@ -94,14 +94,14 @@ class FusedAttention(nn.Module):
     def project_kv(self, a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """a [..., 2d], cos/sin [..., hd] -> post-RoPE K and V [..., Hkv, hd]."""
         shape = (*a.shape[:-1], self.kv_heads, self.head_dim)
-        return _rotate(self.k_norm(self.k_proj(a).view(shape)), cos, sin), self.v_proj(a).view(shape)
+        return apply_rotary(self.k_norm(self.k_proj(a).view(shape)), cos, sin), self.v_proj(a).view(shape)
 
     def forward(self, a, cos, sin, keys, values, mask) -> torch.Tensor:
         """a [b, Q, 2d], cos/sin [b, Q, hd], keys/values [b, Hkv, S, hd] (the queries' own keys
         included), mask [b, 1, Q, S] bool or a FlexAttention BlockMask -> [b, Q, d]."""
         b, q_len, _ = a.shape
-        q = _rotate(self.q_norm(self.q_proj(a).view(b, q_len, self.heads, self.head_dim)), cos, sin)
-        out = _attend(q.transpose(1, 2), keys, values, mask, gqa=self.heads != self.kv_heads)
+        q = apply_rotary(self.q_norm(self.q_proj(a).view(b, q_len, self.heads, self.head_dim)), cos, sin)
+        out = attend(q.transpose(1, 2), keys, values, mask, gqa=self.heads != self.kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 

@@ -13,8 +13,15 @@ from dataclasses import dataclass
 
 import torch
 
-from dspec_cli import hookimpl
-from dspec_cli.drafter import Drafter, DrafterConfig, DraftState, Proposal, Sampler
+from dspec_cli import (
+    Drafter,
+    DrafterConfig,
+    DraftState,
+    DspecError,
+    Proposal,
+    Sampler,
+    hookimpl,
+)
 
 
 @dataclass
@@ -25,7 +32,6 @@ class PromptLookupConfig(DrafterConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if not 1 <= self.min_ngram <= self.max_ngram:
-            from dspec_cli.errors import DspecError
 
             raise DspecError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
 

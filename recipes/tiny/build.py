@@ -74,7 +74,7 @@ def stage_train(args, size: str, minutes: float, max_steps: int | None) -> None:
 def _use_bf16(args) -> bool:
     """bf16 autocast unless --fp32, or where the CPU has no native bf16 matmul (there the
     fallback is two orders of magnitude slower than float32)."""
-    from dspec_cli.hardware import cpu_native_half
+    from dspec_cli.core.hardware import cpu_native_half
     if args.fp32:
         return False
     if cpu_native_half(torch.bfloat16) is False:

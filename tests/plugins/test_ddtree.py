@@ -10,16 +10,16 @@ import math
 
 import pytest
 import torch
+from dspec_ddtree import DDTreeConfig, DDTreeDrafter, grow_tree
 from test_dflash import PROMPTS, SAMPLINGS, build, plain_greedy
 from test_dspark import ForcedSampler, _state_after_prompt, strong
 from tiny_models import assert_cli_error, run_cli, tiny_target
 
-from dspec_cli.engine import GenerationConfig, SpeculativeEngine
-from dspec_cli.errors import DspecError
-from dspec_cli.plugins import get_drafter_class
-from dspec_cli.target_cache import ancestor_visibility
+from dspec_cli.core.errors import DspecError
+from dspec_cli.core.plugins import get_drafter_class
+from dspec_cli.runtime.engine import GenerationConfig, SpeculativeEngine
+from dspec_cli.runtime.kv_cache import ancestor_visibility
 from dspec_cli.testing import check_engine_lossless, results_by_concurrency
-from dspec_ddtree import DDTreeConfig, DDTreeDrafter, grow_tree
 
 BASES = ["dflash", "dspark-markov"]
 
@@ -238,7 +238,7 @@ def test_lossless_end_to_end(target, base, sampling, R):
 def test_lossless_check_catches_a_tree_verified_without_its_mask(target, monkeypatch):
     """The same check fails when every tree node sees the whole tree (no ancestor mask)."""
     monkeypatch.setattr(
-        "dspec_cli.target.ancestor_visibility",
+        "dspec_cli.runtime.target.ancestor_visibility",
         lambda parents: torch.ones(*parents.shape, parents.shape[1], dtype=torch.bool, device=parents.device),
     )
     with pytest.raises(AssertionError, match="distribution mismatch"):
@@ -261,7 +261,7 @@ def test_registered_and_checkpoints(target, tmp_path, monkeypatch):
     assert torch.equal(trees[0].tokens, trees[1].tokens) and torch.equal(trees[0].parents, trees[1].parents)
     with pytest.raises(DspecError, match="holds a 'dspark-markov' drafter, not 'dflash'"):
         DDTreeDrafter.from_pretrained(tmp_path / "ckpt", target, base="dflash")
-    monkeypatch.setattr("dspec_cli.target.embedded_path", lambda name: tmp_path / name)
+    monkeypatch.setattr("dspec_cli.runtime.drafter.embedded_path", lambda name: tmp_path / name)
     with pytest.raises(DspecError, match="no trained dflash drafter is embedded"):
         DDTreeDrafter.load_default(target)
     drafter.save_pretrained(tmp_path / "drafters" / "dspark-markov")

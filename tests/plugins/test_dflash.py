@@ -9,16 +9,16 @@ import json
 
 import pytest
 import torch
-from tiny_models import training_batch, tiny_target, tiny_tokenizer
+from dspec_dflash.loss import block_losses
+from tiny_models import tiny_target, tiny_tokenizer, training_batch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from dspec_cli.engine import GenerationConfig, SpeculativeEngine
-from dspec_cli.errors import DspecError
-from dspec_cli.plugins import get_drafter_class
-from dspec_cli.target import Target
-from dspec_cli.sampling import logits_to_probs
+from dspec_cli.core.errors import DspecError
+from dspec_cli.core.plugins import get_drafter_class
+from dspec_cli.core.sampling import logits_to_probs
+from dspec_cli.runtime.engine import GenerationConfig, SpeculativeEngine
+from dspec_cli.runtime.target import Target
 from dspec_cli.testing import check_engine_lossless, chi_square_gof
-from dspec_dflash.loss import block_losses
 
 PROMPTS = ["Speculative decoding drafts", "The quick brown fox", "Numbers like 0 1 2"]
 SAMPLINGS = [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9)]
@@ -232,7 +232,7 @@ def test_checkpoint_mismatch_errors(target, tmp_path):
 
 def test_load_default(target, tmp_path, monkeypatch):
 
-    monkeypatch.setattr("dspec_cli.target.embedded_path", lambda name: tmp_path / name)
+    monkeypatch.setattr("dspec_cli.runtime.drafter.embedded_path", lambda name: tmp_path / name)
     cls = get_drafter_class("dflash")
     with pytest.raises(DspecError, match="no trained dflash drafter is embedded; train one with `dspec train --drafter dflash"):
         cls.load_default(target)

@@ -6,11 +6,19 @@ import json
 
 import pytest
 import torch
-from test_dflash import SAMPLINGS, build, check_draft_probs, check_greedy, check_lossless, check_training, training_batch
+from test_dflash import (
+    SAMPLINGS,
+    build,
+    check_draft_probs,
+    check_greedy,
+    check_lossless,
+    check_training,
+    training_batch,
+)
 from tiny_models import tiny_target
 
-from dspec_cli.errors import DspecError
-from dspec_cli.plugins import get_drafter_class
+from dspec_cli.core.errors import DspecError
+from dspec_cli.core.plugins import get_drafter_class
 
 NAMES = ["dspark-markov", "dspark-rnn"]
 

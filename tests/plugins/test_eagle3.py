@@ -9,18 +9,24 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tiny_models import training_batch, tiny_target, tiny_tokenizer
+from dspec_eagle3 import (
+    Eagle3Config,
+    Eagle3Drafter,
+    build_vocab_mapping,
+    default_layer_ids,
+    ttt_attention_mask,
+)
+from dspec_eagle3.loss import ttt_outputs
+from tiny_models import tiny_target, tiny_tokenizer, training_batch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from dspec_cli import sampling
-from dspec_cli.engine import GenerationConfig, RoundSampler, SpeculativeEngine
-from dspec_cli.errors import DspecError
-from dspec_cli.plugins import get_drafter_class
-from dspec_cli.target import Target
+from dspec_cli.core import sampling
+from dspec_cli.core.errors import DspecError
+from dspec_cli.core.plugins import get_drafter_class
+from dspec_cli.runtime.engine import GenerationConfig, RoundSampler, SpeculativeEngine
+from dspec_cli.runtime.target import Target
+from dspec_cli.runtime.verify import verify_tree
 from dspec_cli.testing import check_engine_lossless, gof_test
-from dspec_cli.verify import verify_tree
-from dspec_eagle3 import Eagle3Config, Eagle3Drafter, build_vocab_mapping, default_layer_ids, ttt_attention_mask
-from dspec_eagle3.loss import ttt_outputs
 
 PROMPTS = ["Speculative decoding drafts", "The quick brown fox", "Numbers like 0 1 2"]
 TEXTS = [
@@ -467,7 +473,7 @@ def test_checkpoint_errors(target, tmp_path):
 
 def test_load_default_without_embedded_drafter(target, monkeypatch, tmp_path):
 
-    monkeypatch.setattr("dspec_cli.target.embedded_path", lambda name: tmp_path / name)
+    monkeypatch.setattr("dspec_cli.runtime.drafter.embedded_path", lambda name: tmp_path / name)
     with pytest.raises(DspecError, match="dspec train --drafter eagle3"):
         Eagle3Drafter.load_default(target)
     build(target).save_pretrained(tmp_path / "drafters" / "eagle3")

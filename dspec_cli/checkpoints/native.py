@@ -1,0 +1,109 @@
+"""dspec's own drafter checkpoint format (docs/checkpoints.md): what ``config.json`` records of
+the drafter and its target, and the checks that a folder fits a target.
+
+A drafter checkpoint is a folder: ``config.json`` (:func:`checkpoint_config`), ``model.safetensors``
+(trainable weights only), optional ``calibration.json``, ``cost_table.json`` and ``bench.json``,
+and a ``README.md`` model card (:mod:`dspec_cli.checkpoints.model_card`). :func:`check_checkpoint_config`
+validates a folder against a target; every field it reads is optional, so older checkpoints load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from dspec_cli.core.calibration import Calibration
+from dspec_cli.core.errors import DspecError
+from dspec_cli.core.files import (
+    CALIBRATION_FILE,
+    COST_TABLE_FILE,
+    DEFAULT_TARGET_PATH,
+    EMBEDDED,
+    config_target,
+    read_config,
+)
+from dspec_cli.core.hardware import CostTable
+from dspec_cli.core.version import __version__
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 of the vocabulary (token -> id, sorted by token) and the sorted special tokens."""
+    data = {"vocab": sorted(tokenizer.get_vocab().items()), "special": sorted(map(str, tokenizer.all_special_tokens))}
+    return hashlib.sha256(json.dumps(data, separators=(",", ":")).encode()).hexdigest()
+
+
+def weights_fingerprint(model, sample: int = 65536) -> str:
+    """sha256 over the shapes of all parameters and the first ``sample`` values of the input
+    embedding, the output head and the last parameter: tells two checkpoints of one architecture
+    apart (e.g. a retrained target under the same name) without reading every weight."""
+    h = hashlib.sha256()
+    params = list(model.named_parameters())
+    for name, p in params:
+        h.update(f"{name}:{tuple(p.shape)};".encode())
+    picks = [model.get_input_embeddings().weight, model.get_output_embeddings().weight, params[-1][1]]
+    for p in picks:
+        h.update(p.detach().reshape(-1)[:sample].float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def target_id(target) -> str:
+    """How config.json names a target: "embedded", a Hub id (also for a Hub-cache snapshot), an
+    absolute local path, or "" when unknown (a model built in memory)."""
+    name = str(getattr(target.model.config, "_name_or_path", "") or "")
+    if not name:
+        return ""
+    cached = re.search(r"models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$", name)
+    if cached:
+        return f"{cached.group(1)}/{cached.group(2)}"
+    path = Path(name)
+    if not path.exists():
+        return name  # a Hub id that transformers resolved itself
+    path = path.resolve()
+    return EMBEDDED if path == DEFAULT_TARGET_PATH.resolve() else str(path)
+
+
+def checkpoint_config(drafter) -> dict[str, Any]:
+    """config.json of ``drafter``: name, dspec version, architectures, its target, its hyper-parameters."""
+    target = drafter.target
+    info: dict[str, Any] = {"name_or_path": target_id(target), "vocab_size": target.vocab_size,
+                            "hidden_size": target.hidden_size, "num_hidden_layers": target.num_layers}
+    if target.tokenizer is not None:
+        info["tokenizer_sha256"] = tokenizer_fingerprint(target.tokenizer)
+    arch = "Dspec" + "".join(part.capitalize() for part in re.split(r"[^A-Za-z0-9]+", drafter.name)) + "Drafter"
+    return {"drafter": drafter.name, "dspec_version": __version__, "architectures": [arch], "target": info,
+            "drafter_config": drafter.config.to_dict()}
+
+
+_SIZES = (("hidden_size", "hidden size", "hidden_size"), ("vocab_size", "vocabulary size", "vocab_size"),
+          ("num_hidden_layers", "target layer count", "num_layers"))
+
+
+def check_checkpoint_config(name: str, path: Path, target) -> None:
+    """One-line errors for a checkpoint of another drafter, for another target (sizes, tokenizer),
+    or with a malformed calibration.json / cost_table.json."""
+    raw = read_config(path)
+    saved = raw.get("drafter")
+    if saved not in (None, name):
+        raise DspecError(f"checkpoint {path} holds a {saved!r} drafter, not {name!r}")
+    stored = {**{k: raw["drafter_config"].get(k) for k in ("hidden_size", "vocab_size")}, **config_target(raw)}
+    for key, label, attr in _SIZES:
+        got, want = stored.get(key), getattr(target, attr)
+        if got and got != want:
+            raise DspecError(f"checkpoint {path}: drafter {label} {got} does not match the target's {want}")
+    fingerprint = stored.get("tokenizer_sha256")
+    if fingerprint and target.tokenizer is not None:
+        mine = tokenizer_fingerprint(target.tokenizer)
+        if mine != fingerprint:
+            raise DspecError(
+                f"checkpoint {path}: the target's tokenizer differs from the drafter's "
+                f"(fingerprint {mine[:12]} vs {fingerprint[:12]}): token ids would not match"
+            )
+    if (path / CALIBRATION_FILE).is_file():
+        Calibration.load(path / CALIBRATION_FILE, drafter=name)
+    if (path / COST_TABLE_FILE).is_file():
+        CostTable.load(path / COST_TABLE_FILE)
+
+

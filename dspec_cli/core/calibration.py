@@ -1,0 +1,96 @@
+"""A drafter's confidence calibration: per-position STS temperatures (``calibration.json``) and
+the one function that applies them, σ(logit(c_k) / T_k) (DSpark paper §3.2.1). Fitting lives in
+:mod:`dspec_cli.workflows.calibrate`."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dspec_cli.core.errors import DspecError
+from dspec_cli.core.files import CALIBRATION_FILE
+
+
+def apply_temperatures(confidence: torch.Tensor, temperatures: Sequence[float] | torch.Tensor | None) -> torch.Tensor:
+    """σ(logit(c_k) / T_k) per position of confidence [..., γ]; positions past the list keep T = 1."""
+    if temperatures is None or len(temperatures) == 0:
+        return confidence
+    gamma = confidence.shape[-1]
+    temps = torch.ones(gamma, dtype=confidence.dtype, device=confidence.device)
+    t = torch.as_tensor(temperatures, dtype=confidence.dtype, device=confidence.device)[:gamma]
+    temps[: t.numel()] = t
+    return torch.sigmoid(torch.logit(confidence) / temps)
+
+
+@dataclass
+class Calibration:
+    """Per-position temperatures for one drafter and block size (``calibration.json``)."""
+
+    drafter: str
+    block_size: int
+    temperatures: list[float]
+    metrics: dict = field(default_factory=dict)  # {"before": position_metrics, "after": ...}
+    source: str = ""  # the file it was read from (for messages)
+
+    def __post_init__(self) -> None:
+        where = self.source or "calibration"
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise DspecError(f"{where}: block_size must be a positive integer, got {self.block_size!r}")
+        temps = self.temperatures
+        if not isinstance(temps, list) or not all(
+            isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0 for t in temps
+        ):
+            raise DspecError(f"{where}: temperatures must be a list of positive numbers")
+        if len(temps) != self.block_size:
+            raise DspecError(f"{where}: {len(temps)} temperatures for block size {self.block_size}")
+
+    def check(self, drafter: str | None = None, block_size: int | None = None) -> None:
+        """DspecError unless this calibration belongs to ``drafter`` at ``block_size``."""
+        where = self.source or "calibration"
+        if drafter is not None and self.drafter and self.drafter != drafter:
+            raise DspecError(f"{where} is for drafter {self.drafter!r}, not {drafter!r}")
+        if block_size is not None and self.block_size != block_size:
+            raise DspecError(f"{where} is for block size {self.block_size}, not {block_size}")
+
+    def apply(self, confidence: torch.Tensor) -> torch.Tensor:
+        """Calibrated confidences [..., γ'] (γ' <= block size; positions past it keep T = 1)."""
+        return apply_temperatures(confidence, self.temperatures)
+
+    def to_dict(self) -> dict:
+        return {"drafter": self.drafter, "block_size": self.block_size, "temperatures": self.temperatures,
+                "metrics": self.metrics}
+
+    def save(self, path: str | Path) -> Path:
+        """Write to ``path`` (a folder gets ``calibration.json`` inside); returns the file."""
+        path = Path(path)
+        file = path / CALIBRATION_FILE if path.is_dir() else path
+        file.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return file
+
+    @classmethod
+    def load(cls, path: str | Path, *, drafter: str | None = None, block_size: int | None = None) -> Calibration:
+        """Read a file (or a folder's ``calibration.json``) and check it fits drafter / block size.
+
+        Files holding only ``{"temperatures": [...]}`` are accepted (block size = their length,
+        drafter unknown).
+        """
+        path = Path(path)
+        file = path / CALIBRATION_FILE if path.is_dir() else path
+        if not file.is_file():
+            raise DspecError(f"calibration file {file} not found")
+        try:
+            raw = json.loads(file.read_text())
+        except json.JSONDecodeError as exc:
+            raise DspecError(f"{file}: not valid JSON ({exc.msg})") from None
+        if not isinstance(raw, dict) or "temperatures" not in raw:
+            raise DspecError(f"{file}: expected an object with 'temperatures'")
+        temps = raw["temperatures"]
+        size = raw.get("block_size", len(temps) if isinstance(temps, list) else 0)
+        cal = cls(str(raw.get("drafter", "")), size, temps, raw.get("metrics", {}), str(file))
+        cal.check(drafter, block_size)
+        return cal

@@ -1,0 +1,353 @@
+"""Hardware profiling: the target's steps per second SPS(B) for token-batch sizes B (DSpark §3.2.2).
+
+:func:`profile_sps` times one target forward of B new tokens after a context of C cached
+tokens per row, for B on a grid and several C. The B tokens are laid out as
+``ceil(B / row_tokens)`` rows of (nearly) equal length — the padded [rows, q] block a ragged
+verify computes — and every row holds C random tokens in a ``DynamicCache`` that is cropped
+back to C after each timed forward. Each point: ``warmup`` untimed forwards, then the median
+and inter-quartile range of ``repeats`` timed ones (CUDA synchronised).
+
+:class:`CostTable` is the JSON result and what the schedulers read. Lookups
+(:meth:`CostTable.sps`) interpolate the step *time* linearly in B (and in C between profiled
+contexts, clamped outside; ``context=None`` averages the step time over contexts). Past the
+largest profiled B the time grows proportionally to B. Before any lookup the measured curve
+is cleaned to be monotone: the step time is replaced by its least-squares non-decreasing fit
+over B (:func:`isotonic`), so SPS(B) never increases with B. Noise cannot make a larger batch
+look faster, and, unlike a running maximum, one slow outlier does not raise every larger B
+(on a flat stretch that would invent a marginal cost the hardware does not have); real steps
+and cliffs stay. The raw medians stay in the file.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import platform
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dspec_cli.core.errors import DspecError
+
+DEFAULT_CONTEXTS = (128, 512, 2048)
+
+
+class CostTableMismatch(UserWarning):
+    """A cost table profiled on another device or model."""
+
+
+class SlowHalfPrecision(UserWarning):
+    """Half-precision weights on a CPU whose instruction set has no native matmul for them."""
+
+
+# x86 CPU flags (Linux /proc/cpuinfo) of native half-precision matmul support.
+_NATIVE_HALF_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
+
+
+def cpu_native_half(dtype: torch.dtype) -> bool | None:
+    """Whether this CPU multiplies ``dtype`` natively; None where that cannot be told (not x86
+    Linux, or not a half-precision dtype). Without it PyTorch falls back to a path that ran a
+    [4096, 256] x [256, 8192] bf16 matmul ~180x slower than float32 on an AVX2-only EPYC."""
+    lines = _cpuinfo()
+    if dtype not in _NATIVE_HALF_FLAGS or platform.machine() not in ("x86_64", "AMD64") or not lines:
+        return None
+    flags = {f for line in lines if line.startswith("flags") for f in line.split()}
+    return any(f in flags for f in _NATIVE_HALF_FLAGS[dtype])
+
+
+def _cpuinfo() -> list[str]:
+    """Lines of /proc/cpuinfo ([] where there is none)."""
+    path = Path("/proc/cpuinfo")
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def warn_if_slow_half(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Warn (:class:`SlowHalfPrecision`) when ``dtype`` on ``device`` is a CPU without native
+    support for it; return whether it warned."""
+    if dtype not in _NATIVE_HALF_FLAGS or torch.device(device).type != "cpu" or cpu_native_half(dtype) is not False:
+        return False
+    flags = " / ".join(_NATIVE_HALF_FLAGS[dtype])
+    warnings.warn(f"{str(dtype).removeprefix('torch.')} on this CPU (no {flags}) runs matmuls in a slow "
+                  "fallback, far slower than float32: use --dtype float32", SlowHalfPrecision, stacklevel=3)
+    return True
+
+
+def device_name(device: torch.device | str) -> str:
+    """Human-readable name of a device: the GPU model, or the CPU model (so a cost table
+    profiled on one CPU is flagged on another, as on another GPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    for line in _cpuinfo():
+        key, _, value = line.partition(":")
+        if key.strip() in ("model name", "Model") and value.strip():
+            return value.strip()
+    return platform.processor() or platform.machine()
+
+
+def isotonic(values: torch.Tensor) -> torch.Tensor:
+    """Least-squares non-decreasing fit of values [G] (pool adjacent violators): runs that
+    decrease are replaced by their mean."""
+    blocks: list[list[float]] = []  # [sum, count] per pooled run
+    for v in values.tolist():
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    fit = [total / count for total, count in blocks for _ in range(count)]
+    return torch.tensor(fit, dtype=values.dtype)
+
+
+def default_grid(max_tokens: int) -> list[int]:
+    """Every B up to 16, then steps of 4 to 64, 8 to 128, 16 to 256, 32 beyond; ends at max_tokens."""
+    if max_tokens < 1:
+        raise DspecError(f"--max-batch-tokens must be >= 1, got {max_tokens}")
+    grid = list(range(1, 17)) + list(range(20, 65, 4)) + list(range(72, 129, 8)) + list(range(144, 257, 16))
+    grid += list(range(288, max_tokens + 1, 32))
+    return sorted({b for b in grid if b <= max_tokens} | {max_tokens})
+
+
+@dataclass
+class CostTable:
+    """SPS(B) per profiled context length, with where and how it was measured."""
+
+    device: str
+    device_name: str
+    dtype: str
+    model: str
+    torch: str
+    grid: list[int]  # B values, ascending
+    contexts: list[int]  # C values, ascending
+    measured: dict[str, list[float]]  # str(C) -> median steps/s per grid point, raw (JSON key "sps")
+    spread: dict[str, list[float]] = field(default_factory=dict)  # str(C) -> IQR of steps/s
+    row_tokens: int = 8
+    repeats: int = 0
+    warmup: int = 0
+    source: str = ""  # the file it was read from (for messages)
+
+    def __post_init__(self) -> None:
+        where = self.source or "cost table"
+        if not self.grid or self.grid != sorted(set(self.grid)) or self.grid[0] < 1:
+            raise DspecError(f"{where}: grid must be increasing positive integers")
+        if not self.contexts or self.contexts != sorted(set(self.contexts)):
+            raise DspecError(f"{where}: contexts must be increasing integers")
+        rows = []
+        for c in self.contexts:
+            values = self.measured.get(str(c))
+            if not isinstance(values, list) or len(values) != len(self.grid):
+                raise DspecError(f"{where}: sps[{c}] must list one value per grid point ({len(self.grid)})")
+            if not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values):
+                raise DspecError(f"{where}: sps[{c}] must hold positive numbers")
+            rows.append(values)
+        step_time = 1.0 / torch.tensor(rows, dtype=torch.float64)  # [C, G]
+        self._time = torch.stack([isotonic(row) for row in step_time])  # monotone cleanup
+        self._grid = torch.tensor(self.grid, dtype=torch.float64)
+        self._curves: dict = {}
+
+    # -- lookups -------------------------------------------------------------------------------
+    def step_time(self, tokens: torch.Tensor, context: float | None = None) -> torch.Tensor:
+        """Seconds per forward for token counts ``tokens`` [...] (>= 1), cleaned and interpolated."""
+        b = tokens.double().cpu()
+        per_context = torch.stack([self._interp_b(row, b) for row in self._time])  # [C, ...]
+        if context is None:
+            return per_context.mean(0)
+        if len(self.contexts) == 1:
+            return per_context[0]
+        ctx = torch.tensor(self.contexts, dtype=torch.float64)
+        c = torch.tensor(float(context), dtype=torch.float64).clamp(ctx[0], ctx[-1])
+        hi = int(torch.searchsorted(ctx, c).clamp(1, len(ctx) - 1))
+        return torch.lerp(per_context[hi - 1], per_context[hi], (c - ctx[hi - 1]) / (ctx[hi] - ctx[hi - 1]))
+
+    def _interp_b(self, row: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """Step time of one context's cleaned row [G] at token counts b [...]."""
+        g = self._grid
+        inside_b = b.clamp(float(g[0]), float(g[-1]))
+        if len(g) == 1:
+            inside = row[0].expand_as(b)
+        else:
+            hi = torch.searchsorted(g, inside_b).clamp(1, len(g) - 1)
+            lo = hi - 1
+            inside = torch.lerp(row[lo], row[hi], (inside_b - g[lo]) / (g[hi] - g[lo]))
+        return torch.where(b > g[-1], row[-1] * b / g[-1], inside)
+
+    def sps(self, tokens: int | float, context: float | None = None) -> float:
+        """Steps per second of a forward of ``tokens`` new tokens (cleaned, interpolated)."""
+        if tokens < 1:
+            raise ValueError(f"tokens must be >= 1, got {tokens}")
+        return float(1.0 / self.step_time(torch.tensor(float(tokens)), context))
+
+    def sps_curve(
+        self, max_tokens: int, context: float | None = None, device: torch.device | str = "cpu"
+    ) -> torch.Tensor:
+        """SPS(B) indexed by B = 0..n, n >= max_tokens, float64 on ``device`` (entry 0 = SPS(1));
+        cached per device and context (rounded to 16 tokens: schedulers ask every round)."""
+        if context is not None:
+            context = float(16 * round(context / 16))
+        key = (context, str(device))
+        curve = self._curves.get(key)
+        if curve is None or curve.shape[0] <= max_tokens:
+            n = max(max_tokens, 2 * (curve.shape[0] if curve is not None else 64))
+            b = torch.arange(n + 1, dtype=torch.float64).clamp(min=1)
+            curve = (1.0 / self.step_time(b, context)).to(device)
+            self._curves[key] = curve
+        return curve
+
+    # -- provenance ----------------------------------------------------------------------------
+    def check(
+        self,
+        *,
+        device: torch.device | str | None = None,
+        model: str | None = None,
+        strict: bool = False,
+    ) -> list[str]:
+        """Problems if this table was profiled on another device (by name) or model.
+
+        strict=True raises DspecError on the first; otherwise each is warned as
+        :class:`CostTableMismatch` and returned.
+        """
+        where = self.source or "cost table"
+        problems = []
+        if device is not None:
+            here = device_name(device)
+            if here != self.device_name:
+                problems.append(f"{where} was profiled on {self.device_name!r}, this run uses {here!r}")
+        if model is not None and model != self.model:
+            problems.append(f"{where} was profiled for model {self.model!r}, this run uses {model!r}")
+        if problems and strict:
+            raise DspecError(problems[0])
+        for p in problems:
+            warnings.warn(p, CostTableMismatch, stacklevel=2)
+        return problems
+
+    # -- files ---------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        keys = ("device", "device_name", "dtype", "model", "torch", "grid", "contexts", "measured", "spread",
+                "row_tokens", "repeats", "warmup")
+        return {"sps" if k == "measured" else k: getattr(self, k) for k in keys}
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostTable:
+        path = Path(path)
+        if not path.is_file():
+            raise DspecError(f"cost table {path}: file not found")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise DspecError(f"cost table {path}: not valid JSON ({exc.msg})") from None
+        required = ("device", "device_name", "dtype", "model", "torch", "grid", "contexts", "sps")
+        missing = [k for k in required if not isinstance(raw, dict) or k not in raw]
+        if missing:
+            raise DspecError(f"cost table {path}: missing key(s) {', '.join(missing)}")
+        known = {k: raw[k] for k in (*required, "spread", "row_tokens", "repeats", "warmup") if k in raw}
+        known["measured"] = known.pop("sps")
+        try:
+            return cls(**known, source=str(path))
+        except TypeError as exc:
+            raise DspecError(f"cost table {path}: malformed ({exc})") from None
+
+
+# --------------------------------------------------------------------------------------
+# Profiling
+# --------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def profile_sps(
+    model,
+    *,
+    grid: Sequence[int],
+    contexts: Sequence[int] = DEFAULT_CONTEXTS,
+    repeats: int = 10,
+    warmup: int = 2,
+    row_tokens: int = 8,
+    model_name: str = "",
+    seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+) -> CostTable:
+    """Profile a transformers causal LM (see module docstring). ``progress(context, B)`` after each point."""
+    from transformers import DynamicCache
+
+    grid = sorted(set(int(b) for b in grid))
+    contexts = sorted(set(int(c) for c in contexts))
+    if not grid or grid[0] < 1:
+        raise DspecError("the batch-token grid must hold integers >= 1")
+    if not contexts or contexts[0] < 1:
+        raise DspecError("--contexts values must be >= 1")
+    if repeats < 1 or warmup < 0 or row_tokens < 1:
+        raise DspecError(
+            f"need --repeats >= 1, --warmup >= 0, --row-tokens >= 1; got {repeats}, {warmup}, {row_tokens}"
+        )
+    config = model.config.get_text_config()
+    max_ctx = getattr(config, "max_position_embeddings", None)
+    if max_ctx and contexts[-1] + row_tokens > max_ctx:
+        raise DspecError(
+            f"--contexts {contexts[-1]} plus {row_tokens} new tokens exceeds the model's context of {max_ctx}"
+        )
+    dev = next(model.parameters()).device
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    gen = torch.Generator().manual_seed(seed)
+    vocab = config.vocab_size
+    sps: dict[str, list[float]] = {}
+    spread: dict[str, list[float]] = {}
+    for ctx in contexts:
+        prompt = torch.randint(vocab, (1, ctx), generator=gen).to(dev)
+        cache = DynamicCache()
+        model(input_ids=prompt, use_cache=True, **{cache_kw: cache})
+        cache.batch_repeat_interleave(math.ceil(grid[-1] / row_tokens))  # all rows hold the same context
+        rows_now = math.ceil(grid[-1] / row_tokens)
+        medians, iqrs = {}, {}
+        for b in reversed(grid):  # rows only shrink: select, never regrow
+            rows = math.ceil(b / row_tokens)
+            if rows < rows_now:
+                cache.batch_select_indices(torch.arange(rows, device=dev))
+                rows_now = rows
+            q = math.ceil(b / rows)
+            ids = torch.randint(vocab, (rows, q), generator=gen).to(dev)
+            samples = []
+            for i in range(warmup + repeats):
+                _sync(dev)
+                t0 = time.perf_counter()
+                model(input_ids=ids, use_cache=True, **{cache_kw: cache})
+                _sync(dev)
+                dt = time.perf_counter() - t0
+                cache.crop(-q)
+                if i >= warmup:
+                    samples.append(1.0 / dt)
+            q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive") if repeats > 1 else samples * 3
+            medians[b], iqrs[b] = statistics.median(samples), q3 - q1  # one repeat: IQR 0
+            if progress is not None:
+                progress(ctx, b)
+        del cache
+        sps[str(ctx)] = [medians[b] for b in grid]
+        spread[str(ctx)] = [iqrs[b] for b in grid]
+    return CostTable(
+        device=dev.type,
+        device_name=device_name(dev),
+        dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
+        model=model_name or getattr(model.config, "_name_or_path", "") or type(model).__name__,
+        torch=torch.__version__,
+        grid=grid,
+        contexts=contexts,
+        measured=sps,
+        spread=spread,
+        row_tokens=row_tokens,
+        repeats=repeats,
+        warmup=warmup,
+    )

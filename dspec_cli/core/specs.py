@@ -1,0 +1,71 @@
+"""Drafter and scheduler specs as the CLI takes them: ``NAME[:BASE][,KEY=VALUE...]``, resolved
+through the plugin registry, option values typed by the class's own defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import re
+from typing import Any
+
+from dspec_cli.core import plugins
+from dspec_cli.core.errors import DspecError
+
+
+def _split_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """``HEAD[,KEY=VALUE...]`` -> (HEAD, raw options); commas inside values (JSON lists) stay."""
+    head, *pairs = re.split(r",(?=\s*[A-Za-z_]\w*\s*=)", spec)
+    raw = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        raw[key.strip()] = value.strip()
+    return head, raw
+
+
+def _typed_options(flag: str, spec: str, raw: dict[str, str], defaults: dict[str, Any], hint: str = "") -> dict[str, Any]:
+    unknown = sorted(set(raw) - set(defaults))
+    if unknown:
+        raise DspecError(f"{flag} {spec!r}: unknown option(s) {', '.join(unknown)}; valid: {', '.join(defaults) or 'none'}{hint}")
+    return {key: _option_value(flag, spec, key, value, defaults[key]) for key, value in raw.items()}
+
+
+def parse_drafter_spec(spec: str) -> tuple[type, dict[str, Any]]:
+    """``NAME[:BASE][,KEY=VALUE...]`` -> (drafter class, config overrides); ``:BASE`` means
+    ``base=BASE`` (``ddtree:dspark``). Values take the type of the config field's default."""
+    head, raw = _split_spec(spec)
+    name, colon, base = head.partition(":")
+    cls = plugins.get_drafter_class(name.strip())
+    if colon:
+        raw = {"base": base.strip(), **raw}
+    defaults = {f.name: f.default for f in dataclasses.fields(cls.config_class) if f.name != "block_size"}
+    return cls, _typed_options("--drafter", spec, raw, defaults, " (the block size is --block-size)")
+
+
+def parse_scheduler_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``NAME[,KEY=VALUE...]`` -> (scheduler name, constructor options), e.g. ``hardware,gate=false``.
+    Valid keys are the keyword parameters of the scheduler's constructors (calibration aside)."""
+    head, raw = _split_spec(spec)
+    name = head.strip()
+    cls = plugins.get_scheduler_class(name)
+    defaults: dict[str, Any] = {}
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        for p in inspect.signature(init).parameters.values():
+            if p.kind is p.KEYWORD_ONLY and p.name != "context" and p.name not in defaults:
+                defaults[p.name] = p.default
+    return name, _typed_options("--scheduler", spec, raw, defaults)
+
+
+def _option_value(flag: str, spec: str, key: str, value: str, default: Any) -> Any:
+    try:
+        if isinstance(default, bool):
+            return {"true": True, "1": True, "false": False, "0": False}[value.lower()]
+        if isinstance(default, (int, float, str)):
+            return type(default)(value)
+        return json.loads(value)
+    except (KeyError, ValueError):
+        kind = type(default).__name__ if default not in (dataclasses.MISSING, None) else "JSON"
+        raise DspecError(f"{flag} {spec!r}: {key} expects {kind}, got {value!r}") from None

@@ -1,0 +1,78 @@
+"""The data that flows through a speculative round, shared by every layer.
+
+A drafter returns a :class:`Proposal` (a chain, or a :class:`DraftTree`); the target returns a
+:class:`StepOutput` per forward; the verifier returns a :class:`VerifyResult`. :class:`Sampler`
+is what a drafter samples its drafts with. Tensors are batched by request row r (R rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    """A draft tree per request. Node 0 is the root (the anchor); nodes 1..N_r are drafts."""
+
+    tokens: torch.Tensor  # [R, N] long, padded with -1
+    parents: torch.Tensor  # [R, N] long: local parent index (0 = root), parents precede children
+    num_nodes: torch.Tensor  # [R] long
+
+
+@dataclass
+class Proposal:
+    """What a drafter proposes for one round."""
+
+    tokens: torch.Tensor  # [R, γ] long (chain drafts; padded past `lengths` with 0)
+    lengths: torch.Tensor  # [R] long: valid draft tokens per request, <= γ
+    draft_probs: torch.Tensor | None = None  # [R, γ, V] q_k; None = deterministic (one-hot) drafts
+    confidence: torch.Tensor | None = None  # [R, γ] c_k ≈ P(x_k accepted | x_<k accepted), in (0, 1)
+    tree: DraftTree | None = None  # set by tree drafters instead of a chain
+    draft_seconds: float = 0.0  # filled by the engine (timing)
+
+
+class Sampler(Protocol):
+    """Sampling at the run's settings, with per-request counter-based randomness."""
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R, V]
+        ...
+
+    def sample(self, probs: torch.Tensor, step: int) -> torch.Tensor:
+        """Draw of draft ``step``: probs [R, V] -> [R]; or of drafts step..step+n−1 at once:
+        probs [R, n, V] -> [R, n] (the same tokens as n single calls)."""
+        ...
+
+
+@dataclass
+class VerifyResult:
+    """Outcome of one verification step for R requests.
+
+    accepted:   [R] long, accepted drafts per request
+    tokens:     [R, W] long, the accepted drafts then the correction/bonus token, -1 padded
+    num_tokens: [R] long, committed tokens per request (= accepted + 1)
+    path:       [R, D+1] long or None (trees): path[r, 0] = 0 is the root, path[r, j] the
+                node accepted at depth j (j <= accepted); -1 padded. The bonus token is sampled
+                from the target row of node path[r, accepted].
+    """
+
+    accepted: torch.Tensor
+    tokens: torch.Tensor
+    num_tokens: torch.Tensor
+    path: torch.Tensor | None = None
+
+
+@dataclass
+class StepOutput:
+    """Target outputs of one prefill or verify.
+
+    ``logits``: [Σn_r, V] float, n_r = tokens of row r (prefill: last-position logits [R_new, V]).
+    ``hidden``: [Σn_r, n·d] taps (prefill: list of [L_r, n·d], one per new request).
+    ``rows``: [Σn_r] batch row of each flattened entry (prefill: [R_new] rows of the new requests).
+    """
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | list[torch.Tensor]
+    rows: torch.Tensor

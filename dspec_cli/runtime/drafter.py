@@ -1,0 +1,281 @@
+"""The drafter interface every plugin implements (DESIGN §3).
+
+A drafter proposes up to γ tokens per request per round. The engine owns the loop:
+
+    state = drafter.init_state()
+    drafter.add_requests(state, prompts, hidden)          # new rows join (continuous batching)
+    loop:
+        proposal = drafter.propose(state, anchors, max_len, sampler)
+        ... scheduler picks ℓ_r, target verifies, verifier accepts ...
+        drafter.advance(state, committed, counts, hidden)  # only committed tokens enter caches
+    drafter.remove_requests(state, keep)                  # finished rows leave
+
+Rows of every per-request tensor follow the engine's batch order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from dspec_cli.checkpoints.layouts import load_foreign
+from dspec_cli.checkpoints.native import check_checkpoint_config, checkpoint_config
+from dspec_cli.core.calibration import Calibration
+from dspec_cli.core.errors import DspecError
+from dspec_cli.core.files import (
+    CALIBRATION_FILE,
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    embedded_path,
+    read_config,
+)
+from dspec_cli.core.types import Proposal, Sampler
+
+if TYPE_CHECKING:
+    from dspec_cli.runtime.target import Target
+
+CAPABILITIES = ("draft_probs", "confidence", "tree", "trainable", "marginals")
+
+
+@dataclass
+class DrafterConfig:
+    """Hyper-parameters serialised into a checkpoint's config.json. Subclass to add fields."""
+
+    block_size: int = 7  # γ: draft tokens proposed per round
+    target_layer_ids: tuple[int, ...] = ()  # target decoder layers the drafter reads (-1 = embeddings)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise DspecError(f"block_size must be >= 1, got {self.block_size}")
+        self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], *, where: str = "config") -> DrafterConfig:
+        """Build from a dict; unknown keys are an error that lists the valid ones."""
+        valid = cls.field_names()
+        unknown = sorted(set(values) - set(valid))
+        if unknown:
+            raise DspecError(f"{where}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(valid)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+
+
+@dataclass
+class DraftState:
+    """Per-batch drafter state. Subclasses add caches; rows follow the engine's batch order."""
+
+    context: list[torch.Tensor] = field(default_factory=list)  # committed token ids per request [L_r]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.context)
+
+
+def heuristic_confidence(draft_probs: torch.Tensor | None, lengths: torch.Tensor, gamma: int) -> torch.Tensor:
+    """Non-anticipating confidence from the shape of q_k: Σ_v q_k(v)², never q_k(x_k).
+
+    Σq² is the chance that the target (if it matched q) would draw the token the draft drew,
+    so it only uses the distribution the draft token is sampled from. One-hot drafts
+    (draft_probs None) get 0.5: no information. Returns [R, γ] in (0, 1).
+    """
+    R = lengths.shape[0]
+    if draft_probs is None:
+        conf = torch.full((R, gamma), 0.5, device=lengths.device)
+    else:
+        conf = draft_probs.float().pow(2).sum(-1)  # [R, γ]
+    return conf.clamp(1e-4, 1 - 1e-4)
+
+
+class Drafter:
+    """Base class of every drafter. Class attributes describe it to the plugin registry."""
+
+    name: ClassVar[str] = ""
+    config_class: ClassVar[type[DrafterConfig]] = DrafterConfig
+    capabilities: ClassVar[frozenset[str]] = frozenset()
+    description: ClassVar[str] = ""
+    # STS temperatures from the checkpoint's calibration.json; the engine applies them to every
+    # proposal's confidences (the one place calibration is applied). None: confidences as drafted.
+    calibration: Calibration | None = None
+
+    def __init__(self, config: DrafterConfig, target: Target):
+        self.config = config
+        self.target = target
+
+    # -- construction and persistence ------------------------------------------------
+    @classmethod
+    def build(cls, config: DrafterConfig, target: Target) -> Drafter:
+        """A fresh (untrained) drafter for ``target``."""
+        return cls(config, target)
+
+    @classmethod
+    def load_default(cls, target: Target, **overrides: Any) -> Drafter:
+        """The drafter used when no checkpoint is given (trained drafters: the embedded one)."""
+        return cls.build(cls.config_class(**overrides), target)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, target: Target, **overrides: Any) -> Drafter:
+        """Load a checkpoint folder written by :meth:`save_pretrained`."""
+        path = Path(path)
+        values = {**read_config(path).get("drafter_config", {}), **overrides}
+        return cls.build(cls.config_class.from_dict(values, where=str(path / CONFIG_FILE)), target)
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write config.json (:func:`~dspec_cli.checkpoints.native.checkpoint_config`)."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / CONFIG_FILE).write_text(json.dumps(checkpoint_config(self), indent=2) + "\n")
+        if self.calibration is not None:
+            self.calibration.save(path / CALIBRATION_FILE)
+
+    # -- the decoding cycle ----------------------------------------------------------
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        return tuple(self.config.target_layer_ids)
+
+    def init_state(self) -> DraftState:
+        return DraftState()
+
+    def add_requests(self, state: DraftState, prompts: list[torch.Tensor], hidden: list[torch.Tensor] | None) -> None:
+        """New requests join: prompt ids [L_r] and the target's taps [L_r, n·d] (None if no taps)."""
+        state.context.extend(p.clone() for p in prompts)
+
+    def remove_requests(self, state: DraftState, keep: list[int]) -> None:
+        """Keep only rows ``keep`` (in that order)."""
+        state.context = [state.context[i] for i in keep]
+
+    def propose(self, state: DraftState, anchors: torch.Tensor, max_len: int, sampler: Sampler) -> Proposal:
+        """Draft up to ``max_len`` tokens after each anchor. anchors [R] long."""
+        raise NotImplementedError
+
+    def confidence(self, state: DraftState, proposal: Proposal) -> torch.Tensor:
+        """[R, γ] per-position confidence; default: :func:`heuristic_confidence`."""
+        return heuristic_confidence(proposal.draft_probs, proposal.lengths, proposal.tokens.shape[1])
+
+    def advance(
+        self, state: DraftState, committed: torch.Tensor, counts: torch.Tensor, hidden: torch.Tensor | None
+    ) -> None:
+        """Tokens that entered each request's context since the last call, row by row in order:
+        the anchor + accepted drafts of the round just verified, or, after rounds the engine ran
+        without drafting (draft gate), the tokens of all those rounds (counts may exceed γ + 1).
+
+        committed [Σc_r] long, counts [R] long, hidden [Σc_r, n·d] target taps or None.
+        """
+        for r, chunk in enumerate(torch.split(committed, counts.tolist())):
+            state.context[r] = torch.cat([state.context[r], chunk])
+
+    def training_loss(self, batch: dict[str, torch.Tensor], target_features: dict[str, torch.Tensor]) -> dict:
+        raise DspecError(f"drafter {self.name!r} is not trainable")
+
+
+class WrappedDrafter(Drafter):
+    """A drafter over another one, ``self.base``, whose state it keeps: the decoding cycle's state
+    methods pass through; subclasses change :meth:`propose` (e.g. ddtree's trees)."""
+
+    base: Drafter
+
+    @property
+    def calibration(self) -> Calibration | None:  # the base drafter's confidences, so its STS
+        return self.base.calibration
+
+    @calibration.setter
+    def calibration(self, value: Calibration | None) -> None:
+        self.base.calibration = value
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        return self.base.target_layer_ids
+
+    def init_state(self) -> DraftState:
+        return self.base.init_state()
+
+    def add_requests(self, state: DraftState, prompts: list[torch.Tensor], hidden: list[torch.Tensor] | None) -> None:
+        self.base.add_requests(state, prompts, hidden)
+
+    def remove_requests(self, state: DraftState, keep: list[int]) -> None:
+        self.base.remove_requests(state, keep)
+
+    def advance(self, state: DraftState, committed, counts, hidden) -> None:
+        """Committed tokens (for a tree: the accepted path) enter the base's caches."""
+        self.base.advance(state, committed, counts, hidden)
+
+
+class TrainableDrafter(Drafter):
+    """A drafter with trainable weights in ``self.net`` (an ``nn.Module``).
+
+    Checkpoints hold only these weights (``model.safetensors``); frozen parts shared with the
+    target (embedding, LM head) are taken from the target at load time. ``training_loss``
+    receives a batch ``{"input_ids" [B, L], "loss_mask" [B, L], "attention_mask" [B, L]}`` and
+    target features ``{"taps" [B, L, n·d] (raw outputs of target_layer_ids), "last_hidden"
+    [B, L, d] (final-norm output; logits = target.lm_head(last_hidden))}`` and returns
+    ``{"loss": scalar tensor, ...float metrics}``.
+    """
+
+    net: torch.nn.Module
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.net.parameters() if p.requires_grad]
+
+    def save_pretrained(self, path: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        super().save_pretrained(path)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.net.state_dict().items()}
+        save_file(state, str(Path(path) / WEIGHTS_FILE))
+
+    @classmethod
+    def load_default(cls, target: Target, **overrides: Any) -> Drafter:
+        """The embedded drafter ``assets/drafters/<name>/`` if it fits ``target``."""
+
+        path = embedded_path("drafters") / cls.name
+        hint = f"train one with `dspec train --drafter {cls.name} --recipe RECIPE` or pass --checkpoint PATH"
+        if not (path / "config.json").is_file():
+            raise DspecError(f"no trained {cls.name} drafter is embedded; {hint}")
+        try:
+            return cls.from_pretrained(path, target, **overrides)
+        except DspecError as exc:
+            raise DspecError(f"the embedded {cls.name} drafter does not fit this target ({exc}); {hint}") from None
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, target: Target, **overrides: Any) -> Drafter:
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+
+        path = Path(path)
+        if (foreign := load_foreign(cls, path, target, overrides)) is not None:
+            return foreign  # another project's layout (DeepSpec, z-lab DFlash, EAGLE-3), converted in memory
+        check_checkpoint_config(cls.name, path, target)
+        drafter = super().from_pretrained(path, target, **overrides)
+        weights = path / WEIGHTS_FILE
+        if not weights.is_file():
+            raise DspecError(f"checkpoint {path}: {WEIGHTS_FILE} is missing")
+        try:
+            state = load_file(str(weights), device=str(target.device))
+        except (SafetensorError, OSError) as exc:
+            raise DspecError(f"checkpoint {path}: {WEIGHTS_FILE} is corrupt ({exc})") from None
+        try:
+            missing, unexpected = drafter.net.load_state_dict(state, strict=False)
+        except RuntimeError as exc:  # size mismatch
+            detail = str(exc).strip().splitlines()[-1].strip()
+            raise DspecError(f"checkpoint {path}: weights do not fit drafter {cls.name!r} ({detail})") from None
+        if missing or unexpected:
+            raise DspecError(
+                f"checkpoint {path}: weights do not match drafter {cls.name!r} "
+                f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})"
+            )
+        if (path / CALIBRATION_FILE).is_file():  # validated by check_checkpoint_config
+            drafter.calibration = Calibration.load(path / CALIBRATION_FILE, drafter=cls.name)
+        return drafter
+

@@ -1,0 +1,170 @@
+"""The common verifier: chain, greedy and tree verification over a flattened ragged batch.
+
+Layout (like vLLM): request r proposes ℓ_r >= 0 drafts; its target rows are one per draft
+position followed by its bonus row, so target rows number Σ(ℓ_r + 1) and drafts Σℓ_r.
+
+Randomness, in order of precedence: explicit ``uniforms`` / ``noise`` (bit-for-bit comparable
+across backends), counter-based ``seeds`` / ``offsets`` (per request; ``offsets`` is the
+absolute position of the first draft, so numbers never depend on the batch and never repeat
+across steps), else ``generator`` (torch randomness). Coins are never exactly 0.
+
+Backends: ``"torch"`` (reference, any device), ``"triton"`` (CUDA, or CPU under
+TRITON_INTERPRET=1), ``"auto"`` (Triton on CUDA tensors when it imports, else torch).
+Chain and greedy calls synchronise with the host once (ragged lengths and, with ``validate=True``, the
+value checks); ``validate=False`` skips the value checks on hot paths.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from dspec_cli.core.sampling import (
+    exponential,
+    torch_exponential,
+    torch_uniform,
+    uniform,
+)
+from dspec_cli.core.types import VerifyResult
+from dspec_cli.runtime.verify import checks, reference
+from dspec_cli.runtime.verify.reference import COIN_SALT, NOISE_SALT
+from dspec_cli.runtime.verify.tree import verify_tree
+
+__all__ = ["VerifyResult", "triton_available", "verify_chain", "verify_greedy", "verify_tree"]
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def triton_available() -> bool:
+    """True when the optional `triton` package is installed (it is imported only when used)."""
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # e.g. sys.modules["triton"] = None
+        return False
+
+
+def _backend(backend: str, device: torch.device):
+    """The module implementing `chain` / `greedy` for this backend and device."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" and triton_available() else "torch"
+    if backend == "torch":
+        return reference
+    if not triton_available():
+        raise ValueError("backend: 'triton' requested but the triton package is not installed")
+    from dspec_cli.runtime.verify import triton as triton_backend
+
+    triton_backend.check_device(device)
+    return triton_backend
+
+
+def _ragged_sizes(values, stats, draft_tokens, target, target_name: str, R: int) -> tuple[int, int]:
+    """(Σℓ, max ℓ) from the synced stats, checked against the draft and target row counts."""
+    total, width = (int(values[i]) for i in stats)
+    if draft_tokens.numel() != total:
+        raise ValueError(f"draft_tokens: has {draft_tokens.numel()} entries but num_draft sums to {total}")
+    if target.shape[0] != total + R:
+        raise ValueError(f"{target_name}: has {target.shape[0]} rows, expected Σ(num_draft + 1) = {total + R}")
+    return total, width
+
+
+def _chain_randomness(num_draft, total, vocab, uniforms, noise, generator, seeds, offsets, device):
+    """Coins [Σℓ] float64 and noise [R, V] float32 from the highest-precedence source."""
+    R = num_draft.numel()
+    if uniforms is None:
+        if seeds is not None:
+            req = torch.repeat_interleave(torch.arange(R, device=device), num_draft, output_size=total)
+            local = torch.arange(total, device=device) - reference.prefix_sums(num_draft)[req]
+            uniforms = uniform(seeds[req], offsets[req] + local, COIN_SALT)
+        else:
+            uniforms = torch_uniform((total,), generator=generator, device=device)
+    if noise is None:
+        if seeds is not None:
+            noise = exponential(seeds, offsets, vocab, NOISE_SALT)
+        else:
+            noise = torch_exponential((R, vocab), generator=generator, device=device)
+    return uniforms.double(), noise.float()
+
+
+def verify_chain(
+    target_probs: torch.Tensor,  # [Σ(ℓ_r+1), V]
+    draft_tokens: torch.Tensor,  # [Σℓ_r]
+    draft_probs: torch.Tensor | None,  # [Σℓ_r, V] or None (one-hot drafts)
+    num_draft: torch.Tensor,  # [R]
+    *,
+    generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,  # [Σℓ_r] float64 in (0, 1)
+    noise: torch.Tensor | None = None,  # [R, V] Exp(1), > 0
+    seeds: torch.Tensor | None = None,  # [R] int64
+    offsets: torch.Tensor | None = None,  # [R] int64
+    backend: str = "auto",
+    validate: bool = True,
+) -> VerifyResult:
+    """Chain speculative sampling (lossless at any temperature).
+
+    Draft x_k is accepted with probability min(1, p(x_k)/q(x_k)) (q = 1 for one-hot drafts);
+    at the first rejection the token is drawn from norm(max(0, p - q)) (one-hot: p with x_k
+    removed; p itself if the residual is all zero), else the bonus token from p at row ℓ_r.
+    Tokens are drawn by the exponential race argmax(w / noise), no renormalisation needed.
+    """
+    checks.tensor("target_probs", target_probs, dim=2, kind="float")
+    device, vocab = target_probs.device, target_probs.shape[1]
+    checks.tensor("num_draft", num_draft, dim=1, kind="int", device=device)
+    checks.tensor("draft_tokens", draft_tokens, dim=1, kind="int", device=device)
+    R = num_draft.numel()
+    if draft_probs is not None:
+        checks.tensor("draft_probs", draft_probs, dim=2, kind="float", device=device)
+        checks.shape("draft_probs", draft_probs, (draft_tokens.numel(), vocab))
+    if uniforms is not None:
+        checks.tensor("uniforms", uniforms, dim=1, kind="float", device=device)
+        checks.shape("uniforms", uniforms, (draft_tokens.numel(),))
+    if noise is not None:
+        checks.tensor("noise", noise, dim=2, kind="float", device=device)
+        checks.shape("noise", noise, (R, vocab))
+    checks.rng_keys(seeds, offsets, R, device)
+    impl = _backend(backend, device)
+
+    c = checks.Checks(device)
+    stats = checks.lengths(c, "num_draft", num_draft, validate)
+    if validate:
+        checks.prob_rows(c, "target_probs", target_probs)
+        if draft_probs is not None:
+            checks.prob_rows(c, "draft_probs", draft_probs)
+        checks.token_range(c, "draft_tokens", draft_tokens, vocab)
+        if uniforms is not None:
+            checks.open_unit(c, "uniforms", uniforms)
+        if noise is not None:
+            checks.positive_finite(c, "noise", noise)
+    total, width = _ragged_sizes(c.run(), stats, draft_tokens, target_probs, "target_probs", R)
+
+    num_draft, draft_tokens = num_draft.long(), draft_tokens.long()
+    uniforms, noise = _chain_randomness(num_draft, total, vocab, uniforms, noise, generator, seeds, offsets, device)
+    return impl.chain(target_probs, draft_tokens, draft_probs, num_draft, uniforms, noise, total, width)
+
+
+def verify_greedy(
+    target_logits: torch.Tensor,  # [Σ(ℓ_r+1), V]
+    draft_tokens: torch.Tensor,  # [Σℓ_r]
+    num_draft: torch.Tensor,  # [R]
+    *,
+    backend: str = "auto",
+    validate: bool = True,
+) -> VerifyResult:
+    """Greedy (T = 0) verification: accept while draft == argmax(logits) (first index on
+    ties); the correction or bonus token is the argmax at the first mismatch / row ℓ_r."""
+    checks.tensor("target_logits", target_logits, dim=2, kind="float")
+    device, vocab = target_logits.device, target_logits.shape[1]
+    checks.tensor("num_draft", num_draft, dim=1, kind="int", device=device)
+    checks.tensor("draft_tokens", draft_tokens, dim=1, kind="int", device=device)
+    impl = _backend(backend, device)
+
+    c = checks.Checks(device)
+    stats = checks.lengths(c, "num_draft", num_draft, validate)
+    if validate:
+        checks.no_nan(c, "target_logits", target_logits)
+        checks.token_range(c, "draft_tokens", draft_tokens, vocab)
+    R = num_draft.numel()
+    total, width = _ragged_sizes(c.run(), stats, draft_tokens, target_logits, "target_logits", R)
+    return impl.greedy(target_logits, draft_tokens.long(), num_draft.long(), total, width)

@@ -1,0 +1,117 @@
+"""Torch reference verifier (any device, vectorised over requests and positions).
+
+Inputs are already validated and the randomness is explicit (see :mod:`dspec_cli.runtime.verify`).
+The acceptance rule and the residual are the module-level functions :func:`acceptance_prob`
+and :func:`residual`, looked up at call time, so tests can swap them for biased versions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dspec_cli.core.sampling import sample_from_probs
+from dspec_cli.core.types import VerifyResult
+
+# Salts of the counter-based streams (dspec_cli.core.sampling.uniform / exponential) used by the
+# verifiers. Drafters sampling their own proposals must use other salts: a proposal and the
+# residual it is checked against must not share noise.
+COIN_SALT = 1  # chain acceptance coin of draft k: (seed, offset + k)
+NOISE_SALT = 2  # Exp(1) noise of the final token: (seed, offset) (tree "match": offset + depth)
+NODE_SALT = 1 << 28  # tree "recursive" coin of node i: (seed, offset), salt NODE_SALT + i
+
+
+def acceptance_prob(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
+    """min(1, p(x)/q(x)) in float64; q(x) = 0 gives 1 if p(x) > 0 else 0 (no division by 0)."""
+    p64, q64 = p_x.double(), q_x.double()
+    ratio = p64 / torch.where(q_x > 0, q64, torch.ones_like(q64))
+    return torch.where(q_x > 0, ratio.clamp(max=1.0), (p_x > 0).double())
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Unnormalised residual max(0, p - q) [.., V]."""
+    return (p - q).clamp(min=0)
+
+
+def prefix_sums(num: torch.Tensor) -> torch.Tensor:
+    """Exclusive prefix sums [R+1] of lengths [R] (on the same device)."""
+    return torch.cat([num.new_zeros(1), num.cumsum(0)])
+
+
+def _layout(num_draft: torch.Tensor, total: int, width: int):
+    """Flattened ragged layout as padded grids.
+
+    Returns d_start [R] (first draft of each request), p_start [R] (its first target row),
+    d_idx [R, width] (flat draft index, clamped in range) and valid [R, width].
+    """
+    R = num_draft.numel()
+    d_start = prefix_sums(num_draft)[:-1]
+    p_start = d_start + torch.arange(R, device=num_draft.device)
+    k = torch.arange(width, device=num_draft.device)
+    valid = k < num_draft[:, None]
+    d_idx = (d_start[:, None] + k).clamp(max=max(total - 1, 0))
+    return d_start, p_start, d_idx, valid
+
+
+def _tokens(drafts: torch.Tensor, accepted: torch.Tensor, final: torch.Tensor, width: int) -> torch.Tensor:
+    """[R, width+1]: accepted drafts [R, width], then the final token [R] at column accepted; -1 after."""
+    k = torch.arange(width, device=drafts.device)
+    out = torch.full((accepted.numel(), width + 1), -1, dtype=torch.long, device=drafts.device)
+    out[:, :width] = torch.where(k < accepted[:, None], drafts, -1)
+    return out.scatter_(1, accepted[:, None], final[:, None])
+
+
+def chain(
+    target_probs: torch.Tensor,  # [Σ(ℓ_r+1), V]
+    draft_tokens: torch.Tensor,  # [Σℓ_r] long
+    draft_probs: torch.Tensor | None,  # [Σℓ_r, V] or None (one-hot drafts)
+    num_draft: torch.Tensor,  # [R] long
+    uniforms: torch.Tensor,  # [Σℓ_r] float64 in (0, 1)
+    noise: torch.Tensor,  # [R, V] Exp(1)
+    total: int,
+    width: int,
+) -> VerifyResult:
+    """Chain rejection sampling; total = Σℓ_r and width = max ℓ_r (host ints)."""
+    d_start, p_start, d_idx, valid = _layout(num_draft, total, width)
+    rows = target_probs.shape[0]
+    p_idx = (p_start[:, None] + torch.arange(width, device=num_draft.device)).clamp(max=rows - 1)
+    x = draft_tokens[d_idx]  # [R, L]
+    p_x = target_probs[p_idx, x]
+    q_x = draft_probs[d_idx, x] if draft_probs is not None else torch.ones_like(p_x)
+    ok = (uniforms[d_idx] < acceptance_prob(p_x, q_x)) & valid
+    accepted = ok.long().cumprod(1).sum(1)  # [R]
+
+    # one final token per request: residual at the first rejection, else bonus from p
+    p_fin = target_probs.index_select(0, p_start + accepted).float()  # [R, V]
+    rejected = (accepted < num_draft)[:, None]
+    if total == 0:
+        q_fin = torch.zeros_like(p_fin)
+    else:
+        at = (d_start + accepted).clamp(max=total - 1)
+        if draft_probs is None:
+            q_fin = torch.zeros_like(p_fin).scatter_(1, draft_tokens[at][:, None], 1.0)
+        else:
+            q_fin = draft_probs.index_select(0, at).float()
+        q_fin = torch.where(rejected, q_fin, torch.zeros_like(q_fin))
+    res = residual(p_fin, q_fin)
+    dist = torch.where((res > 0).any(-1, keepdim=True), res, p_fin)
+    final = sample_from_probs(dist, noise)
+    return VerifyResult(accepted, _tokens(x, accepted, final, width), accepted + 1)
+
+
+def greedy(
+    target_logits: torch.Tensor,  # [Σ(ℓ_r+1), V]
+    draft_tokens: torch.Tensor,  # [Σℓ_r] long
+    num_draft: torch.Tensor,  # [R] long
+    total: int,
+    width: int,
+) -> VerifyResult:
+    """Greedy verification: accept while draft == argmax; the final token is the argmax."""
+    d_start, p_start, d_idx, valid = _layout(num_draft, total, width)
+    best = target_logits.argmax(-1)  # [Σ(ℓ_r+1)]
+    rows = target_logits.shape[0]
+    p_idx = (p_start[:, None] + torch.arange(width, device=num_draft.device)).clamp(max=rows - 1)
+    x = draft_tokens[d_idx]
+    ok = (x == best[p_idx]) & valid
+    accepted = ok.long().cumprod(1).sum(1)
+    final = best[p_start + accepted]
+    return VerifyResult(accepted, _tokens(x, accepted, final, width), accepted + 1)

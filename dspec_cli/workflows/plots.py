@@ -1,0 +1,181 @@
+"""PNG figures (matplotlib, Agg backend): reliability diagrams, SPS curves, threshold sweeps,
+load-adaptive verification budgets."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from dspec_cli.core.hardware import CostTable  # noqa: E402
+
+
+def _save(fig, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def reliability_diagram(
+    before: Sequence[dict], after: Sequence[dict] | None, path: str | Path, title: str = ""
+) -> Path:
+    """One panel per position from :func:`dspec_cli.workflows.calibrate.reliability` data (before and after STS).
+
+    Lines: observed acceptance against mean predicted survival per non-empty bin; the
+    diagonal is perfect calibration; grey bars (right axis) are the sample counts per bin.
+    """
+    n = len(before)
+    cols = min(n, 4)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.2 * rows), squeeze=False)
+    for ax in axes.flat[n:]:
+        ax.axis("off")
+    for i, pos in enumerate(before):
+        ax = axes.flat[i]
+        edges = pos["edges"]
+        hist = ax.twinx()
+        hist.bar(edges[:-1], pos["count"], width=edges[1] - edges[0], align="edge", color="0.85", zorder=0)
+        hist.set_yticks([])
+        ax.set_zorder(hist.get_zorder() + 1)
+        ax.patch.set_visible(False)
+        ax.plot([0, 1], [0, 1], "k--", lw=1, label="perfect")
+        series = [("before", pos, "tab:red")] + ([("after", after[i], "tab:blue")] if after else [])
+        text = []
+        for label, data, color in series:
+            pts = [(p, y) for p, y in zip(data["mean_pred"], data["mean_label"]) if p is not None]
+            if pts:
+                ax.plot(*zip(*pts), "o-", ms=3, color=color, label=label)
+            text.append(f"ECE {label} {_pct(data['ece'])}")
+        auc = pos["auroc"]
+        text.append(f"AUC {'-' if auc is None else f'{auc:.3f}'}")
+        ax.text(0.03, 0.97, "\n".join(text), transform=ax.transAxes, va="top", fontsize=7)
+        ax.set(xlim=(0, 1), ylim=(0, 1), title=f"position {pos['position']}")
+        if i % cols == 0:
+            ax.set_ylabel("observed acceptance")
+        if i >= n - cols:
+            ax.set_xlabel("predicted survival")
+    axes.flat[0].legend(loc="lower right", fontsize=7)
+    if title:
+        fig.suptitle(title, y=1.02)
+    return _save(fig, path)
+
+
+def sps_plot(table: CostTable, path: str | Path) -> Path:
+    """Measured SPS(B) (markers with IQR bars) and the cleaned monotone curve, one colour per context."""
+    import torch
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    b = torch.arange(1, table.grid[-1] + 1, dtype=torch.float64)
+    for ctx in table.contexts:
+        raw = table.measured[str(ctx)]
+        err = table.spread.get(str(ctx))
+        line = ax.errorbar(table.grid, raw, yerr=[e / 2 for e in err] if err else None, fmt="o", ms=3,
+                           capsize=2, label=f"context {ctx}")
+        ax.plot(b, 1.0 / table.step_time(b, ctx), "-", lw=1, color=line[0].get_color())
+    ax.set(xlabel="tokens per forward B", ylabel="steps per second SPS(B)",
+           title=f"{table.model} · {table.device_name} · {table.dtype}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def threshold_sweep_plot(sweep: Sequence[dict], path: str | Path, title: str = "") -> Path:
+    """The paper's Fig. 5: accepted and rejected tokens per step (bars), acceptance rate (line)."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    t = [row["threshold"] for row in sweep]
+    acc = [row["accepted_per_step"] for row in sweep]
+    rej = [row["rejected_per_step"] for row in sweep]
+    width = 0.8 * (t[1] - t[0]) if len(t) > 1 else 0.08
+    ax.bar(t, acc, width=width, color="tab:blue", label="accepted tokens")
+    ax.bar(t, rej, width=width, bottom=acc, color="white", edgecolor="tab:blue", hatch="//", label="rejected tokens")
+    ax.set(xlabel="confidence threshold", ylabel="avg. tokens per step")
+    rate = ax.twinx()
+    rate.plot(t, [100 * (r["acceptance_rate"] or 0) for r in sweep], "o-", color="tab:red", label="acceptance rate")
+    rate.set(ylabel="acceptance rate (%)", ylim=(0, 105))
+    handles = ax.get_legend_handles_labels()[0] + rate.get_legend_handles_labels()[0]
+    ax.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="upper right")
+    if title:
+        ax.set_title(title)
+    return _save(fig, path)
+
+
+def schedule_plot(results: Sequence[dict], path: str | Path) -> Path:
+    """Throughput (top) and verification budget per request (bottom) against concurrency, per scheduler."""
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(6, 6), sharex=True)
+    for name in dict.fromkeys(r["scheduler"] for r in results):
+        rows = [r for r in results if r["scheduler"] == name]
+        x = [r["concurrency"] for r in rows]
+        top.plot(x, [r["tokens_per_s"] for r in rows], "o-", label=name)
+        bottom.plot(x, [r["budget"] for r in rows], "o-", label=name)
+    plain = sorted({(r["concurrency"], r["plain_tokens_per_s"]) for r in results})
+    top.plot(*zip(*plain), "k--", lw=1, label="plain decoding")
+    top.set(ylabel="tokens / s (τ·SPS(B))")
+    bottom.set(xlabel="concurrent requests", ylabel="verification budget (ℓ + 1)")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+        ax.set_xscale("log", base=2)
+    top.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def _run_label(run: dict) -> str:
+    sched = run.get("scheduler", "fixed")
+    return run["drafter"] if sched in ("-", "fixed") else f"{run['drafter']} · {sched}"
+
+
+def acceptance_plot(runs: Sequence[dict], path: str | Path) -> Path:
+    """The paper's Fig. 2: conditional acceptance by draft position, one panel per dataset,
+    one line per drafter (runs at the lowest concurrency)."""
+    datasets = list(dict.fromkeys(r["dataset"] for r in runs))
+    fig, axes = plt.subplots(1, len(datasets), figsize=(4.2 * len(datasets), 3.6), squeeze=False, sharey=True)
+    for ax, dset in zip(axes.flat, datasets):
+        rows = [r for r in runs if r["dataset"] == dset]
+        low = min(r.get("concurrency", 1) for r in rows)
+        for run in (r for r in rows if r.get("concurrency", 1) == low):
+            pts = [(k + 1, 100 * a) for k, a in enumerate(run["cond_accept"]) if a is not None]
+            if pts:
+                ax.plot(*zip(*pts), "o-", ms=3, label=f"{_run_label(run)} (τ {run['tau']:.2f})")
+        ax.set(title=dset, xlabel="draft position k", ylim=(0, 100))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes.flat[0].set_ylabel("P(accept k | accepted 1..k-1) (%)")
+    return _save(fig, path)
+
+
+def load_plots(runs: Sequence[dict], out_dir: str | Path) -> list[Path]:
+    """Serving under load, per dataset (``load.png``, or ``load-<i>.png`` in dataset order):
+    aggregate against per-user throughput (the paper's Fig. 7; plain decoding dashed) and mean
+    verification budget against concurrency (Fig. 8)."""
+    out_dir, paths = Path(out_dir), []
+    datasets = list(dict.fromkeys(r["dataset"] for r in runs))
+    for i, dset in enumerate(datasets):
+        rows = [r for r in runs if r["dataset"] == dset]
+        fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+        for label in dict.fromkeys(_run_label(r) for r in rows):
+            series = sorted((r for r in rows if _run_label(r) == label), key=lambda r: r["concurrency"])
+            left.plot([r["per_user_tokens_per_s"] for r in series], [r["throughput_tokens_per_s"] for r in series],
+                      "o-", label=label)
+            right.plot([r["concurrency"] for r in series], [r["mean_verify_budget"] for r in series], "o-", label=label)
+        plain = sorted({(r["concurrency"], r["baseline_tokens_per_s"]) for r in rows if r.get("baseline_tokens_per_s")})
+        if plain:
+            left.plot([tps / c for c, tps in plain], [tps for _, tps in plain], "k--", lw=1, label="plain decoding")
+        left.set(xlabel="per-user tokens / s", ylabel="aggregate tokens / s", title=f"{dset}: throughput")
+        right.set(xlabel="concurrent requests", ylabel="mean verification budget (tokens / request / round)",
+                  title=f"{dset}: budget")
+        right.set_xscale("log", base=2)
+        for ax in (left, right):
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        paths.append(_save(fig, out_dir / ("load.png" if len(datasets) == 1 else f"load-{i + 1}.png")))
+    return paths

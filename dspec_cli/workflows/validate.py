@@ -1,0 +1,34 @@
+"""``dspec push``'s check: a checkpoint folder loads against its target exactly as bench would."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+from dspec_cli.core import plugins
+from dspec_cli.core.errors import DspecError
+from dspec_cli.core.files import CONFIG_FILE, EMBEDDED, config_target, read_config
+from dspec_cli.core.hardware import SlowHalfPrecision
+from dspec_cli.runtime.target import Target
+
+
+def validate_checkpoint(path: Path, target: str | None = None, device: str = "cpu") -> dict[str, Any]:
+    """Load the checkpoint in ``path`` against its target (``target``, else the one config.json
+    names, else the embedded one) exactly as bench would; return its config."""
+    path = Path(path)
+    if not path.is_dir():
+        raise DspecError(f"checkpoint {path}: no such folder")
+    raw = read_config(path)
+    if not isinstance(raw.get("drafter"), str):
+        raise DspecError(f"checkpoint {path}: {CONFIG_FILE} names no drafter (not a dspec drafter checkpoint)")
+    cls = plugins.get_drafter_class(raw["drafter"])
+    name = target or config_target(raw).get("name_or_path")
+    try:
+        with warnings.catch_warnings():  # loaded to check shapes only: no matmul speed concern
+            warnings.simplefilter("ignore", SlowHalfPrecision)
+            tgt = Target.load(None if name in (None, "", EMBEDDED) else name, dtype="bfloat16", device=device)
+    except DspecError as exc:
+        raise DspecError(f"{exc} (pass --target to validate against another copy of the target)") from None
+    cls.from_pretrained(path, tgt)
+    return raw
