@@ -6,7 +6,7 @@
         [--cost-table-out PATH] [--max-new-tokens 48] [--repeats 1] [--json PATH] [--plots DIR]
 
 A random-init target has the speed of the real model but no drafter can predict it, so the
-acceptance of a trained drafter is replayed (issue 6: the GPU sweep). Everything that costs
+acceptance of a trained drafter is replayed. Everything that costs
 time is real; only the accept/reject decisions come from the traces:
 
 - Every round runs a random-init ``dspark-markov`` drafter of the shape's settings on the
@@ -182,6 +182,7 @@ def main(argv=None) -> None:
     replay_target = ReplayTarget(target)
     base = cost_drafter(replay_target, layer_ids, mask_id, layers, rank, block)
     replay = TraceReplayDrafter(base, replay_target, rounds, torch.Generator().manual_seed(args.seed))
+    replay.calibration = cal  # applied by the engine, as in serving
     prompts = random_prompts(max(4, args.prompts_per_slot * max(levels)), target.config.vocab_size, (lo, hi), args.seed)
     runs = []
     for conc in levels:
@@ -191,7 +192,7 @@ def main(argv=None) -> None:
         engines = [("baseline", "-", SpeculativeEngine(replay_target, None, cfg, stop_ids=()))]
         for spec in specs:
             name, options = parse_scheduler_spec(spec)
-            sched = build_scheduler(name, table, calibration=cal, **options)
+            sched = build_scheduler(name, table, **options)
             engines.append(("dspark-replay", spec, SpeculativeEngine(replay_target, replay, cfg, scheduler=sched, stop_ids=())))
         warm_up(engines, ids[:conc])
         # one extra full pass, dropped: on the first H200 sweep the first pass ran up to 2x slower

@@ -1,4 +1,4 @@
-"""Statistical losslessness of the verifier (DESIGN §2, §7).
+"""Statistical losslessness of the verifier (docs/verification.md).
 
 Every case simulates 200,000 independent requests through multi-round speculative decoding
 with toy Markov-chain models and compares the first committed token and the first two

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dspec_cli.core.sampling import (
+    NOISE_SALT,
     exponential,
     logits_to_probs,
     torch_exponential,
@@ -316,7 +317,7 @@ def test_counter_randomness_is_batch_independent():
     )
     assert as_lists(single) == as_lists(full)[1:2]
     # and the counter-based draws are exactly the documented ones
-    noise = exponential(seeds, offsets, 29, reference.NOISE_SALT)
+    noise = exponential(seeds, offsets, 29, NOISE_SALT)
     again = verify_chain(**inputs, seeds=seeds, offsets=offsets, noise=noise)
     assert torch.equal(again.tokens, full.tokens)
 

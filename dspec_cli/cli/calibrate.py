@@ -88,7 +88,7 @@ def calibrate_command(
     """Record confidences and outcomes on held-out prompts, fit STS, write calibration.json."""
     from dspec_cli.checkpoints.hub import resolve_checkpoint
     from dspec_cli.core import plugins
-    from dspec_cli.core.calibration import Calibration, apply_temperatures
+    from dspec_cli.core.calibration import Calibration
     from dspec_cli.core.data import load_prompts
     from dspec_cli.core.files import CALIBRATION_FILE
     from dspec_cli.runtime.engine import GenerationConfig
@@ -124,8 +124,6 @@ def calibrate_command(
     with CommandProgress(err) as bar:
         task = bar.add_task(f"collecting rounds · {cls.name}", total=len(ids))
         rounds = collect_rounds(tgt, model, ids, config, on_finish=lambda _res: bar.advance(task))
-    if old is not None and "confidence" in cls.capabilities:  # the drafter applied the old temperatures: undo
-        rounds.confidence = apply_temperatures(rounds.confidence, [1.0 / t for t in old.temperatures])
     cal = calibrate(rounds, cls.name)
     if ckpt_dir is not None and _copy_source(checkpoint, ckpt_dir) and out_dir.resolve() != ckpt_dir.resolve():
         shutil.copytree(ckpt_dir, out_dir, dirs_exist_ok=True)

@@ -55,13 +55,15 @@ def schedule_command(
     for p in problems:
         err.print(f"Warning: {p} (use --strict to make this an error)", markup=False)
     rounds, meta = load_traces(traces)
-    cal = Calibration.load(calibration, drafter=meta["drafter"] or None, block_size=meta["block_size"]) if calibration else None
+    if calibration:  # recorded confidences are raw: calibrate them as the engine would
+        cal = Calibration.load(calibration, drafter=meta["drafter"] or None, block_size=meta["block_size"])
+        rounds = rounds.with_temperatures(cal.temperatures)
     results = []
     for spec in scheduler:
         name, options = parse_scheduler_spec(spec)
         if name == "threshold":
             options.setdefault("threshold", threshold)
-        sched = build_scheduler(name, table, calibration=cal, context=context, **options)
+        sched = build_scheduler(name, table, context=context, **options)
         for R in levels:
             gen = torch.Generator().manual_seed(seed)
             res = simulate_load(sched, rounds, table, concurrency=R, steps=steps, generator=gen, layout=layout)

@@ -4,7 +4,7 @@ Randomness comes in two flavours:
 
 * counter-based (:func:`uniform`, :func:`exponential`): a pure function of
   (seed, offset, salt[, token]) built from 32-bit integer hashing on int64 tensors, so a
-  request's numbers never depend on which other requests share its batch (DESIGN §2);
+  request's numbers never depend on which other requests share its batch;
 * :class:`torch.Generator`-based (:func:`torch_uniform`, :func:`torch_exponential`) for callers
   that just want seeded torch randomness.
 
@@ -29,6 +29,21 @@ __all__ = [
     "torch_uniform",
     "uniform",
 ]
+
+# -- the random streams: every draw is keyed by (request seed, offset, salt) -------------
+# Verification (runtime/verify): chain acceptance coin of draft k at (seed, offset + k); the
+# final token's Exp(1) noise at (seed, offset) (tree "match": offset + depth); tree "recursive"
+# coin of node i at (seed, offset) with salt NODE_SALT + i.
+COIN_SALT = 1
+NOISE_SALT = 2
+NODE_SALT = 1 << 28
+# The engine (runtime/engine): a request's first token after prefill, its draft tokens, and its
+# chain coins; its final-token noise is the verifier's NOISE_SALT, so a row's token is the same
+# whether its round is plain, a chain or a tree, whatever the rest of the batch does.
+FIRST_TOKEN_SALT = 11
+DRAFT_SALT = 23
+ENGINE_COIN_SALT = 37
+ROUND_STRIDE = 4096  # offsets per request round: round * stride + position
 
 _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9  # odd multiplier (2^32 / golden ratio) spreading absorbed words

@@ -1,11 +1,12 @@
-"""The parallel block backbone shared by DFlash and DSpark (DESIGN §4, notes-deepspec §1, §4).
+"""The parallel block backbone shared by DFlash and DSpark (DeepSpec ``deepspec/modeling/dspark/common.py``,
+``deepspec/modeling/dspark/qwen3/modeling.py``).
 
 Qwen3-style decoder layers (q/k RMSNorm, SwiGLU MLP, RoPE) with *KV injection*: target hidden
 taps of committed tokens are fused by ``fc`` (n·d → d, no bias) and ``hidden_norm`` into
 H_ctx, projected by each layer's own k/v projections (k_norm on K, no extra norm on H_ctx)
 and prepended to the block's keys and values. H_ctx never enters the residual stream.
 
-``layer_style = "gemma4"`` gives DeepSpec's Gemma-4 draft layers instead (notes-deepspec §1
+``layer_style = "gemma4"`` gives DeepSpec's Gemma-4 draft layers instead (DeepSpec ``deepspec/modeling/dspark/gemma4/modeling.py``
 "Gemma4 deltas", ``Gemma4DSparkDecoderLayer``): Gemma-4 RMSNorms (plain weight, float math),
 a scale-free RMSNorm on V, attention scale 1, optionally V = the K projection
 (``attention_k_eq_v``: no ``v_proj``, V is the raw K projection before k_norm, then the V

@@ -1,4 +1,5 @@
-"""DSpark's sequential heads and confidence head (paper §3.1-3.2.1, notes-deepspec §1).
+"""DSpark's sequential heads and confidence head (paper §3.1-3.2.1; DeepSpec
+``deepspec/modeling/dspark/markov_head.py``).
 
 A sequential head turns the backbone's independent per-slot logits U_k into a left-to-right
 block distribution: logits_k = U_k + W2 · f_k, where the rank-r feature f_k depends on the

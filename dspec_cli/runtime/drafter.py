@@ -1,4 +1,4 @@
-"""The drafter interface every plugin implements (DESIGN §3).
+"""The drafter interface every plugin implements (docs/plugins.md).
 
 A drafter proposes up to γ tokens per request per round. The engine owns the loop:
 

@@ -1,4 +1,4 @@
-"""Batched speculative generation with continuous batching (DESIGN §2).
+"""Batched speculative generation with continuous batching (docs/architecture.md).
 
 One loop serves R concurrent requests: finished requests leave, queued ones join. Each
 round: the drafter proposes, the scheduler picks ℓ_r, the target verifies all rows in one
@@ -20,19 +20,28 @@ import torch
 
 from dspec_cli.core import sampling
 from dspec_cli.core.errors import DspecError
+from dspec_cli.core.ragged import prefix_mask, ragged
+from dspec_cli.core.sampling import (
+    DRAFT_SALT as _SALT_DRAFT,
+)
+from dspec_cli.core.sampling import (
+    ENGINE_COIN_SALT as _SALT_COIN,
+)
+from dspec_cli.core.sampling import (
+    FIRST_TOKEN_SALT as _SALT_FIRST,
+)
+from dspec_cli.core.sampling import (
+    NOISE_SALT as _SALT_NOISE,
+)
+from dspec_cli.core.sampling import (
+    ROUND_STRIDE as _ROUND_STRIDE,
+)
 from dspec_cli.core.types import Proposal, VerifyResult
 from dspec_cli.runtime.drafter import Drafter
 from dspec_cli.runtime.drafter_lag import DrafterLag
 from dspec_cli.runtime.schedule import FixedScheduler, Scheduler
 from dspec_cli.runtime.target import Target
 from dspec_cli.runtime.verify import verify_chain, verify_greedy, verify_tree
-from dspec_cli.runtime.verify.reference import NOISE_SALT
-
-# purposes ("salts") of the counter-based random streams. The final-token noise is the tree
-# walk's (verify_tree draws depth d with (seed, offset + d, NOISE_SALT)), so a row's token is the
-# same whether its round is plain, a chain or a tree, whatever the rest of the batch does.
-_SALT_FIRST, _SALT_DRAFT, _SALT_COIN, _SALT_NOISE = 11, 23, 37, NOISE_SALT
-_ROUND_STRIDE = 4096  # offsets per request round: round * stride + position
 
 
 @dataclass
@@ -209,7 +218,7 @@ class SpeculativeEngine:
         grid = rows.anchors[:, None]  # [R, 1 + width]: anchor, then the verified drafts
         if proposal is not None:
             grid = torch.cat([grid, proposal.tokens[:, :width].to(grid.dtype)], dim=1)
-        tokens = _ragged(grid, n, [e + 1 for e in ell_list])
+        tokens = ragged(grid, n, [e + 1 for e in ell_list])
         out = self.target.verify(rows.batch, tokens, n)
         res = self._accept(rows, out, grid, proposal, ell, ell_list)
         # 3. commit: anchor + accepted drafts enter the caches; the last token is the new anchor
@@ -221,8 +230,8 @@ class SpeculativeEngine:
         elif self.drafter is not None:
             hidden = out.hidden
             if hidden is not None:  # committed entries of the flat verify layout
-                hidden = hidden[_ragged(_prefix_mask(keep, grid.shape[1]), n, [e + 1 for e in ell_list])]
-            self.drafter.advance(rows.dstate, _ragged(grid, keep, keep.tolist()), keep, hidden)
+                hidden = hidden[ragged(prefix_mask(keep, grid.shape[1]), n, [e + 1 for e in ell_list])]
+            self.drafter.advance(rows.dstate, ragged(grid, keep, keep.tolist()), keep, hidden)
         t2 = time.perf_counter()
         self._book(rows, results, res, proposal, ell, t0, t1, t2, tokens.numel())
 
@@ -258,14 +267,14 @@ class SpeculativeEngine:
         width = grid.shape[1] - 1
         if width == 0:  # no row verifies a draft: a plain decoding step (the same token verify would give)
             return _plain_step(self._sample(out.logits, rows.seeds, rows.rounds * _ROUND_STRIDE, _SALT_NOISE))
-        drafts = _ragged(grid[:, 1:], ell, ell_list)
+        drafts = ragged(grid[:, 1:], ell, ell_list)
         if cfg.greedy:
             return verify_greedy(out.logits, drafts, ell, validate=False)
         probs = sampling.logits_to_probs(out.logits, cfg.temperature, cfg.top_k, cfg.top_p)
-        q = None if proposal.draft_probs is None else _ragged(proposal.draft_probs[:, :width], ell, ell_list)
+        q = None if proposal.draft_probs is None else ragged(proposal.draft_probs[:, :width], ell, ell_list)
         base = rows.rounds * _ROUND_STRIDE  # [R]
         at = base[:, None] + torch.arange(1, width + 1, device=base.device)  # [R, width]: draft k at base + k
-        coins = _ragged(sampling.uniform(rows.seeds[:, None], at, salt=_SALT_COIN), ell, ell_list)
+        coins = ragged(sampling.uniform(rows.seeds[:, None], at, salt=_SALT_COIN), ell, ell_list)
         noise = sampling.exponential(rows.seeds, base, probs.shape[-1], salt=_SALT_NOISE)
         return verify_chain(probs, drafts, q, ell, uniforms=coins, noise=noise, validate=False)
 
@@ -385,21 +394,6 @@ class SpeculativeEngine:
                 )
             if max(p) >= vocab or min(p) < 0:
                 raise DspecError(f"prompt {i} has token ids outside the target vocabulary (size {vocab})")
-
-
-def _ragged(grid: torch.Tensor, counts: torch.Tensor, count_list: list[int]) -> torch.Tensor:
-    """The first counts[r] entries of each row of grid [R, W, ...], rows concatenated: [Σcounts, ...].
-
-    counts [R] long, count_list its host copy (when every row is full this is a reshape).
-    """
-    if min(count_list, default=0) == grid.shape[1]:
-        return grid.reshape(-1, *grid.shape[2:])
-    return grid[_prefix_mask(counts, grid.shape[1])]
-
-
-def _prefix_mask(counts: torch.Tensor, width: int) -> torch.Tensor:
-    """[R, width] bool: column j < counts[r]."""
-    return torch.arange(width, device=counts.device)[None, :] < counts[:, None]
 
 
 def _plain_step(tokens: torch.Tensor) -> VerifyResult:

@@ -25,6 +25,7 @@ from dspec_cli.checkpoints.hub import resolve_checkpoint
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import ASSETS_DIR, DEFAULT_TARGET_PATH, embedded_path
 from dspec_cli.core.hardware import warn_if_slow_half
+from dspec_cli.core.ragged import flatten, to_grid
 from dspec_cli.core.types import StepOutput
 from dspec_cli.runtime.kv_cache import (
     PendingStep,
@@ -251,7 +252,7 @@ class Target:
             raise ValueError(f"append: every row needs at least one token, got lengths {n}")
         real = self._real(n, q)
         vis = None if self._dense(batch) else causal_visibility(real)
-        ids = _grid(tokens.to(self.device, torch.long), batch.num_rows, q, flat)
+        ids = to_grid(tokens.to(self.device, torch.long), batch.num_rows, q, flat)
         pos = batch.committed[:, None] + torch.arange(q, device=self.device)  # [R, q]
         logits, _ = self._forward(batch, ids, pos, vis, last_only=flat is None)
         if flat is not None:  # ragged: each row's last real token
@@ -270,7 +271,7 @@ class Target:
         if parents.shape != tokens.shape:
             raise ValueError(f"parents must be shaped like tokens, got {tuple(parents.shape)}")
         rows, dev = batch.num_rows, self.device
-        par = _grid(parents.to(dev, torch.long), rows, q, flat, fill=-1)  # [R, q]
+        par = to_grid(parents.to(dev, torch.long), rows, q, flat, fill=-1)  # [R, q]
         col = torch.arange(q, device=dev)[None, :]
         real = col < _counts(n, dev)[:, None]
         ok = torch.where(col == 0, par == -1, (par >= 0) & (par < col))
@@ -333,7 +334,7 @@ class Target:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _ragged(self, batch: TargetBatch, tokens: torch.Tensor, lengths: torch.Tensor):
+    def ragged(self, batch: TargetBatch, tokens: torch.Tensor, lengths: torch.Tensor):
         """Validate a ragged input; return n (host list), q = max n and the flat index [Σn] into
         [R*q] (None when every row has q tokens: the flat layout is the [R, q] grid itself)."""
         batch.require_idle("verify")
@@ -369,12 +370,12 @@ class Target:
 
     def _step(self, batch, tokens, n, q, flat, vis, depth, parents) -> StepOutput:
         rows, dev = batch.num_rows, self.device
-        ids = _grid(tokens.to(dev, torch.long), rows, q, flat)
+        ids = to_grid(tokens.to(dev, torch.long), rows, q, flat)
         pos = batch.committed[:, None] + depth  # [R, q]
         logits, taps = self._forward(batch, ids, pos, vis, last_only=False)
         batch.open_step(self._real(n, q), pos, PendingStep(start=batch.num_slots, n=n, parents=parents))
         out_rows = torch.repeat_interleave(torch.arange(rows, device=dev), _counts(n, dev), output_size=sum(n))
-        return StepOutput(logits=_flatten(logits, flat).float(), hidden=_flatten(taps, flat), rows=out_rows)
+        return StepOutput(logits=flatten(logits, flat).float(), hidden=flatten(taps, flat), rows=out_rows)
 
     def _forward(self, batch: TargetBatch, ids, pos, vis, last_only: bool):
         """One cached forward of ids [R, q] at positions pos [R, q]; returns (logits, taps [R, q, n·d]).
@@ -449,20 +450,6 @@ def _length_groups(lens: list[int]) -> list[list[int]]:
 def _counts(n: list[int], device) -> torch.Tensor:
     """Host list of per-row counts -> long tensor [R]."""
     return torch.tensor(n, dtype=torch.long, device=device)
-
-
-def _grid(values: torch.Tensor, rows: int, q: int, flat: torch.Tensor | None, fill: int = 0) -> torch.Tensor:
-    """Flat ragged values [Σn] -> grid [R, q] right-padded with ``fill`` (flat: their index into
-    [R*q]; None: every row is full)."""
-    if flat is None:
-        return values.view(rows, q)
-    return values.new_full((rows * q,), fill).index_copy(0, flat, values).view(rows, q)
-
-
-def _flatten(grid: torch.Tensor, flat: torch.Tensor | None) -> torch.Tensor:
-    """Grid [R, q, ...] -> the flat ragged entries [Σn, ...] (inverse of :func:`_grid`)."""
-    rows_q = grid.reshape(grid.shape[0] * grid.shape[1], *grid.shape[2:])
-    return rows_q if flat is None else rows_q.index_select(0, flat)
 
 
 def _concat(taps: list[torch.Tensor], q: int, dtype, device, rows: int = 1) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Statistical harness for losslessness tests (DESIGN §7).
+"""Statistical harness for losslessness tests (docs/verification.md).
 
 Three layers, each usable on its own:
 

@@ -315,9 +315,15 @@ def load_traces(path: str | Path) -> tuple[Rounds, dict]:
 
 
 def collect_rounds(target, drafter, prompts: Sequence[Sequence[int]], config, on_finish=None) -> Rounds:
-    """Run ``drafter`` with the fixed scheduler (ℓ = lmax) over prompt ids; every round with drafts."""
+    """Run ``drafter`` with the fixed scheduler (ℓ = lmax) over prompt ids; every round with drafts.
 
-    results = SpeculativeEngine(target, drafter, config).generate(prompts, on_finish=on_finish)
+    Confidences are recorded raw: the drafter's calibration is switched off for the run.
+    """
+    calibration, drafter.calibration = drafter.calibration, None
+    try:
+        results = SpeculativeEngine(target, drafter, config).generate(prompts, on_finish=on_finish)
+    finally:
+        drafter.calibration = calibration
     return Rounds.from_results(results, drafter.config.block_size)
 
 

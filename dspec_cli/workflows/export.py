@@ -1,6 +1,6 @@
 """Export for serving engines: the draft folder vLLM / SGLang read, and the serve command.
 
-Layouts and engine methods (notes-ecosystem §3, notes-drafters §1):
+Layouts and engine methods (docs/interop.md lists the upstream sources):
 
 | drafter | layout written | vLLM ``method`` | SGLang ``--speculative-algorithm`` |
 |---|---|---|---|

@@ -5,7 +5,7 @@ config.json is a copy of the target's config with ``architectures = ["Qwen3DSpar
 ``num_hidden_layers`` (draft layers), ``num_target_layers``, ``block_size`` (B inputs = B
 drafts: the anchor slot predicts), ``mask_token_id``, ``target_layer_ids``, ``num_anchors``,
 ``enable_confidence_head``, ``confidence_head_with_markov``, ``markov_rank`` (0 = DeepSpec's
-DFlash) and ``markov_head_type`` (notes-ecosystem §3, notes-deepspec §1-2). Weights sit at the
+DFlash) and ``markov_head_type`` (DeepSpec ``deepspec/modeling/dspark/qwen3/config.py``). Weights sit at the
 top level: ``fc``, ``hidden_norm``, ``layers.*``, ``norm``, ``markov_head.markov_w1`` (W1 [V, r]),
 ``markov_head.markov_w2`` (W2 [V, r]), ``markov_head.joint_proj`` (RNN [3r, 2r+d] + bias),
 ``confidence_head.proj`` ([1, d(+r)] + bias), plus frozen copies of the target's

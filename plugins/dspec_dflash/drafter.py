@@ -3,7 +3,7 @@
 One implementation: the :mod:`dspec_cli.nn.backbone` backbone plus an optional sequential head
 (Markov / RNN, :mod:`dspec_cli.nn.heads`) and an optional confidence head. DFlash has neither.
 
-Block layout (DeepSpec's variant, notes-deepspec §2): the block is [anchor, mask × (γ−1)] and
+Block layout (DeepSpec's variant, ``deepspec/modeling/dspark/common.py``): the block is [anchor, mask × (γ−1)] and
 the anchor slot is itself the first prediction position, so γ input slots give γ drafts
 (slot k predicts the token after position a+k). The original DFlash paper (and z-lab's
 checkpoints) feeds anchor + γ masks and predicts only the masks; DeepSpec's DFlash baseline and

@@ -1,4 +1,4 @@
-"""Position-weighted block losses of DFlash / DSpark (paper eqs. 9-12, notes-deepspec §4)."""
+"""Position-weighted block losses of DFlash / DSpark (paper eqs. 9-12; DeepSpec ``deepspec/modeling/dspark/loss.py``)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ config.json is a Qwen3 config with ``architectures = ["DFlashDraftModel"]``, ``b
 target_layer_ids}`` (read ``dflash_config`` first, then the top level, as vLLM and z-lab's
 code do). Weights: ``fc``, ``hidden_norm``, ``layers.*``, ``norm`` — no embedding or LM head
 (both are the target's). The block is [anchor, mask × (B−1)] and only the masks predict, so
-it loads as our ``dflash`` with γ = B − 1 and ``anchor_predicts = false`` (notes-drafters §1).
+it loads as our ``dflash`` with γ = B − 1 and ``anchor_predicts = false`` (z-lab/dflash ``model/dflash.py``).
 z-lab's ``auto_map`` (custom modelling code for transformers) is not written on export.
 """
 

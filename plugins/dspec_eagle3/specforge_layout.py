@@ -7,7 +7,7 @@ embeddings; absent = EAGLE's default layers). Weights: ``embed_tokens`` (frozen 
 target's), ``fc`` [d, 3·d], ``midlayer.{input_layernorm (on the embedding), hidden_norm,
 self_attn.{q,k,v,o}_proj (q/k/v read 2d; no q/k norms), post_attention_layernorm,
 mlp.*}``, ``norm``, ``lm_head`` [N, d] (trained), ``d2t`` [N] (target id = draft id +
-d2t[draft id]) and ``t2d`` [V] bool (notes-drafters §3, notes-ecosystem §3). It loads as our
+d2t[draft id]) and ``t2d`` [V] bool (SpecForge ``specforge/modeling/draft/llama3_eagle.py``). It loads as our
 ``eagle3`` with ``qk_norm = false``.
 """
 

@@ -115,7 +115,7 @@ def _storify(q: str, rng: random.Random, pools: Pools) -> str:
     request as a math problem."""
     name = next((w for w in re.findall(r"[A-Z][a-z]+", q) if w in mathgen.NAMES), None)
     if name:
-        # four entries, not two: the shipped phase-2 corpus was drawn with this list
+        # four entries, not two: the shipped stage-2 corpus was drawn with this list
         subj, poss = rng.choice([("she", "her"), ("he", "his"), ("she", "her"), ("he", "his")])
         first = q.index(name) + len(name)
 

@@ -21,6 +21,8 @@ import importlib.util
 import torch
 
 from dspec_cli.core.sampling import (
+    COIN_SALT,
+    NOISE_SALT,
     exponential,
     torch_exponential,
     torch_uniform,
@@ -28,7 +30,6 @@ from dspec_cli.core.sampling import (
 )
 from dspec_cli.core.types import VerifyResult
 from dspec_cli.runtime.verify import checks, reference
-from dspec_cli.runtime.verify.reference import COIN_SALT, NOISE_SALT
 from dspec_cli.runtime.verify.tree import verify_tree
 
 __all__ = ["VerifyResult", "triton_available", "verify_chain", "verify_greedy", "verify_tree"]

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import torch
 
+from dspec_cli.core.ragged import prefix_sums
 from dspec_cli.core.sampling import sample_from_probs
 from dspec_cli.core.types import VerifyResult
 
 # Salts of the counter-based streams (dspec_cli.core.sampling.uniform / exponential) used by the
 # verifiers. Drafters sampling their own proposals must use other salts: a proposal and the
 # residual it is checked against must not share noise.
-COIN_SALT = 1  # chain acceptance coin of draft k: (seed, offset + k)
-NOISE_SALT = 2  # Exp(1) noise of the final token: (seed, offset) (tree "match": offset + depth)
-NODE_SALT = 1 << 28  # tree "recursive" coin of node i: (seed, offset), salt NODE_SALT + i
 
 
 def acceptance_prob(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
@@ -30,11 +28,6 @@ def acceptance_prob(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Unnormalised residual max(0, p - q) [.., V]."""
     return (p - q).clamp(min=0)
-
-
-def prefix_sums(num: torch.Tensor) -> torch.Tensor:
-    """Exclusive prefix sums [R+1] of lengths [R] (on the same device)."""
-    return torch.cat([num.new_zeros(1), num.cumsum(0)])
 
 
 def _layout(num_draft: torch.Tensor, total: int, width: int):

@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import torch
 
+from dspec_cli.core.ragged import prefix_sums
 from dspec_cli.core.sampling import (
+    NODE_SALT,
+    NOISE_SALT,
     exponential,
     sample_from_probs,
     torch_exponential,
@@ -32,7 +35,6 @@ from dspec_cli.core.sampling import (
 )
 from dspec_cli.core.types import VerifyResult
 from dspec_cli.runtime.verify import checks, reference
-from dspec_cli.runtime.verify.reference import NODE_SALT, NOISE_SALT, prefix_sums
 
 METHODS = ("match", "recursive")
 

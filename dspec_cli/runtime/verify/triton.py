@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dspec_cli.core.ragged import prefix_sums
 from dspec_cli.core.types import VerifyResult
-from dspec_cli.runtime.verify.reference import prefix_sums
 
 MAX_BLOCK_V = 4096
 
