@@ -139,6 +139,8 @@ class CostTable:
         where = self.source or "cost table"
         if self.measures not in ("forward", "step"):
             raise DspecError(f"{where}: measures must be 'forward' or 'step', got {self.measures!r}")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (self.block_size, self.max_tokens)):
+            raise DspecError(f"{where}: block_size and max_tokens must be integers >= 0")
         if not self.grid or self.grid != sorted(set(self.grid)) or self.grid[0] < 1:
             raise DspecError(f"{where}: grid must be increasing positive integers")
         if not self.contexts or self.contexts != sorted(set(self.contexts)):

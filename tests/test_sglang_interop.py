@@ -296,3 +296,10 @@ def test_export_cost_table_of_another_block_size(model_dir, dspark_ckpt, tmp_pat
                       "--target", str(model_dir), "--cost-table", str(tmp_path / "t.json")], capsys,
                      f"profiled at block size 3, this drafter's is {GAMMA}")
     assert not (tmp_path / "o").exists()
+
+
+def test_cost_table_is_for_sglang_dspark_only(tmp_path, capsys):
+    sps = write(tmp_path / "sps.json", DIAGONAL)
+    assert_cli_error(["export", str(SHIPPED), "--format", "vllm", "--output", str(tmp_path / "o"),
+                      "--cost-table", str(sps)], capsys, "used by SGLang's DSpark only")
+    assert not (tmp_path / "o").exists()

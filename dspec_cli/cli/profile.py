@@ -52,9 +52,8 @@ def _profile_steps(name, checkpoint, block_size, requests, verify_tokens, fmt, t
 
     if block_size < 1:
         raise DspecError(f"--block-size must be >= 1, got {block_size}")
-    half = (block_size + 1) // 2 + 1 if block_size > 1 else 1
     widths = int_list(verify_tokens, "--verify-tokens") if verify_tokens else (
-        [1, half, block_size + 1] if fmt == "sglang-additive" else [block_size + 1])
+        [1, block_size // 2 + 1, block_size + 1] if fmt == "sglang-additive" else [block_size + 1])
     tgt = Target.load(target, dtype=dtype, device=device)
     model = build_drafter(name, tgt, checkpoint, block_size)
     rows, ctx = int_list(requests, "--requests"), int_list(contexts, "--contexts")
@@ -113,6 +112,8 @@ def profile_command(
     if fmt != "dspec" and drafter is None:
         raise DspecError(f"--format {fmt} needs --drafter: SGLang's table prices whole DSpark steps (drafting, "
                          "verification, host work); target forwards alone overstate what trimming saves")
+    if drafter is not None and grid is not None:
+        raise DspecError("--grid sets target-forward batch sizes; with --drafter give --requests and --verify-tokens")
     if drafter is not None:
         return _profile_steps(drafter, checkpoint, block_size, requests, verify_tokens, fmt, target, contexts,
                               repeats, warmup, device, dtype, seed, json_path, plot)

@@ -102,13 +102,15 @@ def export(drafter, target, fmt: str, output: Path, target_name: str, checkpoint
         raise DspecError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     layout, config, tensors = to_foreign(drafter, target)
     check_engine_support(layout, config, fmt)
+    dspark = layout in DSPARK_LAYOUTS
+    if cost_table is not None and not (dspark and fmt == "sglang"):
+        raise DspecError(f"--cost-table is used by SGLang's DSpark only, not by {fmt} {METHODS[layout][fmt == 'sglang']}"
+                         + (" (vLLM's DSpark profiles its own cost curves)" if dspark else ""))
     sidecars = Sidecars()
-    if layout in DSPARK_LAYOUTS and fmt == "sglang" and checkpoint is not None:
+    if dspark and fmt == "sglang" and checkpoint is not None:
         sidecars = sglang_sidecars(drafter, checkpoint, cost_table)
-    elif layout in DSPARK_LAYOUTS and fmt == "vllm":
+    elif dspark and fmt == "vllm":
         sidecars.notes.append("vLLM's DSpark profiles its cost curves and calibrates at startup: no side files")
-    elif cost_table is not None:
-        raise DspecError(f"--cost-table is used by SGLang's DSpark only, not by {fmt} {METHODS[layout][fmt == 'sglang']}")
     save(output, config, tensors)
     files = sidecars.write(output)
     method = METHODS[layout][0 if fmt == "vllm" else 1]
