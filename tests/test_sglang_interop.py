@@ -48,12 +48,11 @@ def test_sts_file_has_sglang_fields_and_reads_back(tmp_path):
     assert sts["temperatures"] == cal.temperatures and sts["num_samples"] == 12
     assert len(sts["ece_before"]) == len(sts["ece_after"]) == cal.block_size
     path = st.write_json(tmp_path / "sts.json", sts)
-    assert st.read_sts(path, cal.block_size) == cal.temperatures
-    assert Calibration.load(path).temperatures == cal.temperatures  # calibration.json readers take it too
-    with pytest.raises(DspecError, match="7 temperatures for block size 4"):
-        st.read_sts(path, 4)
-    with pytest.raises(DspecError, match="> 0"):
-        st.read_sts(write(tmp_path / "bad.json", {"temperatures": [1.0, 0.0]}))
+    assert Calibration.load(path, block_size=7).temperatures == cal.temperatures  # as calibration.json
+    with pytest.raises(DspecError, match="is for block size 7, not 4"):
+        Calibration.load(path, block_size=4)
+    with pytest.raises(DspecError, match="positive numbers"):
+        Calibration.load(write(tmp_path / "bad.json", {"temperatures": [1.0, 0.0]}))
 
 
 def test_sts_with_a_position_nobody_verified_writes_no_ece(tmp_path):

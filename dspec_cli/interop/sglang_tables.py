@@ -5,7 +5,8 @@ Formats (SGLang ``python/sglang/srt/speculative/dspark_components/``, see docs/i
 * STS (``dspark_sts.py``, ``--speculative-dspark-confidence-sts-path``):
   ``{"temperatures": [γ floats > 0], "dataset": "", "num_samples": 0, "ece_before": [],
   "ece_after": []}``; only ``temperatures`` is required and its length must equal the runtime γ.
-  SGLang applies σ(raw_k / T_k) to the confidence head's raw output, as dspec does.
+  SGLang applies σ(raw_k / T_k) to the confidence head's raw output, as dspec does; dspec's
+  :meth:`~dspec_cli.calibration.Calibration.load` reads such a file like a calibration.json.
 * SPS (``dspark_sps.py``, ``--speculative-dspark-sps-table-path``), one of
   - diagonal: ``{"sample_batch_tokens": [strictly increasing ints >= 1],
     "sample_steps_per_sec": [...], "max_batch_tokens": N}``, read as a floor lookup;
@@ -39,7 +40,6 @@ from dspec_cli.errors import DspecError
 
 STS_FILE = "dspark_sts.json"
 SPS_FILE = "dspark_sps.json"
-STS_FIELDS = ("temperatures", "dataset", "num_samples", "ece_before", "ece_after")
 DIAGONAL_FIELDS = ("sample_batch_tokens", "sample_steps_per_sec", "max_batch_tokens")
 ADDITIVE_FIELDS = ("bias_seconds", "bs_probes", "alpha_seconds", "m_probes", "theta_seconds")
 SHARD_KEYS = ("logits", "prefix_mask")
@@ -78,18 +78,6 @@ def sts_dict(cal: Calibration, *, dataset: str = "", num_samples: int = 0) -> di
     return {"temperatures": [float(t) for t in cal.temperatures], "dataset": dataset, "num_samples": int(num_samples),
             "ece_before": [float(v) for v in before] if complete else [],
             "ece_after": [float(v) for v in after] if complete else []}
-
-
-def read_sts(path: str | Path, block_size: int | None = None) -> list[float]:
-    """The temperatures of an SGLang STS file, checked as SGLang checks them (and against γ)."""
-    path = Path(path)
-    raw = _read_object(path, "STS file")
-    temps = raw.get("temperatures")
-    if not _positive(temps):
-        raise DspecError(f"STS file {path}: 'temperatures' must be a non-empty list of numbers > 0")
-    if block_size is not None and len(temps) != block_size:
-        raise DspecError(f"STS file {path}: {len(temps)} temperatures for block size {block_size}")
-    return [float(t) for t in temps]
 
 
 # --------------------------------------------------------------------------------------
@@ -295,15 +283,3 @@ def load_rounds(path: str | Path, block_size: int | None = None) -> tuple[Rounds
         return rounds, meta
     rounds = load_sts_shards(path, block_size)
     return rounds, {"drafter": "", "block_size": rounds.block_size}
-
-
-def _read_object(path: Path, kind: str) -> dict:
-    if not path.is_file():
-        raise DspecError(f"{kind} {path}: file not found")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise DspecError(f"{kind} {path}: not valid JSON ({exc.msg})") from None
-    if not isinstance(raw, dict):
-        raise DspecError(f"{kind} {path}: expected a JSON object")
-    return raw
