@@ -8,6 +8,7 @@ from tiny_models import tiny_qwen3, tiny_target, tiny_tokenizer
 
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.plugins import get_drafter_class
+from dspec_cli.runtime.drafter import Drafter
 from dspec_cli.runtime.engine import GenerationConfig, RoundSampler, SpeculativeEngine
 from dspec_cli.runtime.target import Target
 from dspec_cli.testing import (
@@ -111,7 +112,7 @@ def test_lossless_end_to_end(target, name, sampling):
     assert sum(sum(r.verified) for r in results) > 0  # drafts were really verified
 
 
-class BigramTreeDrafter:
+class BigramTreeDrafter(Drafter):
     """Test drafter: a fixed tree per anchor from the target's own next-token ranking given only
     the previous token (depth 2: 3 children, 2 grandchildren each). Deterministic, so the
     sample-and-match walk must reproduce exact target sampling."""

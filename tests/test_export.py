@@ -16,7 +16,7 @@ from dspec_cli.runtime.target import Target
 
 VARIANTS = {  # name -> (drafter, overrides, layout, vLLM method, SGLang algorithm, SGLang flags)
     "dspark": ("dspark-markov", dict(markov_rank=16), "Qwen3DSparkModel", "dspark", "DSPARK",
-               ["--speculative-dspark-block-size", str(GAMMA)]),
+               ["--speculative-dspark-block-size", str(GAMMA)]),  # no calibration / cost table: no side files
     "zlab-dflash": ("dflash", dict(anchor_predicts=False), "DFlashDraftModel", "dflash", "DFLASH",
                     ["--speculative-num-draft-tokens", str(GAMMA + 1)]),
     "eagle3": ("eagle3", dict(qk_norm=False), "LlamaForCausalLMEagle3", "eagle3", "EAGLE3",
@@ -47,8 +47,11 @@ def test_export_round_trip(target, model_dir, tmp_path, capsys, variant, fmt):
     model, tgt = str(out.resolve()), str(model_dir.resolve())
     if fmt == "vllm":
         assert argv[:3] == ["vllm", "serve", tgt] and argv[3] == "--speculative-config"
-        assert json.loads(argv[4]) == {"method": method, "model": model, "num_speculative_tokens": GAMMA}
+        adaptive = {"enable_adaptive_verification": True} if method == "dspark" else {}
+        assert json.loads(argv[4]) == {"method": method, "model": model, "num_speculative_tokens": GAMMA, **adaptive}
     else:
+        if algorithm == "DSPARK":  # confidence-scheduled verification
+            assert argv.pop(0) == "SGLANG_RAGGED_VERIFY_MODE=compact"
         assert argv[:3] == ["python", "-m", "sglang.launch_server"]
         assert argv[3:] == ["--model-path", tgt, "--speculative-algorithm", algorithm,
                             "--speculative-draft-model-path", model, *flags]
@@ -74,7 +77,7 @@ def test_export_of_a_foreign_checkpoint(target, model_dir, tmp_path, capsys):
 
 REFUSALS = [
     ("dflash", {}, "has no vLLM/SGLang method"),
-    ("dspark-rnn", dict(markov_rank=16), "vanilla Markov head only, not 'rnn'"),
+    ("dspark-rnn", dict(markov_rank=16), "vanilla Markov head only, not 'rnn'"),  # vLLM's; SGLang serves it
     ("eagle3", {}, "LlamaForCausalLMEagle3 has no q/k norms"),
 ]
 

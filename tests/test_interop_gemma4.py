@@ -259,7 +259,7 @@ def test_gemma4_errors(target, tmp_path, mutate, message):
 
 def test_gemma4_export_for_vllm(target, tmp_path):
     """``dspec export``: a Gemma-4 dspark drafter is written as Gemma4DSparkModel (vLLM's dspark)."""
-    from dspec_cli.checkpoints.layouts import serving
+    from dspec_cli.workflows import export as serving
 
     config, tensors = gemma4_deepspec(target, rank=8, confidence=True)
     drafter = get_drafter_class("dspark").from_pretrained(write(tmp_path / "in", config, tensors), target)

@@ -9,11 +9,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from dspec_cli.training.regenerate import (
+    RegenerateOptions,
+    regenerate,
+    turn_seed,
+)
 from tiny_models import tiny_qwen3, tiny_target, tiny_tokenizer
 
 from dspec_cli.core.data import load_conversations
 from dspec_cli.core.errors import DspecError
-from dspec_cli.training.regenerate import RegenerateOptions, regenerate, turn_seed
 
 TESTS = Path(__file__).resolve().parent
 

@@ -19,13 +19,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import tiny_qwen3, tiny_tokenizer
-
-from dspec_cli import hookimpl
-from dspec_cli.core import plugins
-from dspec_cli.core.data import Conversation
-from dspec_cli.core.errors import DspecError
-from dspec_cli.runtime.drafter import DrafterConfig, TrainableDrafter
 from dspec_cli.training.data import (
     DataOrder,
     assistant_spans,
@@ -33,6 +26,13 @@ from dspec_cli.training.data import (
     tokenize_conversations,
 )
 from dspec_cli.training.loop import TrainOptions, lr_factor, train
+from tiny_models import tiny_qwen3, tiny_tokenizer
+
+from dspec_cli import hookimpl
+from dspec_cli.core import plugins
+from dspec_cli.core.data import Conversation
+from dspec_cli.core.errors import DspecError
+from dspec_cli.runtime.drafter import DrafterConfig, TrainableDrafter
 
 TESTS = Path(__file__).resolve().parent
 

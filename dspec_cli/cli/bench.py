@@ -67,7 +67,7 @@ def bench_command(
     repeats: int = typer.Option(1, "--repeats", help="Timed runs per engine, round-robin with the baseline; tokens/s is the median, speedup the median of per-repeat ratios."),
     concurrency: str = typer.Option("1", "--concurrency", help="Concurrent requests, e.g. 1,4,16."),
     scheduler: list[str] = typer.Option(["fixed"], "--scheduler", help="Verification-length scheduler (repeatable): NAME[,KEY=VALUE...], e.g. fixed, threshold,threshold=0.6, hardware, hardware,gate=false, async."),
-    cost_table: Optional[Path] = typer.Option(None, "--cost-table", help="Cost table from `dspec profile-hardware --json` (hardware/async schedulers)."),
+    cost_table: Optional[Path] = typer.Option(None, "--cost-table", help="Cost table from `dspec profile-hardware --json`, or an SGLang DSpark SPS table (hardware/async schedulers)."),
     strict: bool = typer.Option(False, "--strict", help="A cost table from another device or model is an error, not a warning."),
     device: str = typer.Option("cpu", "--device"),
     dtype: str = typer.Option("auto", "--dtype"),

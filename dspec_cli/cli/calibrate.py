@@ -67,7 +67,9 @@ def _copy_source(checkpoint: str, folder: Path) -> bool:
 def calibrate_command(
     drafter: str = typer.Option(..., "--drafter", "-d", help="Drafter name (see `dspec drafters`)."),
     checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="Drafter checkpoint: folder or Hub id (default: the drafter's default)."),
-    dataset: str = typer.Option(..., "--dataset", help="Held-out jsonl prompts ({\"turns\": [...]} lines), or 'builtin'."),
+    dataset: Optional[str] = typer.Option(None, "--dataset", help="Held-out jsonl prompts ({\"turns\": [...]} lines), or 'builtin' (not with --traces)."),
+    traces: Optional[Path] = typer.Option(None, "--traces", help="Fit on recorded rounds instead of running the drafter: jsonl from --save-traces, or SGLang STS shards (SGLANG_DSPARK_STS_COLLECT_PATH's stem, or one .pt)."),
+    sglang_sts: Optional[Path] = typer.Option(None, "--sglang-sts", help="Also write the temperatures as SGLang's STS file (--speculative-dspark-confidence-sts-path)."),
     num_prompts: Optional[int] = typer.Option(None, "--num-prompts", help="Use the first N prompts."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
     target: Optional[str] = typer.Option(None, "--target", help="Target model: local path or Hub id (default: the embedded tiny target)."),
@@ -85,7 +87,7 @@ def calibrate_command(
     sweep_threshold: bool = typer.Option(False, "--sweep-threshold", help="Also report the static-threshold sweep (paper Fig. 5)."),
     save_traces: Optional[Path] = typer.Option(None, "--save-traces", help="Write the recorded rounds (jsonl) for `dspec schedule`."),
 ) -> None:
-    """Record confidences and outcomes on held-out prompts, fit STS, write calibration.json."""
+    """Record confidences and outcomes on held-out prompts (or read recorded ones), fit STS, write calibration.json."""
     from dspec_cli.checkpoints.hub import resolve_checkpoint
     from dspec_cli.core import plugins
     from dspec_cli.core.calibration import Calibration
@@ -105,34 +107,53 @@ def calibrate_command(
         raise DspecError(f"--num-prompts must be >= 1, got {num_prompts}")
     if block_size is not None and block_size < 1:
         raise DspecError(f"--block-size must be >= 1, got {block_size}")
+    if (dataset is None) == (traces is None):
+        raise DspecError("give exactly one of --dataset (run the drafter) and --traces (recorded rounds)")
     cls = plugins.get_drafter_class(drafter)
-    out_dir = _output_dir(checkpoint, output)
+    out_dir = None if traces is not None and sglang_sts is not None and not (output or checkpoint) else (
+        _output_dir(checkpoint, output))
     ckpt_dir = resolve_checkpoint(checkpoint) if checkpoint else None  # a Hub id -> its cached snapshot
     old_file = ckpt_dir / CALIBRATION_FILE if ckpt_dir else None
     old = Calibration.load(old_file, drafter=cls.name) if old_file and old_file.is_file() else None
-    prompts = load_prompts(dataset, num_prompts)
-    tgt = Target.load(target, dtype=dtype, device=device)
-    overrides = {"block_size": block_size} if block_size is not None else {}
-    model = cls.from_pretrained(ckpt_dir, tgt, **overrides) if ckpt_dir else cls.load_default(tgt, **overrides)
-    gamma = model.config.block_size
+    err = Console(stderr=True)
+    if traces is not None:  # raw confidences as recorded (SGLang records the head's output before STS)
+        from dspec_cli.workflows.sglang_sts import load_rounds
+
+        rounds, meta = load_rounds(traces, block_size)
+        if meta["drafter"] and meta["drafter"] != cls.name:
+            raise DspecError(f"traces {traces} are of drafter {meta['drafter']!r}, not {cls.name!r}")
+        gamma = rounds.block_size
+    else:
+        prompts = load_prompts(dataset, num_prompts)
+        tgt = Target.load(target, dtype=dtype, device=device)
+        overrides = {"block_size": block_size} if block_size is not None else {}
+        model = cls.from_pretrained(ckpt_dir, tgt, **overrides) if ckpt_dir else cls.load_default(tgt, **overrides)
+        gamma = model.config.block_size
+        config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                  block_size=gamma, max_batch=concurrency, seed=seed)
+        ids = [tgt.render_prompt(p.text) for p in prompts]
+        with CommandProgress(err) as bar:
+            task = bar.add_task(f"collecting rounds · {cls.name}", total=len(ids))
+            rounds = collect_rounds(tgt, model, ids, config, on_finish=lambda _res: bar.advance(task))
     if old is not None:
         old.check(cls.name, gamma)
-    config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                              block_size=gamma, max_batch=concurrency, seed=seed)
-    ids = [tgt.render_prompt(p.text) for p in prompts]
-    err = Console(stderr=True)
-    with CommandProgress(err) as bar:
-        task = bar.add_task(f"collecting rounds · {cls.name}", total=len(ids))
-        rounds = collect_rounds(tgt, model, ids, config, on_finish=lambda _res: bar.advance(task))
     cal = calibrate(rounds, cls.name)
-    if ckpt_dir is not None and _copy_source(checkpoint, ckpt_dir) and out_dir.resolve() != ckpt_dir.resolve():
-        shutil.copytree(ckpt_dir, out_dir, dirs_exist_ok=True)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cal_file = cal.save(out_dir)
+    if sglang_sts is not None:
+        from dspec_cli.core.sglang_sps import write_json
+        from dspec_cli.workflows.sglang_sts import sts_dict
+
+        err.print(f"wrote {write_json(sglang_sts, sts_dict(cal, dataset=str(traces or dataset), num_samples=len(rounds)))}")
+    cal_file = None
+    if out_dir is not None:
+        if ckpt_dir is not None and _copy_source(checkpoint, ckpt_dir) and out_dir.resolve() != ckpt_dir.resolve():
+            shutil.copytree(ckpt_dir, out_dir, dirs_exist_ok=True)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        cal_file = cal.save(out_dir)
     out = Console()
     console = out if out.is_terminal else Console(width=200)
     render_metrics(cal, console)
-    err.print(f"wrote {cal_file}")
+    if cal_file is not None:
+        err.print(f"wrote {cal_file}")
     sweep = threshold_sweep(rounds) if sweep_threshold else None
     if sweep is not None:
         render_sweep(sweep, console)
@@ -152,7 +173,8 @@ def calibrate_command(
         before, after = cal.metrics["before"], cal.metrics["after"]
         pick = lambda m: {k: m[k] for k in ("count", "ece", "auroc", "brier", "mean_pred", "mean_label")}  # noqa: E731
         report = {
-            "drafter": cls.name, "block_size": gamma, "num_rounds": len(rounds), "calibration_file": str(cal_file),
+            "drafter": cls.name, "block_size": gamma, "num_rounds": len(rounds),
+            "calibration_file": str(cal_file) if cal_file else None,
             "temperatures": cal.temperatures, "ece_before": before["ece_mean"], "ece_after": after["ece_mean"],
             "before": pick(before), "after": pick(after), "threshold_sweep": sweep,
         }

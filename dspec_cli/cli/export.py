@@ -20,7 +20,8 @@ def export_command(
     output: Path = typer.Option(..., "--output", help="Folder for the engine's draft checkpoint."),
     target: Optional[str] = typer.Option(None, "--target", help="Target model: local path or Hub id (default: the embedded tiny target)."),
     dtype: str = typer.Option("auto", "--dtype", help="Load (and export) in this dtype, e.g. bfloat16 (auto: float32 on CPU)."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the export report (layout, engine settings, command) here."),
+    cost_table: Optional[Path] = typer.Option(None, "--cost-table", help="SGLang DSpark: cost table (dspec's or SGLang's) for dspark_sps.json (default: the checkpoint's cost_table.json)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the export report (layout, engine settings, files, command) here."),
 ) -> None:
     """Export a drafter for vLLM or SGLang and print the command that serves it."""
     from dspec_cli.checkpoints import layouts as interop
@@ -41,9 +42,11 @@ def export_command(
     target_name = target or str(DEFAULT_TARGET_PATH)
     if Path(target_name).exists():
         target_name = str(Path(target_name).resolve())
-    report = export(drafter, tgt, fmt, output, target_name)
+    report = export(drafter, tgt, fmt, output, target_name, checkpoint=path, cost_table=cost_table)
     err = Console(stderr=True, soft_wrap=True)
     err.print(f"wrote {report['output']} ({report['layout']} layout, {fmt} method {report['method']})", highlight=False)
+    for note in report["notes"]:
+        err.print(f"note: {note}", highlight=False, markup=False)
     print(report["command"])
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)

@@ -39,6 +39,49 @@ def render_cost_table(table, console: Console, max_rows: int = 24) -> None:
     console.print(out)
 
 
+FORMATS = ("dspec", "sglang-diagonal", "sglang-additive")
+
+
+def _profile_steps(name, checkpoint, block_size, requests, verify_tokens, fmt, target, contexts, repeats, warmup,
+                   device, dtype, seed, json_path, plot) -> None:
+    """``profile-hardware --drafter``: whole steps over requests x verify tokens (dspec_cli.workflows.step_profile)."""
+    from dspec_cli.checkpoints import load_drafter
+    from dspec_cli.core import sglang_sps as sglang_tables
+    from dspec_cli.runtime.target import Target
+    from dspec_cli.workflows.step_profile import profile_steps
+
+    if block_size < 1:
+        raise DspecError(f"--block-size must be >= 1, got {block_size}")
+    widths = int_list(verify_tokens, "--verify-tokens") if verify_tokens else (
+        [1, block_size // 2 + 1, block_size + 1] if fmt == "sglang-additive" else [block_size + 1])
+    tgt = Target.load(target, dtype=dtype, device=device)
+    model = load_drafter(name, tgt, checkpoint, block_size)
+    rows, ctx = int_list(requests, "--requests"), int_list(contexts, "--contexts")
+    err = Console(stderr=True)
+    with CommandProgress(err) as bar:
+        task = bar.add_task("profiling whole steps", total=len(set(rows)) * len(set(ctx)) * len(set(widths) | {block_size + 1}))
+
+        def advance(c: int, r: int, v: int) -> None:
+            bar.update(task, advance=1, description=f"profiling whole steps · context {c} · R={r} · v={v}")
+
+        prof = profile_steps(tgt, model, requests=rows, verify_tokens=widths, contexts=ctx, repeats=repeats,
+                             warmup=warmup, model_name=target or "embedded:tiny-target", seed=seed, progress=advance)
+    table = prof.cost_table()
+    out = Console()
+    render_cost_table(table, out if out.is_terminal else Console(width=200))
+    if json_path is not None:
+        if fmt == "dspec":
+            table.save(json_path)
+        else:
+            sglang_tables.write_json(json_path, sglang_tables.to_sglang_diagonal(table) if fmt == "sglang-diagonal"
+                                     else sglang_tables.fit_additive(prof.additive_cells()))
+        err.print(f"wrote {json_path}")
+    if plot is not None:
+        from dspec_cli.workflows.plots import sps_plot
+
+        err.print(f"wrote {sps_plot(table, plot)}")
+
+
 @app.command("profile-hardware")
 def profile_command(
     target: Optional[str] = typer.Option(None, "--target", help="Target model: local path or Hub id (default: the embedded tiny target)."),
@@ -51,12 +94,29 @@ def profile_command(
     device: str = typer.Option("cpu", "--device"),
     dtype: str = typer.Option("auto", "--dtype"),
     seed: int = typer.Option(0, "--seed"),
+    drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Time whole speculative steps of this drafter (drafting + verification + host work) over --requests x --verify-tokens."),
+    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="With --drafter: its checkpoint (default: the drafter's default)."),
+    block_size: int = typer.Option(7, "--block-size", help="With --drafter: γ."),
+    requests: str = typer.Option("1,2,4,8,16,32", "--requests", help="With --drafter: concurrent requests R."),
+    verify_tokens: Optional[str] = typer.Option(None, "--verify-tokens", help="With --drafter: tokens verified per request, anchor included, 1..γ+1 (default: γ+1; sglang-additive: 1, γ/2+1, γ+1)."),
+    fmt: str = typer.Option("dspec", "--format", help="What --json writes: dspec, sglang-diagonal or sglang-additive (the last two need --drafter)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the cost table here (what --cost-table reads)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of the SPS(B) curves here."),
 ) -> None:
-    """Profile steps per second SPS(B) of the target for token-batch sizes B and context lengths."""
+    """Profile steps per second SPS(B) of the target (or whole speculative steps) for token-batch sizes B and context lengths."""
     from dspec_cli.core.hardware import default_grid, profile_sps
     from dspec_cli.runtime.target import Target
+
+    if fmt not in FORMATS:
+        raise DspecError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if fmt != "dspec" and drafter is None:
+        raise DspecError(f"--format {fmt} needs --drafter: SGLang's table prices whole DSpark steps (drafting, "
+                         "verification, host work); target forwards alone overstate what trimming saves")
+    if drafter is not None and grid is not None:
+        raise DspecError("--grid sets target-forward batch sizes; with --drafter give --requests and --verify-tokens")
+    if drafter is not None:
+        return _profile_steps(drafter, checkpoint, block_size, requests, verify_tokens, fmt, target, contexts,
+                              repeats, warmup, device, dtype, seed, json_path, plot)
 
     points = int_list(grid, "--grid") if grid else default_grid(max_batch_tokens)
     ctx = int_list(contexts, "--contexts")

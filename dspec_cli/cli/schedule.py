@@ -17,8 +17,8 @@ from dspec_cli.cli.profile import int_list
 
 @app.command("schedule")
 def schedule_command(
-    cost_table: Path = typer.Option(..., "--cost-table", help="Cost table JSON from `dspec profile-hardware`."),
-    traces: Path = typer.Option(..., "--traces", help="Round traces (jsonl) from `dspec calibrate --save-traces`."),
+    cost_table: Path = typer.Option(..., "--cost-table", help="Cost table JSON from `dspec profile-hardware`, or an SGLang DSpark SPS table."),
+    traces: Path = typer.Option(..., "--traces", help="Round traces: jsonl from `dspec calibrate --save-traces`, or SGLang STS shards (<stem>.N.pt: give the stem)."),
     scheduler: list[str] = typer.Option(["hardware"], "--scheduler", "-s", help="Scheduler (repeatable): fixed, threshold, hardware, async, or a plugin's; options as NAME,key=value (e.g. hardware,layout=padded)."),
     concurrency: str = typer.Option("1,4,16,64", "--concurrency", help="Concurrent requests R, e.g. 1,4,16,64."),
     steps: int = typer.Option(200, "--steps", help="Simulated rounds per (scheduler, R)."),
@@ -41,20 +41,20 @@ def schedule_command(
     from dspec_cli.core.hardware import CostTable
     from dspec_cli.core.specs import parse_scheduler_spec
     from dspec_cli.runtime.schedule import build_scheduler
-    from dspec_cli.workflows.calibrate import load_traces
+    from dspec_cli.workflows.sglang_sts import load_rounds
     from dspec_cli.workflows.simulate import simulate_load
 
     levels = int_list(concurrency, "--concurrency")
     if steps < 1:
         raise DspecError(f"--steps must be >= 1, got {steps}")
-    table = CostTable.load(cost_table)
+    rounds, meta = load_rounds(traces)
+    table = CostTable.load(cost_table, block_size=meta["block_size"])
     err = Console(stderr=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         problems = table.check(device=device, model=target, strict=strict)
     for p in problems:
         err.print(f"Warning: {p} (use --strict to make this an error)", markup=False)
-    rounds, meta = load_traces(traces)
     if calibration:  # recorded confidences are raw: calibrate them as the engine would
         cal = Calibration.load(calibration, drafter=meta["drafter"] or None, block_size=meta["block_size"])
         rounds = rounds.with_temperatures(cal.temperatures)

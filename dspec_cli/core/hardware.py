@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from dspec_cli.core import sglang_sps
 from dspec_cli.core.errors import DspecError
 
 DEFAULT_CONTEXTS = (128, 512, 2048)
@@ -130,10 +131,17 @@ class CostTable:
     row_tokens: int = 8
     repeats: int = 0
     warmup: int = 0
+    measures: str = "forward"  # "forward": target forwards; "step": whole speculative steps (profile --drafter, SGLang)
+    block_size: int = 0  # γ of a "step" table (0: not recorded)
+    max_tokens: int = 0  # SGLang's max_batch_tokens, when read from its table (0: none)
     source: str = ""  # the file it was read from (for messages)
 
     def __post_init__(self) -> None:
         where = self.source or "cost table"
+        if self.measures not in ("forward", "step"):
+            raise DspecError(f"{where}: measures must be 'forward' or 'step', got {self.measures!r}")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (self.block_size, self.max_tokens)):
+            raise DspecError(f"{where}: block_size and max_tokens must be integers >= 0")
         if not self.grid or self.grid != sorted(set(self.grid)) or self.grid[0] < 1:
             raise DspecError(f"{where}: grid must be increasing positive integers")
         if not self.contexts or self.contexts != sorted(set(self.contexts)):
@@ -214,11 +222,11 @@ class CostTable:
         """
         where = self.source or "cost table"
         problems = []
-        if device is not None:
+        if device is not None and self.device_name:  # tables read from SGLang name no device
             here = device_name(device)
             if here != self.device_name:
                 problems.append(f"{where} was profiled on {self.device_name!r}, this run uses {here!r}")
-        if model is not None and model != self.model:
+        if model is not None and self.model and model != self.model:
             problems.append(f"{where} was profiled for model {self.model!r}, this run uses {model!r}")
         if problems and strict:
             raise DspecError(problems[0])
@@ -229,7 +237,7 @@ class CostTable:
     # -- files ---------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         keys = ("device", "device_name", "dtype", "model", "torch", "grid", "contexts", "measured", "spread",
-                "row_tokens", "repeats", "warmup")
+                "row_tokens", "repeats", "warmup", "measures", "block_size", "max_tokens")
         return {"sps" if k == "measured" else k: getattr(self, k) for k in keys}
 
     def save(self, path: str | Path) -> None:
@@ -238,7 +246,9 @@ class CostTable:
         path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> CostTable:
+    def load(cls, path: str | Path, block_size: int | None = None) -> CostTable:
+        """A dspec cost table, or an SGLang DSpark SPS table (its additive schema needs γ =
+        ``block_size``; see :mod:`dspec_cli.core.sglang_sps`)."""
         path = Path(path)
         if not path.is_file():
             raise DspecError(f"cost table {path}: file not found")
@@ -246,11 +256,14 @@ class CostTable:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise DspecError(f"cost table {path}: not valid JSON ({exc.msg})") from None
+        if isinstance(raw, dict) and sglang_sps.sps_schema(raw) is not None:
+            return cls(**sglang_sps.cost_table_fields(raw, f"cost table {path}", block_size))
         required = ("device", "device_name", "dtype", "model", "torch", "grid", "contexts", "sps")
         missing = [k for k in required if not isinstance(raw, dict) or k not in raw]
         if missing:
             raise DspecError(f"cost table {path}: missing key(s) {', '.join(missing)}")
-        known = {k: raw[k] for k in (*required, "spread", "row_tokens", "repeats", "warmup") if k in raw}
+        optional = ("spread", "row_tokens", "repeats", "warmup", "measures", "block_size", "max_tokens")
+        known = {k: raw[k] for k in (*required, *optional) if k in raw}
         known["measured"] = known.pop("sps")
         try:
             return cls(**known, source=str(path))

@@ -334,7 +334,7 @@ class Target:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def ragged(self, batch: TargetBatch, tokens: torch.Tensor, lengths: torch.Tensor):
+    def _ragged(self, batch: TargetBatch, tokens: torch.Tensor, lengths: torch.Tensor):
         """Validate a ragged input; return n (host list), q = max n and the flat index [Σn] into
         [R*q] (None when every row has q tokens: the flat layout is the [R, q] grid itself)."""
         batch.require_idle("verify")

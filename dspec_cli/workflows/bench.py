@@ -70,7 +70,7 @@ def _schedulers(opts: BenchOptions, target: Target) -> list[tuple[str, object]]:
         return [("fixed", None)]
     table = None
     if opts.cost_table:
-        table = CostTable.load(opts.cost_table)
+        table = CostTable.load(opts.cost_table, block_size=opts.block_size)
         table.check(device=target.device, model=opts.target or "embedded:tiny-target", strict=opts.strict)
     out = []
     for spec in opts.schedulers:

@@ -8,9 +8,14 @@ Layouts and engine methods (docs/interop.md lists the upstream sources):
 | dflash, anchor_predicts = false | ``DFlashDraftModel`` (z-lab) | ``dflash`` | ``DFLASH`` |
 | eagle3, qk_norm = false, 3 taps | ``LlamaForCausalLMEagle3`` | ``eagle3`` | ``EAGLE3`` |
 
+DSpark on SGLang runs with ``SGLANG_RAGGED_VERIFY_MODE=compact`` (confidence-scheduled
+verification) and gets the STS / SPS side files of :mod:`~dspec_cli.workflows.serve_files`; on
+vLLM with ``enable_adaptive_verification`` when the drafter has a confidence head.
+
 Refused in one line: DeepSpec-layout ``dflash`` (the engines' dflash expects z-lab's block
-layout and their dspark a Markov head), ``dspark-rnn`` (the engines' DSpark has the vanilla
-Markov head only), and drafters without a foreign layout.
+layout and their dspark a Markov head), ``dspark-rnn`` on vLLM (its DSpark has the vanilla
+Markov head only), a DSpark drafter without a confidence head on SGLang (compact verification
+needs one), and drafters without a foreign layout.
 """
 
 from __future__ import annotations
@@ -21,6 +26,13 @@ from pathlib import Path
 
 from dspec_cli.checkpoints.layouts import save, to_foreign
 from dspec_cli.core.errors import DspecError
+from dspec_cli.core.files import atomic_write_text
+from dspec_cli.workflows.serve_files import (
+    SERVE_FILE,
+    Sidecars,
+    serve_markdown,
+    sglang_sidecars,
+)
 
 FORMATS = ("vllm", "sglang")
 METHODS = {  # layout -> (vLLM method, SGLang algorithm)
@@ -29,33 +41,49 @@ METHODS = {  # layout -> (vLLM method, SGLang algorithm)
     "DFlashDraftModel": ("dflash", "DFLASH"),
     "LlamaForCausalLMEagle3": ("eagle3", "EAGLE3"),
 }
+DSPARK_LAYOUTS = ("Qwen3DSparkModel", "Gemma4DSparkModel")
+SGLANG_ENV = {"SGLANG_RAGGED_VERIFY_MODE": "compact"}  # DSpark's confidence-scheduled (trimmed) verification
 
 
-def check_engine_support(layout: str, config: dict) -> None:
-    """DspecError when vLLM / SGLang have no method for this foreign checkpoint."""
-    if layout not in ("Qwen3DSparkModel", "Gemma4DSparkModel"):
+def check_engine_support(layout: str, config: dict, fmt: str) -> None:
+    """DspecError when the engine ``fmt`` has no method for this foreign checkpoint."""
+    if layout not in DSPARK_LAYOUTS:
         return
     if not config["markov_rank"]:
         raise DspecError(
             "dflash in DeepSpec's block layout (the anchor slot predicts) has no vLLM/SGLang method: their dflash "
             "expects z-lab's layout (anchor_predicts = false) and their dspark needs a Markov head"
         )
-    if config.get("markov_head_type") != "vanilla":
-        raise DspecError(f"vLLM/SGLang DSpark serve the vanilla Markov head only, not {config['markov_head_type']!r}")
+    if fmt == "vllm" and config.get("markov_head_type") != "vanilla":
+        raise DspecError("vLLM's DSpark (qwen3_dspark.py) serves the vanilla Markov head only, not "
+                         f"{config['markov_head_type']!r} (SGLang's serves it: --format sglang)")
+    if fmt == "sglang" and not config.get("enable_confidence_head"):
+        raise DspecError("SGLang's DSpark compact verification (SGLANG_RAGGED_VERIFY_MODE=compact) needs a trained "
+                         "confidence head and this drafter has none (train with confidence_head = true)")
 
 
-def serve_command(fmt: str, layout: str, drafter, model: str, target: str) -> dict:
-    """The engine's settings for this draft folder and the shell command that starts the server."""
+def serve_command(fmt: str, layout: str, drafter, model: str, target: str, files: dict | None = None) -> dict:
+    """The engine's settings for this draft folder and the shell command that starts the server;
+    ``files``: SGLang's side files ({"sts", "sps"} -> path) to pass."""
     vllm_method, sglang_algorithm = METHODS[layout]
     cfg = drafter.config
+    files = files or {}
     if fmt == "vllm":
         spec = {"method": vllm_method, "model": model, "num_speculative_tokens": cfg.block_size}
+        if layout in DSPARK_LAYOUTS and cfg.confidence_head:
+            spec["enable_adaptive_verification"] = True
         command = f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(json.dumps(spec))}"
         return {"speculative_config": spec, "command": command}
     args = ["--model-path", target, "--speculative-algorithm", sglang_algorithm,
             "--speculative-draft-model-path", model]
-    if layout in ("Qwen3DSparkModel", "Gemma4DSparkModel"):
+    env = {}
+    if layout in DSPARK_LAYOUTS:
         args += ["--speculative-dspark-block-size", str(cfg.block_size)]
+        if "sps" in files:
+            args += ["--speculative-dspark-sps-table-path", files["sps"]]
+        if "sts" in files:
+            args += ["--speculative-dspark-confidence-sts-path", files["sts"]]
+        env = dict(SGLANG_ENV)
     elif layout == "DFlashDraftModel":
         args += ["--speculative-num-draft-tokens", str(cfg.block_size + 1)]  # the block, anchor included
     elif cfg.tree:
@@ -64,19 +92,35 @@ def serve_command(fmt: str, layout: str, drafter, model: str, target: str) -> di
     else:
         args += ["--speculative-num-steps", str(cfg.block_size), "--speculative-eagle-topk", "1",
                  "--speculative-num-draft-tokens", str(cfg.block_size + 1)]
-    command = " ".join(["python -m sglang.launch_server", *map(shlex.quote, args)])
-    return {"args": args, "command": command}
+    prefix = [f"{k}={shlex.quote(v)}" for k, v in env.items()]
+    command = " ".join([*prefix, "python -m sglang.launch_server", *map(shlex.quote, args)])
+    return {"args": args, "env": env, "command": command}
 
 
-def export(drafter, target, fmt: str, output: Path, target_name: str) -> dict:
-    """Write ``drafter`` into ``output`` in the layout the engine reads; returns the report
-    (format, drafter, layout, method, output, target, the engine settings and the command)."""
+def export(drafter, target, fmt: str, output: Path, target_name: str, checkpoint: Path | None = None,
+           cost_table: Path | None = None) -> dict:
+    """Write ``drafter`` into ``output`` in the layout the engine reads, SGLang DSpark's side files
+    (from ``checkpoint``'s calibration and ``cost_table``) and SERVE.md; returns the report
+    (format, drafter, layout, method, output, target, the engine settings, files, notes and the command).
+    Everything is checked before the first file is written."""
     if fmt not in FORMATS:
         raise DspecError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     layout, config, tensors = to_foreign(drafter, target)
-    check_engine_support(layout, config)
+    check_engine_support(layout, config, fmt)
+    dspark = layout in DSPARK_LAYOUTS
+    if cost_table is not None and not (dspark and fmt == "sglang"):
+        raise DspecError(f"--cost-table is used by SGLang's DSpark only, not by {fmt} {METHODS[layout][fmt == 'sglang']}"
+                         + (" (vLLM's DSpark profiles its own cost curves)" if dspark else ""))
+    sidecars = Sidecars()
+    if dspark and fmt == "sglang" and checkpoint is not None:
+        sidecars = sglang_sidecars(drafter, checkpoint, cost_table)
+    elif dspark and fmt == "vllm":
+        sidecars.notes.append("vLLM's DSpark profiles its cost curves and calibrates at startup: no side files")
     save(output, config, tensors)
+    files = sidecars.write(output)
     method = METHODS[layout][0 if fmt == "vllm" else 1]
     report = {"format": fmt, "drafter": drafter.name, "layout": layout, "method": method,
-              "output": str(output.resolve()), "target": target_name}
-    return {**report, **serve_command(fmt, layout, drafter, report["output"], target_name)}
+              "output": str(output.resolve()), "target": target_name, "files": files, "notes": sidecars.notes}
+    report.update(serve_command(fmt, layout, drafter, report["output"], target_name, files))
+    atomic_write_text(output / SERVE_FILE, serve_markdown(report, sidecars.notes))
+    return report

@@ -152,7 +152,9 @@ def test_calibration_round_trip(target, tmp_path):
     temps = [2.0, 0.5]
     (tmp_path / "calibration.json").write_text(json.dumps({"temperatures": temps}))
     loaded = type(drafter).from_pretrained(tmp_path, target)
-    cal = loaded.propose(_state_after_prompt(target, loaded, "Numbers like 0 1 2"), torch.tensor([17]), 4, sampler).confidence
+    proposed = loaded.propose(_state_after_prompt(target, loaded, "Numbers like 0 1 2"), torch.tensor([17]), 4, sampler)
+    torch.testing.assert_close(proposed.confidence, raw)  # drafters report raw confidences ...
+    cal = loaded.calibration.apply(proposed.confidence)  # ... and the engine applies the checkpoint's STS
     logit = torch.logit(raw.double())
     want = torch.sigmoid(logit / torch.tensor([2.0, 0.5, 1.0, 1.0], dtype=torch.float64)).float()
     torch.testing.assert_close(cal, want, atol=1e-5, rtol=0)
