@@ -28,6 +28,8 @@ import torch
 
 from dspec_cli.data import jsonl_objects
 from dspec_cli.errors import DspecError
+from dspec_cli.jsonl import write_jsonl
+from dspec_cli.outputs import atomic_write_text
 
 NUM_BINS = 20
 CALIBRATION_FILE = "calibration.json"
@@ -296,7 +298,7 @@ class Calibration:
         """Write to ``path`` (a folder gets ``calibration.json`` inside); returns the file."""
         path = Path(path)
         file = path / CALIBRATION_FILE if path.is_dir() else path
-        file.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        atomic_write_text(file, json.dumps(self.to_dict(), indent=2) + "\n")
         return file
 
     @classmethod
@@ -357,13 +359,11 @@ def threshold_sweep(rounds: Rounds, thresholds: Sequence[float] = SWEEP_THRESHOL
 
 def save_traces(path: str | Path, rounds: Rounds, *, drafter: str, block_size: int) -> None:
     """One JSON line per round: {"drafter", "block_size", "confidence": [...], "accepted"}."""
-    lines = []
-    for i in range(len(rounds)):
-        n = int(rounds.verified[i])
-        conf = rounds.confidence[i, :n].tolist()
-        lines.append(json.dumps({"drafter": drafter, "block_size": block_size, "confidence": conf,
-                                 "accepted": int(rounds.accepted[i])}))
-    Path(path).write_text("\n".join(lines) + ("\n" if lines else ""))
+    write_jsonl(path, (
+        {"drafter": drafter, "block_size": block_size, "confidence": rounds.confidence[i, : int(rounds.verified[i])].tolist(),
+         "accepted": int(rounds.accepted[i])}
+        for i in range(len(rounds))
+    ))
 
 
 def load_traces(path: str | Path) -> tuple[Rounds, dict]:

@@ -37,6 +37,8 @@ import torch
 from dspec_cli.calibration import CALIBRATION_FILE, Calibration
 from dspec_cli.errors import DspecError
 from dspec_cli.hardware import CostTable
+from dspec_cli.jsonl import split_lines
+from dspec_cli.outputs import atomic_write_text
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -167,19 +169,13 @@ def trim_log(path: Path, step: int) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         return
     keep = []
-    for line in path.read_text().splitlines():
+    for _, line in split_lines(path.read_text(encoding="utf-8")):
         try:
             if json.loads(line).get("step", 0) <= step:
                 keep.append(line)
-        except json.JSONDecodeError:
-            continue
+        except (json.JSONDecodeError, AttributeError):
+            continue  # blank or partial line (interrupted write)
     atomic_write_text(path, "".join(f"{line}\n" for line in keep))
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 # -- the drafter checkpoint format ---------------------------------------------------------------

@@ -15,7 +15,6 @@ turn), so a resumed file equals an uninterrupted one.
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ import torch
 from dspec_cli.data import Conversation, load_conversations
 from dspec_cli.engine import GenerationConfig, RequestResult, SpeculativeEngine
 from dspec_cli.errors import DspecError
+from dspec_cli.jsonl import decode, parse_lines, write_line
 
 _CHUNK_PER_SLOT = 4  # conversations in flight per concurrent request slot
 
@@ -79,15 +79,9 @@ def done_ids(path: Path) -> tuple[set[str], bool]:
         with open(path, "r+b") as f:
             f.truncate(len(raw))
     ids = set()
-    for lineno, line in enumerate(raw.decode("utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DspecError(f"{path}:{lineno}: not valid JSON ({exc.msg}); the output file is damaged") from None
-        if not isinstance(obj, dict) or "id" not in obj:
-            raise DspecError(f"{path}:{lineno}: no 'id'; --output must be a file written by dspec data regenerate")
+    for where, obj in parse_lines(decode(raw, str(path)), str(path)):
+        if "id" not in obj:
+            raise DspecError(f"{where}: no 'id'; --output must be a file written by dspec data regenerate")
         ids.add(str(obj["id"]))
     return ids, repaired
 
@@ -191,7 +185,7 @@ def regenerate(
                 active = [d for d in runnable if d.next_turn()]
             for d in dialogues:
                 if d.answered:
-                    f.write(json.dumps(d.record(), ensure_ascii=False) + "\n")
+                    write_line(f, d.record())
                     f.flush()
                     stats.written += 1
     stats.seconds = time.perf_counter() - t0

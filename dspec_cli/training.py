@@ -44,6 +44,7 @@ from dspec_cli.checkpoint import (
 )
 from dspec_cli.drafter import TrainableDrafter
 from dspec_cli.errors import DspecError
+from dspec_cli.jsonl import write_line
 from dspec_cli.model_card import write_model_card
 from dspec_cli.recipes import EMBEDDED, Recipe, apply_overrides, load_recipe, resume_conflicts
 from dspec_cli.train_data import DataOrder, FeatureCache, Features, TrainData, load_train_data
@@ -367,7 +368,7 @@ class _Run:
         stop_at = min(self.total, self.opts.stop_after) if self.opts.stop_after else self.total
         row: dict = read_state(self.resume_from).get("metrics", {}) if self.resume_from is not None else {}
         ckpt = None
-        with _StopRequest() as stop, open(log_path if rank.main else os.devnull, "a") as log:
+        with _StopRequest() as stop, open(log_path if rank.main else os.devnull, "a", encoding="utf-8") as log:
             while step < stop_at:
                 row, stop_requested = self._step(step, stop.requested)
                 step += 1
@@ -375,7 +376,7 @@ class _Run:
                     self.progress.update(row)
                 stopping = stop_requested or step == stop_at or (rank.world == 1 and stop.requested)
                 if rank.main and (step % t.log_every == 0 or step == self.total or stopping):
-                    log.write(json.dumps(row) + "\n")
+                    write_line(log, row)
                     log.flush()
                 if (t.save_every and step % t.save_every == 0) or step == self.total or stopping:
                     ckpt = self._save(step, row)
