@@ -20,8 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from dspec_cli.data import Conversation, load_conversations
 from dspec_cli.engine import GenerationConfig, RequestResult, SpeculativeEngine
 from dspec_cli.errors import DspecError
@@ -147,8 +145,7 @@ def regenerate(
     if not todo:
         return stats
     if target is None:
-        device = opts.device if opts.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        target = Target.load(opts.target, dtype=opts.dtype, device=device)
+        target = Target.load(opts.target, dtype=opts.dtype, device=opts.device)
     if target.tokenizer is None or target.tokenizer.chat_template is None:
         raise DspecError("the target's tokenizer has no chat template; regeneration needs a chat model")
     drafter = build_drafter(opts.drafter, target, opts.checkpoint, opts.block_size) if opts.drafter else None

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from dspec_cli.devices import auto_dtype, parse_dtype, resolve_device
 from dspec_cli.errors import DspecError
 from dspec_cli.hardware import warn_if_slow_half
 from dspec_cli.target_cache import (
@@ -95,27 +96,27 @@ class Target:
         name_or_path: str | None = None,
         *,
         dtype: str | torch.dtype = "auto",
-        device: str | torch.device = "cpu",
+        device: str | torch.device = "auto",
         chat_template: bool | None = None,
     ) -> Target:
         """Load a local path or Hub id (None: the embedded default at ``DEFAULT_TARGET_PATH``).
 
-        ``dtype="auto"`` is float32 on CPU (half-precision matmuls there give logits that depend on
-        how many tokens a forward holds, which can flip greedy near-ties between verification and
-        plain decoding) and the checkpoint's own dtype elsewhere.
+        ``device="auto"``: cuda when available, else cpu. ``dtype="auto"``:
+        :func:`~dspec_cli.devices.auto_dtype` (float32 on CPU, bfloat16 on CUDA).
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from dspec_cli.hub import resolve_checkpoint
 
+        device = resolve_device(device)
+        torch_dtype = parse_dtype(dtype)
+        if torch_dtype == "auto":
+            torch_dtype = auto_dtype(device) or "auto"
         if name_or_path is None:
             if not DEFAULT_TARGET_PATH.is_dir():
                 raise DspecError(f"embedded default target not found at {DEFAULT_TARGET_PATH}")
             name_or_path = str(DEFAULT_TARGET_PATH)
         local = str(resolve_checkpoint(name_or_path, what="target"))  # a Hub id -> its cached snapshot
-        torch_dtype = _parse_dtype(dtype)
-        if torch_dtype == "auto" and torch.device(device).type == "cpu":
-            torch_dtype = torch.float32  # CPUs: fp32 keeps verification numerically batch-invariant
         if isinstance(torch_dtype, torch.dtype):
             warn_if_slow_half(torch_dtype, device)
         try:
@@ -492,15 +493,6 @@ def _concat(taps: list[torch.Tensor], q: int, dtype, device, rows: int = 1) -> t
     if not taps:
         return torch.zeros(rows, q, 0, dtype=dtype, device=device)
     return torch.cat(taps, dim=-1)
-
-
-def _parse_dtype(dtype: str | torch.dtype) -> str | torch.dtype:
-    if isinstance(dtype, torch.dtype) or dtype == "auto":
-        return dtype
-    value = getattr(torch, str(dtype), None)
-    if not isinstance(value, torch.dtype):
-        raise DspecError(f"unknown dtype {dtype!r} (use auto, float32, bfloat16 or float16)")
-    return value
 
 
 def _require_pending(batch: TargetBatch, tree: bool) -> PendingStep:

@@ -43,6 +43,7 @@ from dspec_cli.checkpoint import (
     weights_fingerprint,
 )
 from dspec_cli.drafter import TrainableDrafter
+from dspec_cli.devices import resolve_device
 from dspec_cli.errors import DspecError
 from dspec_cli.jsonl import write_line
 from dspec_cli.model_card import write_model_card
@@ -76,6 +77,7 @@ class TrainResult:
     finished: bool  # False when stopped early (stop_after or a signal); --resume continues
     metrics: dict = field(default_factory=dict)  # last logged row
     checkpoint: Path | None = None
+    interrupted: bool = False  # stopped by SIGINT / SIGTERM (the CLI exits 130)
 
 
 class Progress(Protocol):
@@ -210,7 +212,7 @@ def _init_distributed(device_pref: str) -> tuple[Rank, torch.device]:
     if device_pref == "auto":
         device = torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
     else:
-        device = torch.device(device_pref)
+        device = resolve_device(device_pref)
         if device.type == "cuda" and device.index is None:
             device = torch.device(f"cuda:{local}")
     if device.type == "cuda":
@@ -382,12 +384,13 @@ class _Run:
                     ckpt = self._save(step, row)
                 if stopping:
                     break
+            interrupted = stop.requested
         finished = step >= self.total
         if finished and rank.main:
             self.drafter.save_pretrained(self.out)
             write_model_card(self.out, self._card(step, row))
         rank.barrier()
-        return TrainResult(self.out, step, self.total, finished, row, ckpt)
+        return TrainResult(self.out, step, self.total, finished, row, ckpt, interrupted=interrupted and not finished)
 
     def _step(self, step: int, stop_requested: bool) -> tuple[dict, bool]:
         """One optimizer step (0-based ``step``); returns its log row and whether any rank asked to stop."""

@@ -18,6 +18,7 @@ from rich.progress import (
 )
 
 from dspec_cli.cli import app
+from dspec_cli.cli.progress import LogLines
 
 
 class RichProgress:
@@ -27,8 +28,13 @@ class RichProgress:
         self.console = console
         self.bar: Progress | None = None
         self.task = None
+        self.lines = None if console.is_terminal else LogLines(console, "steps")
+        self.title, self.total, self.first = "", 0, 0
 
     def start(self, total: int, done: int, title: str) -> None:
+        self.title, self.total, self.first = title, total, done
+        if self.lines is not None:  # a log: a line every few seconds, not a bar cut to 80 columns
+            return
         self.bar = Progress(
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
             TimeElapsedColumn(), TimeRemainingColumn(), console=self.console,
@@ -42,6 +48,9 @@ class RichProgress:
         if tau is not None:
             stats += f" · τ {tau:.2f}"
         stats += f" · {row['tokens_per_s']:,.0f} tok/s"
+        if self.lines is not None:
+            self.lines.tick(self, self.title, row["step"], self.total, stats, base=self.first)
+            return
         self.bar.update(self.task, completed=row["step"], stats=stats)
 
     def note(self, text: str) -> None:
@@ -90,3 +99,5 @@ def train_command(
     else:
         print(f"stopped at step {result.step}/{result.total_steps} ({summary}); "
               f"continue with: dspec train --resume --output {result.output}")
+    if result.interrupted:
+        raise KeyboardInterrupt  # the checkpoint is written: report "Interrupted", exit 130
