@@ -15,3 +15,9 @@ def model_dir(tmp_path_factory):
     tiny_qwen3().save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
+
+
+@pytest.fixture(autouse=True)
+def _wide_tables(monkeypatch):
+    """Tables on a captured stdout follow COLUMNS (else 80): wide enough that headers stay whole."""
+    monkeypatch.setenv("COLUMNS", "200")

@@ -258,6 +258,11 @@ def test_calibrate_cli_errors(models, tmp_path, capsys):
     Calibration("draft-model", 7, [1.0] * 7).save(ckpt)
     _bad(args, capsys, "is for block size 7, not 3")
     no_output = args[: args.index("--output")]
+    _bad(no_output, capsys, f"give --output DIR for a calibrated copy of the checkpoint, or --in-place to rewrite {ckpt}")
     no_output[no_output.index("--checkpoint") + 1] = "some/hub-id"
     _bad(no_output, capsys, "give --output DIR")
+    _bad(no_output + ["--in-place"], capsys, "--in-place needs a local --checkpoint folder")
+    _bad(args[:-2] + ["--output", str(ckpt)], capsys, "pass --in-place to calibrate it in place")
+    _bad(["calibrate", "--drafter", "prompt-lookup", "--output", str(tmp_path / "o")], capsys,
+         "drafter 'prompt-lookup' has no confidence signal")
     _bad(args[:-2] + ["--num-prompts", "0"], capsys, "--num-prompts must be >= 1")
