@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +30,7 @@ _CHUNK_PER_SLOT = 4  # conversations in flight per concurrent request slot
 
 @dataclass
 class RegenerateOptions:
-    prompts: str
+    prompts: str | Sequence[str]  # conversation file(s), read in order
     output: str | Path
     target: str | None = None  # Hub id or local path (None = the embedded tiny target)
     drafter: str | None = None  # speeds generation up; output is lossless anyway
@@ -129,13 +129,14 @@ def regenerate(
         raise DspecError(f"--concurrency must be >= 1, got {opts.concurrency}")
     if opts.limit is not None and opts.limit < 1:
         raise DspecError(f"--limit must be >= 1, got {opts.limit}")
-    if Path(opts.prompts).resolve() == out.resolve():
-        raise DspecError("--output must differ from --prompts")
+    sources = [opts.prompts] if isinstance(opts.prompts, str | Path) else list(opts.prompts)
+    if any(Path(p).resolve() == out.resolve() for p in sources):
+        raise DspecError("--output must differ from --dataset")
     cfg = GenerationConfig(
         max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p,
         block_size=opts.block_size, max_batch=opts.concurrency, seed=opts.seed,
     )
-    convs = load_conversations(opts.prompts, opts.limit)
+    convs = _conversations(sources, opts.limit)
     stats = RegenerateStats(conversations=len(convs))
     finished, repaired = done_ids(out)
     if repaired:
@@ -187,6 +188,21 @@ def regenerate(
                     stats.written += 1
     stats.seconds = time.perf_counter() - t0
     return stats
+
+
+def _conversations(paths: Sequence[str], limit: int | None) -> list[Conversation]:
+    """The conversations of every file in order (the first ``limit``); ids must be unique across files."""
+    convs: list[Conversation] = []
+    seen: dict[str, str] = {}
+    for path in paths:
+        for conv in load_conversations(path, limit - len(convs) if limit else None):
+            if conv.id in seen:
+                raise DspecError(f"{conv.where}: duplicate id {conv.id!r} (first at {seen[conv.id]})")
+            seen[conv.id] = conv.where
+            convs.append(conv)
+        if limit and len(convs) >= limit:
+            break
+    return convs
 
 
 def _decode(target, engine: SpeculativeEngine, ids: list[int]) -> str:

@@ -126,7 +126,7 @@ def test_failed_upload_or_commit_commits_nothing_and_a_retry_succeeds(hub, ckpt,
     assert hub.num_commits(REPO) == 1 and "bench.json" not in hub.files(REPO)
 
     hub.heal()
-    code, out, err = push([ckpt, "--repo-id", REPO, "--json"], capsys)
+    code, out, err = push([ckpt, "--repo-id", REPO, "--json", "-"], capsys)
     assert code == 0, err
     result = json.loads(out)
     assert hub.num_commits(REPO) == 2 and result["commit"] == hub.repos[REPO].branches["main"]

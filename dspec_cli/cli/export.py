@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -10,6 +9,8 @@ import typer
 from rich.console import Console
 
 from dspec_cli.cli import app
+from dspec_cli.cli import options as opt
+from dspec_cli.outputs import check_output_dir, check_output_file, is_stdout, write_json
 from dspec_cli.errors import DspecError
 
 
@@ -20,7 +21,7 @@ def export_command(
     output: Path = typer.Option(..., "--output", help="Folder for the engine's draft checkpoint."),
     target: Optional[str] = typer.Option(None, "--target", help="Target model: local path or Hub id (default: the embedded tiny target)."),
     dtype: str = typer.Option("auto", "--dtype", help="Load (and export) in this dtype, e.g. bfloat16 (auto: float32 on CPU)."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the export report (layout, engine settings, command) here."),
+    json_path: Optional[Path] = opt.json_path("the export report (layout, engine settings, command)"),
 ) -> None:
     """Export a drafter for vLLM or SGLang and print the command that serves it."""
     from dspec_cli import interop, plugins
@@ -30,6 +31,8 @@ def export_command(
 
     if fmt not in FORMATS:
         raise DspecError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    check_output_dir(output, "--output")
+    check_output_file(json_path, "--json")
     path = resolve_checkpoint(checkpoint)
     if output.resolve() == path.resolve():
         raise DspecError("--output must differ from the checkpoint folder (export writes another layout)")
@@ -42,8 +45,7 @@ def export_command(
     report = export(drafter, tgt, fmt, output, target_name)
     err = Console(stderr=True, soft_wrap=True)
     err.print(f"wrote {report['output']} ({report['layout']} layout, {fmt} method {report['method']})", highlight=False)
-    print(report["command"])
+    if not is_stdout(json_path):
+        print(report["command"])
     if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(report, indent=2) + "\n")
-        err.print(f"wrote {json_path}", highlight=False)
+        opt.wrote(err, write_json(json_path, report))

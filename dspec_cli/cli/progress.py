@@ -33,7 +33,7 @@ def _clock(seconds: float) -> str:
 
 class LogLines:
     """Progress as plain lines: ``desc: done/total · rate/s · ETA m:ss``, at most one per ``interval``
-    seconds per task, and always when a task completes."""
+    seconds per task, and a last one when a task that printed completes."""
 
     def __init__(self, console: Console, unit: str = "", interval: float = LOG_INTERVAL):
         self.console, self.unit, self.interval = console, unit, interval
@@ -45,8 +45,8 @@ class LogLines:
         now = time.monotonic()
         start = self._start.setdefault(key, now)
         finished = total is not None and done >= total
-        if not finished and now - self._last.get(key, start) < self.interval:
-            return
+        if now - self._last.get(key, start) < self.interval and not (finished and key in self._last):
+            return  # quiet until an interval has passed; a task that ends sooner never prints
         self._last[key] = now
         elapsed = now - start
         rate = (done - base) / elapsed if elapsed > 0 else 0.0
