@@ -18,6 +18,7 @@ import torch
 
 from dspec_cli import __version__, plugins
 from dspec_cli.data import BUILTIN, dataset_name, load_prompts
+from dspec_cli.devices import parse_dtype, resolve_device
 from dspec_cli.drafter import Drafter
 from dspec_cli.engine import GenerationConfig, RunStats, SpeculativeEngine
 from dspec_cli.errors import DspecError
@@ -295,14 +296,14 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
         CostTable.load(opts.cost_table)  # a missing or malformed table fails before any model loads
     GenerationConfig(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, top_k=opts.top_k,
                      top_p=opts.top_p, block_size=opts.block_size)  # sampling options checked up front
+    resolve_device(opts.device), parse_dtype(opts.dtype)
     datasets = list(opts.datasets) or [BUILTIN]
     prompt_sets = {d: load_prompts(d, opts.num_prompts) for d in datasets}
+    # checkpoints (local or downloaded) before the target loads: a missing one fails first
+    checkpoints = [str(resolve_checkpoint(c)) if c else None for c in opts.checkpoints] or [None] * len(opts.drafters)
     target = Target.load(opts.target, dtype=opts.dtype, device=opts.device)
     schedulers = [_schedulers(opts, target) for _ in opts.drafters]  # per drafter: the draft gate learns its cost
-    drafters = [
-        build_drafter(name, target, opts.checkpoints[i] if opts.checkpoints else None, opts.block_size)
-        for i, name in enumerate(opts.drafters)
-    ]
+    drafters = [build_drafter(name, target, ckpt, opts.block_size) for name, ckpt in zip(opts.drafters, checkpoints)]
     runs = []
     for dset, prompts in prompt_sets.items():
         ids, skipped = fitting_prompts(target, [target.render_prompt(p.text) for p in prompts], opts.max_new_tokens,

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 import socket
-import types
 
 import pytest
 import torch
-from hub_server import HubServer
 from tiny_models import assert_cli_error, run_cli
 
 from dspec_cli.calibration import Calibration
@@ -20,26 +18,6 @@ from dspec_cli.target import Target
 REPO = "alice/tiny-dflash"
 # huggingface_hub's LFS PUT passes a file as data=, which its HTTP client deprecates (not ours to fix)
 pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")
-
-
-@pytest.fixture
-def hub(tmp_path, monkeypatch):
-    """A running local Hub; huggingface_hub pointed at it with an isolated cache, no token, no Xet."""
-    from huggingface_hub import constants
-    from huggingface_hub.utils import _http
-
-    home = tmp_path / "hf"
-    with HubServer() as server:
-        for key, value in {"HF_ENDPOINT": server.url, "HF_HOME": str(home), "HF_HUB_DISABLE_XET": "1"}.items():
-            monkeypatch.setenv(key, value)
-        monkeypatch.delenv("HF_TOKEN", raising=False)
-        settings = {"HF_HUB_DISABLE_XET": True, "HF_HUB_OFFLINE": False, "HF_HUB_CACHE": str(home / "hub"),
-                    "HF_TOKEN_PATH": str(home / "token"), "HF_STORED_TOKENS_PATH": str(home / "stored_tokens")}
-        for key, value in settings.items():  # read once at import: patch the module constants
-            monkeypatch.setattr(constants, key, value)
-        server.sleeps = []  # huggingface_hub's retry back-off, recorded instead of slept
-        monkeypatch.setattr(_http, "time", types.SimpleNamespace(sleep=server.sleeps.append))
-        yield server
 
 
 @pytest.fixture

@@ -153,6 +153,7 @@ def calibrate_command(
     )
     from dspec_cli.calibration import save_traces as write_traces
     from dspec_cli.data import BUILTIN, load_prompts
+    from dspec_cli.devices import parse_dtype, resolve_device
     from dspec_cli.engine import GenerationConfig
     from dspec_cli.hub import resolve_checkpoint
     from dspec_cli.target import Target
@@ -167,6 +168,7 @@ def calibrate_command(
                          "probabilities): its confidences are constant, so there is nothing to calibrate")
     GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                      max_batch=concurrency)  # sampling options checked up front
+    resolve_device(device), parse_dtype(dtype)
     out_dir = _plan_output(checkpoint, output, in_place, overwrite)
     check_output_file(json_path, "--json")
     check_output_dir(plots, "--plots")

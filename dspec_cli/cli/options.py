@@ -60,7 +60,7 @@ def json_path(what: str) -> Any:
 
 
 def plots(what: str) -> Any:
-    return typer.Option(None, "--plots", metavar="DIR", file_okay=False, help=f"Write PNG figures into DIR: {what}.")
+    return typer.Option(None, "--plots", metavar="DIR", help=f"Write PNG figures into DIR: {what}.")
 
 
 def strict(what: str) -> Any:

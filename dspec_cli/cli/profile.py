@@ -59,6 +59,7 @@ def profile_command(
 ) -> None:
     """Profile steps per second SPS(B) of the target for token-batch sizes B and context lengths."""
     from dspec_cli.hardware import default_grid, profile_sps
+    from dspec_cli.devices import parse_dtype, resolve_device
     from dspec_cli.target import Target
 
     points = int_list(grid, "--grid") if grid else default_grid(max_batch_tokens)
@@ -71,6 +72,7 @@ def profile_command(
         raise DspecError(f"--row-tokens must be >= 1, got {row_tokens}")
     check_output_file(json_path, "--json")
     check_output_dir(plots, "--plots")
+    resolve_device(device), parse_dtype(dtype)
     tgt = Target.load(target, dtype=dtype, device=device)
     err = Console(stderr=True)
     if contexts is None:

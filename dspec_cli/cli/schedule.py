@@ -48,6 +48,8 @@ def schedule_command(
     levels = int_list(concurrency, "--concurrency")
     if steps < 1:
         raise DspecError(f"--steps must be >= 1, got {steps}")
+    if layout not in ("packed", "padded"):
+        raise DspecError(f"--layout must be packed or padded, got {layout!r}")
     check_output_file(json_path, "--json")
     check_output_dir(plots, "--plots")
     table = CostTable.load(cost_table)
