@@ -23,7 +23,7 @@ app.add_typer(data_app, name="data")
 def regenerate_command(
     recipe: Optional[Path] = typer.Option(None, "--recipe", "-r", help="Take target, prompts, output and sampling from a training recipe."),
     target: Optional[str] = opt.target(),
-    prompts: list[str] = typer.Option([], "--dataset", "--prompts", metavar="FILE", help="Conversations (repeatable): jsonl of {\"turns\": [...]}, ShareGPT {\"conversations\": [...]} or {\"messages\": [...]} lines."),
+    prompts: list[str] = opt.dataset("--prompts"),
     output: Optional[Path] = typer.Option(None, "--output", "-o", metavar="FILE", help="Output jsonl; re-running skips ids already there (nothing is overwritten)."),
     drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter that speeds generation up (output is lossless)."),
     checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="Checkpoint of --drafter: folder or Hub id."),

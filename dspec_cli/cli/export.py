@@ -19,8 +19,8 @@ def export_command(
     checkpoint: str = typer.Argument(..., help="Drafter checkpoint: folder or Hub id (dspec's or a foreign layout)."),
     fmt: str = typer.Option(..., "--format", help="Serving engine: vllm or sglang."),
     output: Path = typer.Option(..., "--output", help="Folder for the engine's draft checkpoint."),
-    target: Optional[str] = typer.Option(None, "--target", help="Target model: local path or Hub id (default: the embedded tiny target)."),
-    dtype: str = typer.Option("auto", "--dtype", help="Load (and export) in this dtype, e.g. bfloat16 (auto: float32 on CPU)."),
+    target: Optional[str] = opt.target(),
+    dtype: str = opt.dtype(),
     json_path: Optional[Path] = opt.json_path("the export report (layout, engine settings, command)"),
 ) -> None:
     """Export a drafter for vLLM or SGLang and print the command that serves it."""

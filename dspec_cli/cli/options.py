@@ -15,8 +15,8 @@ def target(what: str = "Target model") -> Any:
                         help=f"{what}: local folder or Hub id (default: the embedded tiny target).")
 
 
-def dataset() -> Any:
-    return typer.Option([], "--dataset", metavar="FILE|builtin",
+def dataset(*aliases: str) -> Any:
+    return typer.Option([], "--dataset", *aliases, metavar="FILE|builtin",
                         help="Prompt file (repeatable): jsonl of {\"turns\": [...]}, ShareGPT {\"conversations\": [...]} "
                              "or {\"messages\": [...]} lines, or 'builtin' (default: the built-in prompts).")
 

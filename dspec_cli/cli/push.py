@@ -23,7 +23,7 @@ def push_command(
     revision: Optional[str] = typer.Option(None, "--revision", help="Branch to commit to (created from main when missing; default main)."),
     endpoint: Optional[str] = typer.Option(None, "--endpoint", help="Hub URL (default: HF_ENDPOINT, else https://huggingface.co)."),
     token: Optional[str] = typer.Option(None, "--token", help="Hub token (default: HF_TOKEN, else the `hf auth login` token); never printed."),
-    target: Optional[str] = typer.Option(None, "--target", help="Validate against this target (default: the one config.json names)."),
+    target: Optional[str] = typer.Option(None, "--target", metavar="PATH|HUB_ID", help="Validate against this target (default: the one config.json names)."),
     json_path: Optional[Path] = opt.json_path("the result (repo, revision, commit, files)"),
 ) -> None:
     """Check that CHECKPOINT loads against its target, refresh its model card, upload it in one commit."""

@@ -66,7 +66,7 @@ def train_command(
     overrides: Optional[list[str]] = typer.Argument(None, help="Recipe overrides, e.g. train.lr=3e-4 drafter.num_anchors=256."),
     drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter to train (default: the recipe's drafter.name)."),
     recipe: Optional[Path] = typer.Option(None, "--recipe", "-r", help="TOML recipe (optional with --resume)."),
-    target: Optional[str] = typer.Option(None, "--target", help="Expected target; must match the recipe's target.name."),
+    target: Optional[str] = typer.Option(None, "--target", metavar="PATH|HUB_ID", help="Expected target; must match the recipe's target.name."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Run folder (default: runs/<recipe folder>-<drafter>)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --output from its latest checkpoint."),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Total optimizer steps (= train.max_steps)."),
