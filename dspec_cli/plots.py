@@ -91,8 +91,11 @@ def reliability_diagram(
             text.append(f"ECE {label} {_pct(data['ece'])}")
         auc = pos["auroc"]
         text.append(f"AUC {'-' if auc is None else f'{auc:.3f}'}")
-        ax.text(0.03, 0.97, "\n".join(text), transform=ax.transAxes, va="top", fontsize=7)
-        ax.set(xlim=(0, 1), ylim=(0, 1), title=f"position {pos['position']}", xticks=[0, 0.5, 1], yticks=[0, 0.5, 1])
+        ax.text(0.03, 0.97, "\n".join(text), transform=ax.transAxes, va="top", fontsize=7,
+                bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none", "pad": 1})
+        ax.set(xlim=(0, 1), ylim=(0, 1), title=f"position {pos['position']}")
+        ax.set_xticks([0, 0.5, 1], ["0", "0.5", "1"])
+        ax.set_yticks([0, 0.5, 1], ["0", "0.5", "1"])
         if i % cols == 0:
             ax.set_ylabel("observed acceptance")
         if i >= n - cols:
@@ -180,23 +183,25 @@ def acceptance_plot(runs: Sequence[dict], path: str | Path, title: str = "") -> 
     for ax, dset in zip(axes.flat, datasets):
         rows = [r for r in runs if r["dataset"] == dset]
         low = min(r.get("concurrency", 1) for r in rows)
-        for run in (r for r in rows if r.get("concurrency", 1) == low):
+        shown = [r for r in rows if r.get("concurrency", 1) == low]
+        for i, run in enumerate(shown):
+            dx = (i - (len(shown) - 1) / 2) * 0.12  # side by side: intervals and labels of runs do not overlap
             counts = run.get("cond_accept_rounds") or [None] * len(run["cond_accept"])
-            pts = [(k + 1, a, n) for k, (a, n) in enumerate(zip(run["cond_accept"], counts)) if a is not None]
+            pts = [(k + 1 + dx, a, n) for k, (a, n) in enumerate(zip(run["cond_accept"], counts)) if a is not None]
             if not pts:
                 continue
-            x, y = [k for k, _, _ in pts], [100 * a for _, a, _ in pts]
-            line = ax.plot(x, y, "-", lw=1.2, label=f"{_run_label(run)} (τ {run['tau']:.2f})")[0]
+            line = ax.plot([x for x, _, _ in pts], [100 * a for _, a, _ in pts], "-", lw=1.2,
+                           label=f"{_run_label(run)} (τ {run['tau']:.2f})")[0]
             color = line.get_color()
-            for k, a, n in pts:
+            for x, a, n in pts:
                 few = n is not None and n < FEW_ROUNDS
-                ax.plot(k, 100 * a, "o", ms=4, color=color, mfc="white" if few else color)
+                ax.plot(x, 100 * a, "o", ms=4, color=color, mfc="white" if few else color, zorder=3)
                 if n:
                     lo, hi = wilson(round(a * n), n)
-                    ax.plot([k, k], [100 * lo, 100 * hi], "-", lw=0.8, color=color, alpha=0.5)
+                    ax.plot([x, x], [100 * lo, 100 * hi], "-", lw=0.8, color=color, alpha=0.5)
                 if few:
-                    ax.annotate(f"n={n}", (k, 100 * a), textcoords="offset points", xytext=(4, -10), fontsize=6,
-                                color=color)
+                    ax.annotate(f"n={n}", (x, 100 * a), textcoords="offset points", xytext=(3, 6 if i % 2 else -10),
+                                fontsize=6, color=color)
         ax.set(title=dset, xlabel="draft position k", ylim=(0, 105))
         ax.set_xticks(range(1, max(len(r["cond_accept"]) for r in rows) + 1))
         ax.grid(alpha=0.3)
