@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> None:
         warnings.showwarning = shown
     if code == INTERRUPTED:
         print("Interrupted", file=sys.stderr)
-    sys.exit(code if isinstance(code, int) else 0)
+    if isinstance(code, int) and code:
+        sys.exit(code)
 
 
 INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C
