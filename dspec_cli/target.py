@@ -96,7 +96,7 @@ class Target:
         name_or_path: str | None = None,
         *,
         dtype: str | torch.dtype = "auto",
-        device: str | torch.device = "auto",
+        device: str | torch.device = "cpu",
         chat_template: bool | None = None,
     ) -> Target:
         """Load a local path or Hub id (None: the embedded default at ``DEFAULT_TARGET_PATH``).

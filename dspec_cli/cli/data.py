@@ -13,7 +13,7 @@ from dspec_cli.cli import app
 from dspec_cli.cli import options as opt
 from dspec_cli.cli.progress import CommandProgress
 from dspec_cli.errors import DspecError
-from dspec_cli.outputs import check_output_file
+from dspec_cli.outputs import check_output_file, is_stdout, write_json
 
 data_app = typer.Typer(help="Training data: regenerate responses with the target.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
@@ -37,6 +37,7 @@ def regenerate_command(
     block_size: int = typer.Option(7, "--block-size", help="γ of --drafter (>= 1)."),
     device: str = opt.device(),
     dtype: str = opt.dtype(),
+    json_path: Optional[Path] = opt.json_path("the counts (written, already done, shortened, skipped, tokens)"),
 ) -> None:
     """Regenerate every assistant turn with the target (self-distillation data for dspec train)."""
     from transformers.utils import logging as hf_logging
@@ -57,6 +58,7 @@ def regenerate_command(
     if not prompts or out is None:
         raise DspecError("give --dataset and --output (or a --recipe with regenerate.prompts and data.path)")
     check_output_file(out, "--output")  # appended to, never replaced
+    check_output_file(json_path, "--json")
     pick = lambda flag, value: value if flag is None else flag  # noqa: E731
     opts = RegenerateOptions(
         prompts=prompts, output=out, target=target_name, drafter=drafter, checkpoint=checkpoint,
@@ -76,6 +78,10 @@ def regenerate_command(
     for note in stats.notes:
         err.print(note)
     rate = stats.generated_tokens / stats.seconds if stats.seconds else 0.0
+    if json_path is not None:
+        opt.wrote(err, write_json(json_path, {"output": str(out), **vars(stats), "tokens_per_s": rate}))
+        if is_stdout(json_path):
+            return
     print(
         f"{out}: wrote {stats.written} conversation(s) ({stats.turns} turns, {stats.generated_tokens} tokens, "
         f"{rate:.0f} tok/s); {stats.already_done} already done, {stats.shortened} shortened and "

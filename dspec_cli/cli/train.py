@@ -19,6 +19,7 @@ from rich.progress import (
 
 from dspec_cli.cli import app
 from dspec_cli.cli.progress import LogLines
+from dspec_cli.outputs import check_output_file
 
 
 class RichProgress:
@@ -81,6 +82,7 @@ def train_command(
     from dspec_cli.training import TrainOptions, train
 
     hf_logging.disable_progress_bar()
+    check_output_file(json_log, "--json-log")
     opts = TrainOptions(
         recipe=recipe, drafter=drafter, overrides=overrides or [], output=output, target=target, resume=resume,
         max_steps=max_steps, stop_after=stop_after, json_log=json_log, feature_cache=feature_cache, init_from=init_from,
