@@ -108,3 +108,21 @@ def test_interrupt_exits_130(capsys, monkeypatch):
     with pytest.raises(SystemExit) as exc:
         main(["drafters"])
     assert exc.value.code == 130 and capsys.readouterr().err == "Interrupted\n"
+
+
+def test_device_auto_picks_cuda_and_bfloat16_when_present(monkeypatch):
+    import torch
+
+    from dspec_cli.devices import auto_dtype, resolve_device
+    from dspec_cli.errors import DspecError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert resolve_device("auto") == torch.device("cuda") and auto_dtype(torch.device("cuda")) == torch.bfloat16
+    assert auto_dtype(torch.device("cpu")) == torch.float32
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    with pytest.raises(DspecError, match="--device cuda: .*use --device cpu or auto"):
+        resolve_device("cuda")
+    with pytest.raises(DspecError, match="unknown device"):
+        resolve_device("gpu0")

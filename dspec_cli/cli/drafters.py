@@ -6,7 +6,6 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-import typer
 from rich.console import Console
 from rich.table import Table
 
