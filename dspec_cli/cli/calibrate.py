@@ -23,9 +23,10 @@ def _f(x, spec=".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def render_metrics(cal, console: Console) -> None:
+def render_metrics(cal, console: Console, caption: str = "") -> None:
     before, after = cal.metrics["before"], cal.metrics["after"]
-    table = Table(title=f"calibration of {cal.drafter} (block size {cal.block_size}) · survival Π c_j per position")
+    table = Table(title=f"calibration of {cal.drafter} (block size {cal.block_size}) · survival Π c_j per position",
+                  caption=caption or None)
     for col in ("pos", "rounds", "T_k", "ECE before", "ECE after", "AUROC before", "AUROC after", "Brier before",
                 "Brier after"):
         table.add_column(col, justify="right")
@@ -201,7 +202,7 @@ def calibrate_command(
     cal_file = cal.save(out_dir) if in_place else _write_copy(model, ckpt_dir, cal, out_dir)
     console = results_console()
     if not is_stdout(json_path):
-        render_metrics(cal, console)
+        render_metrics(cal, console, f"{len(ids)} prompts" + (f" ({skipped} skipped: too long)" if skipped else ""))
     opt.wrote(err, cal_file)
     sweep = threshold_sweep(rounds) if sweep_threshold else None
     if sweep is not None and not is_stdout(json_path):
