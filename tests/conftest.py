@@ -1,5 +1,7 @@
 """Test-suite settings: tiny models run fastest single-threaded (no oversubscription)."""
 
+import types
+
 import pytest
 import torch
 
@@ -15,3 +17,30 @@ def model_dir(tmp_path_factory):
     tiny_qwen3().save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
+
+
+@pytest.fixture(autouse=True)
+def _wide_tables(monkeypatch):
+    """Tables on a captured stdout follow COLUMNS (else 80): wide enough that headers stay whole."""
+    monkeypatch.setenv("COLUMNS", "200")
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """A running local Hub; huggingface_hub pointed at it with an isolated cache, no token, no Xet."""
+    from hub_server import HubServer
+    from huggingface_hub import constants
+    from huggingface_hub.utils import _http
+
+    home = tmp_path / "hf"
+    with HubServer() as server:
+        for key, value in {"HF_ENDPOINT": server.url, "HF_HOME": str(home), "HF_HUB_DISABLE_XET": "1"}.items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        settings = {"HF_HUB_DISABLE_XET": True, "HF_HUB_OFFLINE": False, "HF_HUB_CACHE": str(home / "hub"),
+                    "HF_TOKEN_PATH": str(home / "token"), "HF_STORED_TOKENS_PATH": str(home / "stored_tokens")}
+        for key, value in settings.items():  # read once at import: patch the module constants
+            monkeypatch.setattr(constants, key, value)
+        server.sleeps = []  # huggingface_hub's retry back-off, recorded instead of slept
+        monkeypatch.setattr(_http, "time", types.SimpleNamespace(sleep=server.sleeps.append))
+        yield server

@@ -77,7 +77,20 @@ def test_prompt_longer_than_context(model_dir, tmp_path, capsys):
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"turns": ["word " * 400]}) + "\n")
     _bad(["bench", "--target", str(model_dir), "--drafter", "prompt-lookup", "--dataset", str(data)], capsys,
-         "exceeds the target's context")
+         "1 of 1 prompt(s) do not fit the target's context of 256 tokens with --max-new-tokens 64")
+
+
+def test_long_prompts_are_skipped_and_counted(model_dir, tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"turns": ["word " * 400]}) + "\n" + json.dumps({"turns": ["hello there"]}) + "\n")
+    args = ["bench", "--target", str(model_dir), "--drafter", "prompt-lookup", "--dataset", str(data),
+            "--max-new-tokens", "4", "--block-size", "2"]
+    code, out, err = run(args + ["--json", "-"], capsys)
+    assert code == 0, err
+    (run_,) = json.loads(out)["runs"]
+    assert (run_["num_prompts"], run_["skipped_prompts"]) == (1, 1)
+    assert "Warning: d: skipped 1 prompt(s)" in err
+    _bad(args + ["--strict"], capsys, "1 of 2 prompt(s) do not fit")
 
 
 def test_block_size_below_one(model_dir, capsys):

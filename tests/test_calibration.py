@@ -259,6 +259,30 @@ def test_calibrate_cli_errors(models, tmp_path, capsys):
     Calibration("draft-model", 7, [1.0] * 7).save(ckpt)
     _bad(args, capsys, "is for block size 7, not 3")
     no_output = args[: args.index("--output")]
+    _bad(no_output, capsys, f"give --output DIR for a calibrated copy of the checkpoint, or --in-place to rewrite {ckpt}")
     no_output[no_output.index("--checkpoint") + 1] = "some/hub-id"
     _bad(no_output, capsys, "give --output DIR")
+    _bad(no_output + ["--in-place"], capsys, "--in-place needs a local --checkpoint folder")
+    _bad(args[:-2] + ["--output", str(ckpt)], capsys, "pass --in-place to calibrate it in place")
+    _bad(["calibrate", "--drafter", "prompt-lookup", "--output", str(tmp_path / "o")], capsys,
+         "drafter 'prompt-lookup' has no confidence signal")
     _bad(args[:-2] + ["--num-prompts", "0"], capsys, "--num-prompts must be >= 1")
+
+
+def test_calibrate_default_drafter_output_is_a_complete_checkpoint(tmp_path, capsys):
+    from dspec_cli.core.plugins import get_drafter_class
+    from dspec_cli.runtime.target import Target
+
+    out = tmp_path / "calibrated"
+    args = ["calibrate", "--drafter", "dspark", "--num-prompts", "4", "--max-new-tokens", "12", "--block-size", "3"]
+    code, _, err = run(args + ["--output", str(out)], capsys)
+    assert code == 1 and "rounds reached position" in err and "--force" in err and not out.exists()
+    code, _, err = run(args + ["--output", str(out), "--force"], capsys)
+    assert code == 0 and "Warning: only" in err, err
+    assert {p.name for p in out.iterdir()} >= {"config.json", "model.safetensors", "calibration.json"}
+    drafter = get_drafter_class("dspark").from_pretrained(out, Target.load())  # loads as a checkpoint
+    assert drafter.config.block_size == 3
+    before = (out / "model.safetensors").read_bytes()
+    code, _, err = run(args + ["--checkpoint", str(out), "--in-place", "--force"], capsys)
+    assert code == 0, err
+    assert Calibration.load(out, drafter="dspark-markov", block_size=3) and (out / "model.safetensors").read_bytes() == before

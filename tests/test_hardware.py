@@ -135,15 +135,24 @@ def test_profile_rejects_contexts_past_the_model():
 
 
 def test_profile_cli(model_dir, tmp_path, capsys):
-    out, png = tmp_path / "cost.json", tmp_path / "sps.png"
+    out, png = tmp_path / "cost.json", tmp_path / "png" / "sps.png"
     code, stdout, _ = run(["profile-hardware", "--target", str(model_dir), "--max-batch-tokens", "6",
                            "--contexts", "8,32", "--repeats", "2", "--warmup", "0", "--json", str(out),
-                           "--plot", str(png)], capsys)
+                           "--plots", str(png.parent)], capsys)
     assert code == 0 and "SPS(B)" in stdout
     table = CostTable.load(out)
     assert table.grid == [1, 2, 3, 4, 5, 6] and table.contexts == [8, 32] and table.model == str(model_dir)
     assert table.check(device="cpu", model=str(model_dir)) == []
     assert png.stat().st_size > 1000
+
+
+def test_profile_default_contexts_are_clipped_to_the_target(model_dir, tmp_path, capsys):
+    out = tmp_path / "cost.json"
+    code, _, err = run(["profile-hardware", "--target", str(model_dir), "--grid", "1", "--repeats", "1",
+                        "--warmup", "0", "--json", str(out)], capsys)
+    assert code == 0, err
+    assert "Warning: the target's context is 256 tokens: profiling contexts 128,248 (the default 128,512,2048 clipped)" in err
+    assert CostTable.load(out).contexts == [128, 248]
 
 
 def test_profile_cli_bad_input(model_dir, capsys):

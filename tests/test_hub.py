@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 import socket
-import types
 
 import pytest
 import torch
-from hub_server import HubServer
 from tiny_models import assert_cli_error, run_cli
 
 from dspec_cli.checkpoints.hub import resolve_checkpoint
@@ -20,26 +18,6 @@ from dspec_cli.runtime.target import Target
 REPO = "alice/tiny-dflash"
 # huggingface_hub's LFS PUT passes a file as data=, which its HTTP client deprecates (not ours to fix)
 pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")
-
-
-@pytest.fixture
-def hub(tmp_path, monkeypatch):
-    """A running local Hub; huggingface_hub pointed at it with an isolated cache, no token, no Xet."""
-    from huggingface_hub import constants
-    from huggingface_hub.utils import _http
-
-    home = tmp_path / "hf"
-    with HubServer() as server:
-        for key, value in {"HF_ENDPOINT": server.url, "HF_HOME": str(home), "HF_HUB_DISABLE_XET": "1"}.items():
-            monkeypatch.setenv(key, value)
-        monkeypatch.delenv("HF_TOKEN", raising=False)
-        settings = {"HF_HUB_DISABLE_XET": True, "HF_HUB_OFFLINE": False, "HF_HUB_CACHE": str(home / "hub"),
-                    "HF_TOKEN_PATH": str(home / "token"), "HF_STORED_TOKENS_PATH": str(home / "stored_tokens")}
-        for key, value in settings.items():  # read once at import: patch the module constants
-            monkeypatch.setattr(constants, key, value)
-        server.sleeps = []  # huggingface_hub's retry back-off, recorded instead of slept
-        monkeypatch.setattr(_http, "time", types.SimpleNamespace(sleep=server.sleeps.append))
-        yield server
 
 
 @pytest.fixture
@@ -126,7 +104,7 @@ def test_failed_upload_or_commit_commits_nothing_and_a_retry_succeeds(hub, ckpt,
     assert hub.num_commits(REPO) == 1 and "bench.json" not in hub.files(REPO)
 
     hub.heal()
-    code, out, err = push([ckpt, "--repo-id", REPO, "--json"], capsys)
+    code, out, err = push([ckpt, "--repo-id", REPO, "--json", "-"], capsys)
     assert code == 0, err
     result = json.loads(out)
     assert hub.num_commits(REPO) == 2 and result["commit"] == hub.repos[REPO].branches["main"]

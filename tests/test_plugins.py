@@ -89,7 +89,7 @@ def third_party_site(tmp_path_factory) -> Path:
 
 
 def test_third_party_plugin_is_listed_and_usable(third_party_site):
-    out = _dspec(["drafters", "--json"], third_party_site)
+    out = _dspec(["drafters", "--json", "-"], third_party_site)
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     rows = {row["name"]: row for row in data["drafters"]}
@@ -119,10 +119,10 @@ def test_third_party_plugin_is_listed_and_usable(third_party_site):
 
 
 def test_load_plugins_env_restricts(third_party_site):
-    out = _dspec(["drafters", "--json"], third_party_site, env={"DSPEC_LOAD_PLUGINS": "dspec-echo"})
+    out = _dspec(["drafters", "--json", "-"], third_party_site, env={"DSPEC_LOAD_PLUGINS": "dspec-echo"})
     names = {row["name"] for row in json.loads(out.stdout)["drafters"]}
     assert names == {"echo"}
-    out = _dspec(["drafters", "--json"], third_party_site, env={"DSPEC_LOAD_PLUGINS": ""})
+    out = _dspec(["drafters", "--json", "-"], third_party_site, env={"DSPEC_LOAD_PLUGINS": ""})
     assert json.loads(out.stdout)["drafters"] == []
 
 

@@ -6,6 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+
+from dspec_cli.core import plugins
+from dspec_cli.core.errors import DspecError
 from dspec_cli.training.recipes import (
     Recipe,
     apply_overrides,
@@ -13,9 +16,6 @@ from dspec_cli.training.recipes import (
     parse_override,
     resume_conflicts,
 )
-
-from dspec_cli.core import plugins
-from dspec_cli.core.errors import DspecError
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 HUB = {

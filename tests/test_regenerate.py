@@ -9,15 +9,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_models import tiny_qwen3, tiny_target, tiny_tokenizer
+
+from dspec_cli.core.data import load_conversations
+from dspec_cli.core.errors import DspecError
 from dspec_cli.training.regenerate import (
     RegenerateOptions,
     regenerate,
     turn_seed,
 )
-from tiny_models import tiny_qwen3, tiny_target, tiny_tokenizer
-
-from dspec_cli.core.data import load_conversations
-from dspec_cli.core.errors import DspecError
 
 TESTS = Path(__file__).resolve().parent
 
@@ -139,6 +139,10 @@ def test_cli_regenerate(tmp_path, capsys):
     ok = subprocess.run([sys.executable, "-m", "dspec_cli", *args], capture_output=True, text=True, env=env)
     assert ok.returncode == 0, ok.stderr
     assert "wrote 3 conversation(s)" in ok.stdout and len(out.read_text().splitlines()) == 3
+    from tiny_models import run_cli
+
+    code, stdout, err = run_cli([*args, "--json", "-"], capsys)  # resumed: all done, the counts as JSON
+    assert code == 0 and json.loads(stdout)["already_done"] == 3, err
     (tmp_path / "bad.jsonl").write_text("{oops\n")
     args[args.index(str(prompts))] = str(tmp_path / "bad.jsonl")
     from dspec_cli.cli import main

@@ -492,13 +492,14 @@ def files(tmp_path):
 
 def test_schedule_cli(files, tmp_path, capsys):
     ct, tr = files
-    out, png = tmp_path / "sched.json", tmp_path / "sched.png"
+    out, png = tmp_path / "sched.json", tmp_path / "png" / "schedule.png"
     code, stdout, _ = run(["schedule", "--cost-table", str(ct), "--traces", str(tr), "-s", "hardware", "-s", "async",
                            "-s", "fixed", "--concurrency", "1,8,64", "--steps", "20", "--json", str(out),
-                           "--plot", str(png)], capsys)
+                           "--plots", str(png.parent)], capsys)
     assert code == 0 and "hardware" in stdout
     report = json.loads(out.read_text())
     assert report["drafter"] == "dspark-markov" and report["block_size"] == 4 and len(report["results"]) == 9
+    assert report["layout"] == "padded"  # the layout bench's hardware scheduler models
     hw = [r for r in report["results"] if r["scheduler"] == "hardware"]
     assert [r["concurrency"] for r in hw] == [1, 8, 64] and hw[0]["budget"] > hw[-1]["budget"]
     assert png.stat().st_size > 1000

@@ -17,6 +17,7 @@ from dspec_cli.core import sglang_sps
 from dspec_cli.core.calibration import Calibration
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.hardware import CostTable
+from dspec_cli.core.outputs import write_json
 from dspec_cli.workflows import sglang_sts
 from dspec_cli.workflows.calibrate import fit_sts
 
@@ -49,7 +50,7 @@ def test_sts_file_has_sglang_fields_and_reads_back(tmp_path):
     assert set(sts) == STS_KEYS
     assert sts["temperatures"] == cal.temperatures and sts["num_samples"] == 12
     assert len(sts["ece_before"]) == len(sts["ece_after"]) == cal.block_size
-    path = sglang_sps.write_json(tmp_path / "sts.json", sts)
+    path = write_json(tmp_path / "sts.json", sts)
     assert Calibration.load(path, block_size=7).temperatures == cal.temperatures  # as calibration.json
     with pytest.raises(DspecError, match="is for block size 7, not 4"):
         Calibration.load(path, block_size=4)

@@ -19,6 +19,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import run_cli, tiny_qwen3, tiny_tokenizer
+
+from dspec_cli import hookimpl
+from dspec_cli.core import plugins
+from dspec_cli.core.data import Conversation
+from dspec_cli.core.errors import DspecError
+from dspec_cli.runtime.drafter import DrafterConfig, TrainableDrafter
 from dspec_cli.training.data import (
     DataOrder,
     assistant_spans,
@@ -26,13 +33,6 @@ from dspec_cli.training.data import (
     tokenize_conversations,
 )
 from dspec_cli.training.loop import TrainOptions, lr_factor, train
-from tiny_models import tiny_qwen3, tiny_tokenizer
-
-from dspec_cli import hookimpl
-from dspec_cli.core import plugins
-from dspec_cli.core.data import Conversation
-from dspec_cli.core.errors import DspecError
-from dspec_cli.runtime.drafter import DrafterConfig, TrainableDrafter
 
 TESTS = Path(__file__).resolve().parent
 
@@ -310,11 +310,30 @@ def test_ctrl_c_stops_at_a_step_boundary_with_a_checkpoint(setup):
 
     before = signal.getsignal(signal.SIGINT)  # default, or SIG_IGN under nohup / background jobs
     res = train(TrainOptions(recipe=recipe, output=tmp / "run"), Interrupt())
-    assert not res.finished and res.step == 2 and res.checkpoint.name == "step_2"
+    assert not res.finished and res.interrupted and res.step == 2 and res.checkpoint.name == "step_2"
     assert signal.getsignal(signal.SIGINT) == before  # the previous handler is restored
     full = train(TrainOptions(recipe=recipe, output=tmp / "full"))
     resumed = train(TrainOptions(output=tmp / "run", resume=True))
     assert torch.equal(_weights(full.output)["weight"], _weights(resumed.output)["weight"])
+
+
+def test_cli_ctrl_c_exits_130_after_the_checkpoint(setup, capsys, monkeypatch):
+    import signal
+
+    from dspec_cli.cli import train as train_cli
+
+    tmp, recipe = setup
+    update = train_cli.RichProgress.update
+
+    def interrupt_at_step_2(self, row):
+        update(self, row)
+        if row["step"] == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(train_cli.RichProgress, "update", interrupt_at_step_2)
+    code, out, err = run_cli(["train", "--recipe", str(recipe), "--output", str(tmp / "cli-int")], capsys)
+    assert code == 130 and err.strip().splitlines()[-1] == "Interrupted", err
+    assert "stopped at step 2/" in out and (tmp / "cli-int" / "checkpoints" / "step_2").is_dir()
 
 
 def test_failed_starts_overwrite_nothing(setup, tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import typer
 
@@ -15,6 +16,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 
@@ -64,17 +66,36 @@ def main(argv: list[str] | None = None) -> None:
 
         hub_logging.set_verbosity_error()
     _register_commands()
+    shown = warnings.showwarning
+    warnings.showwarning = show_warning
     try:
-        app(args=argv, standalone_mode=False)
+        code = app(args=argv, standalone_mode=False)  # Typer turns Ctrl-C into a returned 130
     except typer.Exit as exc:
-        sys.exit(exc.exit_code)
-    except (typer.Abort, KeyboardInterrupt):
-        print("Aborted.", file=sys.stderr)
-        sys.exit(130)
+        code = exc.exit_code
+    except KeyboardInterrupt:
+        code = INTERRUPTED
+    except typer.Abort:  # end of input at a prompt
+        print("Aborted", file=sys.stderr)
+        sys.exit(1)
     except Exception as exc:  # noqa: BLE001 - the one place that turns errors into a line
         if os.environ.get("DSPEC_DEBUG"):
             raise
         sys.exit(_report(exc))
+    finally:
+        warnings.showwarning = shown
+    if code == INTERRUPTED:
+        print("Interrupted", file=sys.stderr)
+    if isinstance(code, int) and code:
+        sys.exit(code)
+
+
+INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C
+
+
+def show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Every warning as one ``Warning: ...`` line on stderr (no file and line of the source)."""
+    text = str(message).strip().splitlines()
+    print(f"Warning: {text[0] if text else category.__name__}", file=sys.stderr if file is None else file)
 
 
 def _report(exc: BaseException) -> int:

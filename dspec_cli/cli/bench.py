@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -11,8 +11,15 @@ from rich.console import Console
 from rich.table import Table
 
 from dspec_cli.cli import app
-from dspec_cli.cli.progress import CommandProgress
+from dspec_cli.cli import options as opt
+from dspec_cli.cli.progress import CommandProgress, results_console
 from dspec_cli.core.errors import DspecError
+from dspec_cli.core.outputs import (
+    check_output_dir,
+    check_output_file,
+    is_stdout,
+    write_json,
+)
 from dspec_cli.workflows.bench import (
     BenchOptions,
     drafted_share,
@@ -21,29 +28,25 @@ from dspec_cli.workflows.bench import (
 )
 
 
-def _concurrency(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise DspecError(f"--concurrency must be a comma-separated list of integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise DspecError(f"--concurrency values must be >= 1, got {text!r}")
-    return values
-
-
 def _fmt(x, spec=".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _prompts(run: dict) -> str:
+    """Prompts run, and how many were skipped for not fitting the context."""
+    skipped = run.get("skipped_prompts", 0)
+    return f"{run['num_prompts']}" + (f" ({skipped} skipped)" if skipped else "")
+
+
 def render_table(report: dict, console: Console) -> None:
-    table = Table(title=f"dspec bench · target {report['target']} · {report['env']['device']}")
-    for col in ("dataset", "drafter", "scheduler", "R", "τ", "tok/s", "per user", "base tok/s", "speedup", "budget", "cond. accept by position", "draft %", "drafted"):
+    table = Table(title=f"dspec bench · target {report['target']} · {report['env']['device']} · {report['env']['dtype']}")
+    for col in ("dataset", "prompts", "drafter", "scheduler", "R", "τ", "tok/s", "per user", "base tok/s", "speedup", "budget", "cond. accept by position", "draft %", "drafted"):
         left = col in ("dataset", "drafter", "scheduler", "cond. accept by position")
         table.add_column(col, justify="left" if left else "right", no_wrap=col in ("dataset", "drafter", "scheduler"))
     for run in report["runs"]:
         cond = " ".join(_fmt(c, ".2f") for c in run["cond_accept"])
         table.add_row(
-            run["dataset"], run["drafter"], run["scheduler"], str(run["concurrency"]), _fmt(run["tau"]),
+            run["dataset"], _prompts(run), run["drafter"], run["scheduler"], str(run["concurrency"]), _fmt(run["tau"]),
             _fmt(run["tokens_per_s"], ".1f"), _fmt(run["per_user_tokens_per_s"], ".1f"),
             _fmt(run["baseline_tokens_per_s"], ".1f"), format_speedup(run), _fmt(run["mean_verify_budget"]), cond,
             _fmt(100 * run["draft_time_share"], ".0f"), _fmt(100 * drafted_share(run), ".0f") + "%",
@@ -53,54 +56,58 @@ def render_table(report: dict, console: Console) -> None:
 
 @app.command("bench")
 def bench_command(
-    drafter: list[str] = typer.Option(..., "--drafter", "-d", help="Drafter (repeatable): NAME[:BASE][,KEY=VALUE...] with config options, e.g. ddtree:dspark,tree_budget=64."),
-    target: Optional[str] = typer.Option(None, "--target", help="Target model: local path or Hub id (default: the embedded tiny target)."),
-    checkpoint: list[str] = typer.Option([], "--checkpoint", help="Drafter checkpoint (path or Hub id), one per --drafter in order."),
-    dataset: list[str] = typer.Option([], "--dataset", help="jsonl prompt file with {\"turns\": [...]} lines (repeatable; default: built-in prompts)."),
-    num_prompts: Optional[int] = typer.Option(None, "--num-prompts", help="Use the first N prompts of each dataset."),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
-    temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature (0 = greedy)."),
-    top_p: float = typer.Option(1.0, "--top-p"),
-    top_k: int = typer.Option(0, "--top-k"),
-    block_size: int = typer.Option(7, "--block-size", help="γ: most draft tokens verified per round."),
-    seed: int = typer.Option(0, "--seed"),
-    repeats: int = typer.Option(1, "--repeats", help="Timed runs per engine, round-robin with the baseline; tokens/s is the median, speedup the median of per-repeat ratios."),
-    concurrency: str = typer.Option("1", "--concurrency", help="Concurrent requests, e.g. 1,4,16."),
-    scheduler: list[str] = typer.Option(["fixed"], "--scheduler", help="Verification-length scheduler (repeatable): NAME[,KEY=VALUE...], e.g. fixed, threshold,threshold=0.6, hardware, hardware,gate=false, async."),
-    cost_table: Optional[Path] = typer.Option(None, "--cost-table", help="Cost table from `dspec profile-hardware --json`, or an SGLang DSpark SPS table (hardware/async schedulers)."),
-    strict: bool = typer.Option(False, "--strict", help="A cost table from another device or model is an error, not a warning."),
-    device: str = typer.Option("cpu", "--device"),
-    dtype: str = typer.Option("auto", "--dtype"),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the full report as JSON here."),
-    plots: Optional[Path] = typer.Option(None, "--plots", help="Write PNGs here: acceptance by position; with several concurrencies, throughput and budget under load."),
+    drafter: list[str] = typer.Option(..., "--drafter", "-d", help="Drafter (repeatable): NAME[:BASE][,KEY=VALUE...] with config options, e.g. ddtree:dspark,tree_budget=64 (see `dspec drafters`)."),
+    target: Optional[str] = opt.target(),
+    checkpoint: list[str] = typer.Option([], "--checkpoint", metavar="PATH|HUB_ID", help="Drafter checkpoint, one per --drafter in order ('' for a drafter's default)."),
+    dataset: list[str] = opt.dataset(),
+    num_prompts: Optional[int] = opt.num_prompts(),
+    max_new_tokens: int = opt.max_new_tokens(64),
+    temperature: float = opt.temperature(),
+    top_p: float = opt.top_p(),
+    top_k: int = opt.top_k(),
+    block_size: int = typer.Option(7, "--block-size", help="γ: most draft tokens verified per round (>= 1, at most the drafter's trained block)."),
+    seed: int = opt.seed(),
+    repeats: int = typer.Option(1, "--repeats", help="Timed runs per engine (>= 1), round-robin with the baseline; tokens/s is the median, speedup the median of per-repeat ratios."),
+    concurrency: str = opt.concurrency_list("1"),
+    scheduler: list[str] = typer.Option(["fixed"], "--scheduler", "-s", help="Verification-length scheduler (repeatable): NAME[,KEY=VALUE...]: fixed, threshold[,threshold=0.6], hardware[,gate=false,layout=packed], async, or a plugin's."),
+    cost_table: Optional[Path] = typer.Option(None, "--cost-table", metavar="FILE", help="Cost table from `dspec profile-hardware --json`, or an SGLang DSpark SPS table (needed by hardware/async)."),
+    strict: bool = opt.strict("a cost table from another device or model, or a prompt that does not fit the context,"),
+    device: str = opt.device(),
+    dtype: str = opt.dtype(),
+    json_path: Optional[Path] = opt.json_path("the full report"),
+    plots: Optional[Path] = opt.plots("acceptance.png; with several concurrencies also load.png"),
 ) -> None:
     """Measure τ, acceptance by position and speedup over plain decoding of the same target."""
     if num_prompts is not None and num_prompts < 1:
         raise DspecError(f"--num-prompts must be >= 1, got {num_prompts}")
+    check_output_file(json_path, "--json")
+    check_output_dir(plots, "--plots")
     opts = BenchOptions(
         drafters=drafter, target=target, checkpoints=checkpoint, datasets=dataset, num_prompts=num_prompts,
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, block_size=block_size,
-        seed=seed, concurrency=_concurrency(concurrency), device=device, dtype=dtype,
+        seed=seed, concurrency=opt.int_list(concurrency, "--concurrency"), device=device, dtype=dtype,
         schedulers=scheduler, cost_table=str(cost_table) if cost_table else None, strict=strict, repeats=repeats,
     )
     err = Console(stderr=True)
-    with CommandProgress(err) as bar:
+    with CommandProgress(err, unit="requests") as bar:
 
         def progress(desc: str, total: int):
             task = bar.add_task(desc, total=total)
             return lambda _res: bar.advance(task)
 
         report = run_bench(opts, progress)
-    out = Console()
-    render_table(report, out if out.is_terminal else Console(width=200))
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(report, indent=2) + "\n")
-        err.print(f"wrote {json_path}")
+    skipped = {r["dataset"]: r["skipped_prompts"] for r in report["runs"] if r.get("skipped_prompts")}
+    for name, n in skipped.items():
+        warnings.warn(f"{name}: skipped {n} prompt(s) that do not fit the target's context with --max-new-tokens "
+                      f"{max_new_tokens} (--strict makes this an error)", stacklevel=1)
+    if not is_stdout(json_path):
+        render_table(report, results_console())
+    opt.wrote(err, write_json(json_path, report) if json_path is not None else None)
     if plots is not None and report["runs"]:
-        from dspec_cli.workflows.plots import acceptance_plot, load_plots
+        from dspec_cli.workflows.plots import acceptance_plot, load_plots, report_title
 
-        written = [acceptance_plot(report["runs"], plots / "acceptance.png")]
+        title = report_title(report)
+        written = [acceptance_plot(report["runs"], plots / "acceptance.png", title)]
         if len(opts.concurrency) > 1:
-            written += load_plots(report["runs"], plots)
-        err.print("wrote " + ", ".join(str(p) for p in written))
+            written += load_plots(report["runs"], plots, title)
+        err.print("wrote " + ", ".join(str(p) for p in written), highlight=False, soft_wrap=True)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
+import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -12,17 +13,25 @@ from rich.console import Console
 from rich.table import Table
 
 from dspec_cli.cli import app
-from dspec_cli.cli.progress import CommandProgress
+from dspec_cli.cli import options as opt
+from dspec_cli.cli.progress import CommandProgress, results_console
 from dspec_cli.core.errors import DspecError
+from dspec_cli.core.outputs import (
+    check_output_dir,
+    check_output_file,
+    is_stdout,
+    write_json,
+)
 
 
 def _f(x, spec=".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def render_metrics(cal, console: Console) -> None:
+def render_metrics(cal, console: Console, caption: str = "") -> None:
     before, after = cal.metrics["before"], cal.metrics["after"]
-    table = Table(title=f"calibration of {cal.drafter} (block size {cal.block_size}) · survival Π c_j per position")
+    table = Table(title=f"calibration of {cal.drafter} (block size {cal.block_size}) · survival Π c_j per position",
+                  caption=caption or None)
     for col in ("pos", "rounds", "T_k", "ECE before", "ECE after", "AUROC before", "AUROC after", "Brier before",
                 "Brier after"):
         table.add_column(col, justify="right")
@@ -48,53 +57,106 @@ def render_sweep(sweep: list[dict], console: Console) -> None:
     console.print(table)
 
 
-def _output_dir(checkpoint: str | None, output: Path | None) -> Path:
-    if output is not None:
-        return output
-    if checkpoint and Path(checkpoint).is_dir():
-        return Path(checkpoint)
-    raise DspecError("give --output DIR: there is no local --checkpoint folder to write calibration.json into")
+MIN_ROUNDS = 20  # fewer rounds at a position than this: refused unless --force
+FEW_ROUNDS = 200  # fewer than this: a warning (the fitted temperature is noisy)
 
 
-def _copy_source(checkpoint: str, folder: Path) -> bool:
-    """Copy a local checkpoint folder, or a drafter checkpoint from the Hub (not a draft LM from the Hub)."""
-    from dspec_cli.core.files import read_config
+def _plan_output(checkpoint: str | None, output: Path | None, in_place: bool, overwrite: bool) -> Path:
+    """Where calibration.json goes, checked before any model loads: a new complete copy in
+    ``--output``, or (``--in-place``) the local checkpoint folder itself."""
+    local = Path(checkpoint) if checkpoint and Path(checkpoint).is_dir() else None
+    if in_place:
+        if output is not None:
+            raise DspecError("give --output DIR or --in-place, not both")
+        if local is None:
+            raise DspecError("--in-place needs a local --checkpoint folder (a Hub id or the default drafter has none)")
+        check_output_dir(local, "--checkpoint")
+        return local
+    if output is None:
+        where = "" if local is None else f", or --in-place to rewrite {local / 'calibration.json'}"
+        raise DspecError(f"give --output DIR for a calibrated copy of the checkpoint{where}")
+    if local is not None and output.resolve() == local.resolve():
+        raise DspecError("--output is the --checkpoint folder itself; pass --in-place to calibrate it in place")
+    check_output_dir(output, "--output")
+    if output.is_dir() and any(output.iterdir()) and not overwrite:
+        raise DspecError(f"--output {output}: folder is not empty; pass --overwrite to replace it")
+    return output
 
-    return Path(checkpoint).is_dir() or (folder / "config.json").is_file() and "drafter" in read_config(folder)
+
+def _write_copy(model, source: Path | None, cal, out_dir: Path) -> Path:
+    """A complete checkpoint in ``out_dir`` (the source folder's files, else the loaded drafter
+    saved) with the new calibration.json; staged and renamed, so an interruption leaves no half copy."""
+    staging = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        if source is not None:
+            shutil.copytree(source, staging, ignore=shutil.ignore_patterns(".cache", ".git*"))
+        else:
+            model.save_pretrained(staging)
+        name = cal.save(staging).name
+        if out_dir.exists():  # --overwrite
+            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+            os.replace(out_dir, old)
+            os.replace(staging, out_dir)
+            shutil.rmtree(old)
+        else:
+            out_dir.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_dir / name
+
+
+def _check_rounds(counts: list[int], force: bool) -> None:
+    """Refuse a fit resting on fewer than MIN_ROUNDS rounds at some position (unless --force); warn below FEW_ROUNDS."""
+    k = min(range(len(counts)), key=counts.__getitem__)
+    hint = "use more prompts (--dataset, --num-prompts) or a larger --max-new-tokens"
+    if counts[k] < MIN_ROUNDS and not force:
+        raise DspecError(f"only {counts[k]} rounds reached position {k + 1} (at least {MIN_ROUNDS} needed, "
+                         f"{FEW_ROUNDS} recommended): {hint}, or pass --force")
+    if counts[k] < FEW_ROUNDS:
+        warnings.warn(f"only {counts[k]} rounds reached position {k + 1}; its temperature is noisy "
+                      f"({FEW_ROUNDS} rounds recommended): {hint}", stacklevel=1)
 
 
 @app.command("calibrate")
 def calibrate_command(
-    drafter: str = typer.Option(..., "--drafter", "-d", help="Drafter name (see `dspec drafters`)."),
-    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="Drafter checkpoint: folder or Hub id (default: the drafter's default)."),
-    dataset: Optional[str] = typer.Option(None, "--dataset", help="Held-out jsonl prompts ({\"turns\": [...]} lines), or 'builtin' (not with --traces)."),
+    drafter: str = typer.Option(..., "--drafter", "-d", help="Drafter name (see `dspec drafters`); it needs a confidence signal (a confidence head or draft probabilities)."),
+    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", metavar="PATH|HUB_ID", help="Drafter checkpoint: folder or Hub id (default: the drafter's default)."),
+    dataset: list[str] = opt.dataset(),
     traces: Optional[Path] = typer.Option(None, "--traces", help="Fit on recorded rounds instead of running the drafter: jsonl from --save-traces, or SGLang STS shards (SGLANG_DSPARK_STS_COLLECT_PATH's stem, or one .pt)."),
     sglang_sts: Optional[Path] = typer.Option(None, "--sglang-sts", help="Also write the temperatures as SGLang's STS file (--speculative-dspark-confidence-sts-path)."),
-    num_prompts: Optional[int] = typer.Option(None, "--num-prompts", help="Use the first N prompts."),
-    max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
-    target: Optional[str] = typer.Option(None, "--target", help="Target model: local path or Hub id (default: the embedded tiny target)."),
-    block_size: Optional[int] = typer.Option(None, "--block-size", help="γ (default: the checkpoint's)."),
-    temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature of the runs (0 = greedy)."),
-    top_p: float = typer.Option(1.0, "--top-p"),
-    top_k: int = typer.Option(0, "--top-k"),
-    concurrency: int = typer.Option(8, "--concurrency", help="Concurrent requests while collecting."),
-    seed: int = typer.Option(0, "--seed"),
-    device: str = typer.Option("cpu", "--device"),
-    dtype: str = typer.Option("auto", "--dtype"),
-    output: Optional[Path] = typer.Option(None, "--output", help="Copy the checkpoint here and write calibration.json into the copy."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write ECE/AUROC/Brier before and after as JSON."),
-    plots: Optional[Path] = typer.Option(None, "--plots", help="Folder for reliability diagrams (and the sweep) as PNG."),
+    num_prompts: Optional[int] = opt.num_prompts(),
+    max_new_tokens: int = opt.max_new_tokens(128),
+    target: Optional[str] = opt.target(),
+    block_size: Optional[int] = typer.Option(None, "--block-size", help="γ, >= 1 and at most the trained block (default: the checkpoint's)."),
+    temperature: float = opt.temperature(),
+    top_p: float = opt.top_p(),
+    top_k: int = opt.top_k(),
+    concurrency: int = opt.concurrency(8),
+    seed: int = opt.seed(),
+    device: str = opt.device(),
+    dtype: str = opt.dtype(),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", metavar="DIR", help="Write a complete calibrated copy of the checkpoint here."),
+    in_place: bool = typer.Option(False, "--in-place", help="Rewrite calibration.json in the local --checkpoint folder instead."),
+    overwrite: bool = opt.overwrite("a non-empty --output folder or an existing --save-traces file"),
+    force: bool = typer.Option(False, "--force", help=f"Fit even when a position rests on fewer than {MIN_ROUNDS} rounds."),
+    strict: bool = opt.strict("a prompt that does not fit the target's context"),
+    json_path: Optional[Path] = opt.json_path("ECE/AUROC/Brier before and after"),
+    plots: Optional[Path] = opt.plots("reliability.png (and threshold_sweep.png with --sweep-threshold)"),
     sweep_threshold: bool = typer.Option(False, "--sweep-threshold", help="Also report the static-threshold sweep (paper Fig. 5)."),
-    save_traces: Optional[Path] = typer.Option(None, "--save-traces", help="Write the recorded rounds (jsonl) for `dspec schedule`."),
+    save_traces: Optional[Path] = typer.Option(None, "--save-traces", metavar="FILE", help="Write the recorded rounds (jsonl) for `dspec schedule`."),
 ) -> None:
     """Record confidences and outcomes on held-out prompts (or read recorded ones), fit STS, write calibration.json."""
     from dspec_cli.checkpoints.hub import resolve_checkpoint
     from dspec_cli.core import plugins
     from dspec_cli.core.calibration import Calibration
-    from dspec_cli.core.data import load_prompts
+    from dspec_cli.core.data import BUILTIN, load_prompts
+    from dspec_cli.core.devices import parse_dtype, resolve_device
     from dspec_cli.core.files import CALIBRATION_FILE
     from dspec_cli.runtime.engine import GenerationConfig
     from dspec_cli.runtime.target import Target
+    from dspec_cli.workflows.bench import fitting_prompts
     from dspec_cli.workflows.calibrate import (
         calibrate,
         collect_rounds,
@@ -102,6 +164,7 @@ def calibrate_command(
         threshold_sweep,
     )
     from dspec_cli.workflows.calibrate import save_traces as write_traces
+    from dspec_cli.workflows.sglang_sts import load_rounds, sts_dict
 
     if num_prompts is not None and num_prompts < 1:
         raise DspecError(f"--num-prompts must be >= 1, got {num_prompts}")
@@ -110,74 +173,84 @@ def calibrate_command(
     if (dataset is None) == (traces is None):
         raise DspecError("give exactly one of --dataset (run the drafter) and --traces (recorded rounds)")
     cls = plugins.get_drafter_class(drafter)
-    out_dir = None if traces is not None and sglang_sts is not None and not (output or checkpoint) else (
-        _output_dir(checkpoint, output))
+    if not {"confidence", "draft_probs"} & set(cls.capabilities):
+        raise DspecError(f"drafter {cls.name!r} has no confidence signal (no confidence head, no draft "
+                         "probabilities): its confidences are constant, so there is nothing to calibrate")
+    if traces is not None and dataset:
+        raise DspecError("give --dataset (run the drafter) or --traces (recorded rounds), not both")
+    GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                     max_batch=concurrency)  # sampling options checked up front
+    resolve_device(device), parse_dtype(dtype)
+    sts_only = traces is not None and sglang_sts is not None and output is None and not in_place
+    out_dir = None if sts_only else _plan_output(checkpoint, output, in_place, overwrite)
+    check_output_file(json_path, "--json")
+    check_output_file(sglang_sts, "--sglang-sts")
+    check_output_dir(plots, "--plots")
+    check_output_file(save_traces, "--save-traces", overwrite=overwrite)
     ckpt_dir = resolve_checkpoint(checkpoint) if checkpoint else None  # a Hub id -> its cached snapshot
     old_file = ckpt_dir / CALIBRATION_FILE if ckpt_dir else None
     old = Calibration.load(old_file, drafter=cls.name) if old_file and old_file.is_file() else None
     err = Console(stderr=True)
+    model, skipped, ids = None, 0, []
     if traces is not None:  # raw confidences as recorded (SGLang records the head's output before STS)
-        from dspec_cli.workflows.sglang_sts import load_rounds
-
         rounds, meta = load_rounds(traces, block_size)
         if meta["drafter"] and meta["drafter"] != cls.name:
             raise DspecError(f"traces {traces} are of drafter {meta['drafter']!r}, not {cls.name!r}")
         gamma = rounds.block_size
+        if out_dir is not None and ckpt_dir is None:
+            raise DspecError("with --traces, --output / --in-place need the --checkpoint the traces belong to")
     else:
-        prompts = load_prompts(dataset, num_prompts)
+        prompts = [p for d in (dataset or [BUILTIN]) for p in load_prompts(d, num_prompts)]
         tgt = Target.load(target, dtype=dtype, device=device)
         overrides = {"block_size": block_size} if block_size is not None else {}
         model = cls.from_pretrained(ckpt_dir, tgt, **overrides) if ckpt_dir else cls.load_default(tgt, **overrides)
         gamma = model.config.block_size
         config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                   block_size=gamma, max_batch=concurrency, seed=seed)
-        ids = [tgt.render_prompt(p.text) for p in prompts]
-        with CommandProgress(err) as bar:
+        ids, skipped = fitting_prompts(tgt, [tgt.render_prompt(p.text) for p in prompts], max_new_tokens, gamma,
+                                       strict=strict, where="--dataset")
+        if skipped:
+            warnings.warn(f"skipped {skipped} of {len(prompts)} prompt(s) that do not fit the target's context with "
+                          f"--max-new-tokens {max_new_tokens} (--strict makes this an error)", stacklevel=1)
+        with CommandProgress(err, unit="prompts") as bar:
             task = bar.add_task(f"collecting rounds · {cls.name}", total=len(ids))
             rounds = collect_rounds(tgt, model, ids, config, on_finish=lambda _res: bar.advance(task))
     if old is not None:
         old.check(cls.name, gamma)
     cal = calibrate(rounds, cls.name)
+    _check_rounds(cal.metrics["before"]["count"], force)
     if sglang_sts is not None:
-        from dspec_cli.core.sglang_sps import write_json
-        from dspec_cli.workflows.sglang_sts import sts_dict
-
-        err.print(f"wrote {write_json(sglang_sts, sts_dict(cal, dataset=str(traces or dataset), num_samples=len(rounds)))}")
+        opt.wrote(err, write_json(sglang_sts, sts_dict(cal, dataset=str(traces or ",".join(dataset) or BUILTIN),
+                                                      num_samples=len(rounds))))
     cal_file = None
     if out_dir is not None:
-        if ckpt_dir is not None and _copy_source(checkpoint, ckpt_dir) and out_dir.resolve() != ckpt_dir.resolve():
-            shutil.copytree(ckpt_dir, out_dir, dirs_exist_ok=True)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        cal_file = cal.save(out_dir)
-    out = Console()
-    console = out if out.is_terminal else Console(width=200)
-    render_metrics(cal, console)
-    if cal_file is not None:
-        err.print(f"wrote {cal_file}")
+        cal_file = cal.save(out_dir) if in_place else _write_copy(model, ckpt_dir, cal, out_dir)
+    console = results_console()
+    if not is_stdout(json_path):
+        render_metrics(cal, console, f"{len(ids)} prompts" + (f" ({skipped} skipped: too long)" if skipped else ""))
+    opt.wrote(err, cal_file)
     sweep = threshold_sweep(rounds) if sweep_threshold else None
-    if sweep is not None:
+    if sweep is not None and not is_stdout(json_path):
         render_sweep(sweep, console)
     if save_traces is not None:
-        save_traces.parent.mkdir(parents=True, exist_ok=True)
         write_traces(save_traces, rounds, drafter=cls.name, block_size=gamma)
-        err.print(f"wrote {save_traces}")
+        opt.wrote(err, save_traces)
     if plots is not None:
         from dspec_cli.workflows.plots import reliability_diagram, threshold_sweep_plot
 
+        title = f"{cls.name} · {target or 'embedded:tiny-target'} · {tgt.device} · temperature {temperature:g}"
         before = reliability(rounds)
         after = reliability(rounds.with_temperatures(cal.temperatures))
-        err.print(f"wrote {reliability_diagram(before, after, plots / 'reliability.png', title=cls.name)}")
+        opt.wrote(err, reliability_diagram(before, after, plots / "reliability.png", title=title))
         if sweep is not None:
-            err.print(f"wrote {threshold_sweep_plot(sweep, plots / 'threshold_sweep.png', title=cls.name)}")
+            opt.wrote(err, threshold_sweep_plot(sweep, plots / "threshold_sweep.png", title=title))
     if json_path is not None:
         before, after = cal.metrics["before"], cal.metrics["after"]
         pick = lambda m: {k: m[k] for k in ("count", "ece", "auroc", "brier", "mean_pred", "mean_label")}  # noqa: E731
         report = {
-            "drafter": cls.name, "block_size": gamma, "num_rounds": len(rounds),
-            "calibration_file": str(cal_file) if cal_file else None,
+            "drafter": cls.name, "block_size": gamma, "num_rounds": len(rounds), "num_prompts": len(ids),
+            "skipped_prompts": skipped, "calibration_file": str(cal_file) if cal_file else None,
             "temperatures": cal.temperatures, "ece_before": before["ece_mean"], "ece_after": after["ece_mean"],
             "before": pick(before), "after": pick(after), "threshold_sweep": sweep,
         }
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(report, indent=2) + "\n")
-        err.print(f"wrote {json_path}")
+        opt.wrote(err, write_json(json_path, report))

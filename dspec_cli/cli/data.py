@@ -10,8 +10,10 @@ from rich.console import Console
 from rich.progress import MofNCompleteColumn, TextColumn, TimeRemainingColumn
 
 from dspec_cli.cli import app
+from dspec_cli.cli import options as opt
 from dspec_cli.cli.progress import CommandProgress
 from dspec_cli.core.errors import DspecError
+from dspec_cli.core.outputs import check_output_file, is_stdout, write_json
 
 data_app = typer.Typer(help="Training data: regenerate responses with the target.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
@@ -20,21 +22,22 @@ app.add_typer(data_app, name="data")
 @data_app.command("regenerate")
 def regenerate_command(
     recipe: Optional[Path] = typer.Option(None, "--recipe", "-r", help="Take target, prompts, output and sampling from a training recipe."),
-    target: Optional[str] = typer.Option(None, "--target", help="Target model: local path or Hub id (default: the embedded tiny target)."),
-    prompts: Optional[str] = typer.Option(None, "--prompts", help="jsonl of {\"turns\": [...]} or ShareGPT {\"conversations\": [...]} lines."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Output jsonl; re-running skips ids already there."),
+    target: Optional[str] = opt.target(),
+    prompts: list[str] = opt.dataset("--prompts"),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", metavar="FILE", help="Output jsonl; re-running skips ids already there (nothing is overwritten)."),
     drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter that speeds generation up (output is lossless)."),
     checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="Checkpoint of --drafter: folder or Hub id."),
-    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Per assistant turn (default 4096)."),
-    temperature: Optional[float] = typer.Option(None, "--temperature", help="Default 0.7 (Qwen3 non-thinking)."),
-    top_p: Optional[float] = typer.Option(None, "--top-p", help="Default 0.8."),
-    top_k: Optional[int] = typer.Option(None, "--top-k", help="Default 20."),
-    concurrency: Optional[int] = typer.Option(None, "--concurrency", help="Concurrent requests (default 32)."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Most tokens per assistant turn, >= 1 (default 4096)."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", help="Sampling temperature, >= 0 (0 = greedy; default 0.7, Qwen3 non-thinking)."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass in (0, 1] (default 0.8)."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample from the K most likely tokens, >= 0 (0 = off; default 20)."),
+    concurrency: Optional[int] = typer.Option(None, "--concurrency", metavar="R", help="Concurrent requests (default 32)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Only the first N conversations."),
-    seed: Optional[int] = typer.Option(None, "--seed"),
-    block_size: int = typer.Option(7, "--block-size", help="γ of --drafter."),
-    device: str = typer.Option("auto", "--device", help="auto = cuda when available, else cpu."),
-    dtype: str = typer.Option("auto", "--dtype"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed (any integer; default the recipe's, else 0): the same seed gives the same tokens."),
+    block_size: int = typer.Option(7, "--block-size", help="γ of --drafter (>= 1)."),
+    device: str = opt.device(),
+    dtype: str = opt.dtype(),
+    json_path: Optional[Path] = opt.json_path("the counts (written, already done, shortened, skipped, tokens)"),
 ) -> None:
     """Regenerate every assistant turn with the target (self-distillation data for dspec train)."""
     from transformers.utils import logging as hf_logging
@@ -52,9 +55,11 @@ def regenerate_command(
             raise DspecError(f"recipe {recipe} is for target {rec.target.name!r}, not {target!r}")
         target_name = None if rec.target.name == EMBEDDED else rec.target.name
         out = output or (Path(rec.data.paths[0]) if rec.data.paths else None)
-    prompts = prompts or spec.prompts
+    prompts = prompts or ([spec.prompts] if spec.prompts else [])
     if not prompts or out is None:
-        raise DspecError("give --prompts and --output (or a --recipe with regenerate.prompts and data.path)")
+        raise DspecError("give --dataset and --output (or a --recipe with regenerate.prompts and data.path)")
+    check_output_file(out, "--output")  # appended to, never replaced
+    check_output_file(json_path, "--json")
     pick = lambda flag, value: value if flag is None else flag  # noqa: E731
     opts = RegenerateOptions(
         prompts=prompts, output=out, target=target_name, drafter=drafter, checkpoint=checkpoint,
@@ -64,7 +69,7 @@ def regenerate_command(
         dtype=dtype,
     )
     err = Console(stderr=True)
-    with CommandProgress(err, MofNCompleteColumn(), TextColumn("turns"), TimeRemainingColumn()) as bar:
+    with CommandProgress(err, MofNCompleteColumn(), TextColumn("turns"), TimeRemainingColumn(), unit="turns") as bar:
 
         def progress(desc: str, total: int):  # the bar starts once the inputs have been checked
             task = bar.add_task(desc, total=total)
@@ -74,6 +79,10 @@ def regenerate_command(
     for note in stats.notes:
         err.print(note)
     rate = stats.generated_tokens / stats.seconds if stats.seconds else 0.0
+    if json_path is not None:
+        opt.wrote(err, write_json(json_path, {"output": str(out), **vars(stats), "tokens_per_s": rate}))
+        if is_stdout(json_path):
+            return
     print(
         f"{out}: wrote {stats.written} conversation(s) ({stats.turns} turns, {stats.generated_tokens} tokens, "
         f"{rate:.0f} tok/s); {stats.already_done} already done, {stats.shortened} shortened and "

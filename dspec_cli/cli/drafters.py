@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-import json
-import sys
+import warnings
+from pathlib import Path
+from typing import Optional
 
-import typer
 from rich.console import Console
 from rich.table import Table
 
 from dspec_cli.cli import app
+from dspec_cli.cli import options as opt
+from dspec_cli.cli.progress import results_console
 from dspec_cli.core import plugins
+from dspec_cli.core.outputs import check_output_file, is_stdout, write_json
 
 
 def drafter_rows(reg: plugins.Registry) -> list[dict]:
@@ -32,26 +35,27 @@ def drafter_rows(reg: plugins.Registry) -> list[dict]:
 
 @app.command("drafters")
 def drafters_command(
-    as_json: bool = typer.Option(False, "--json", help="Print JSON on stdout instead of a table."),
+    json_path: Optional[Path] = opt.json_path("the drafters and schedulers"),
 ) -> None:
     """List the drafters registered by installed plugins."""
+    check_output_file(json_path, "--json")
     reg = plugins.registry()
     rows = drafter_rows(reg)
     schedulers = [
         {"name": n, "plugin": s.plugin, "package": s.package, "version": s.version}
         for n, s in sorted(reg.schedulers.items())
     ]
-    err = Console(stderr=True)
     for problem in reg.problems:
-        err.print(f"[yellow]warning:[/] {problem}", highlight=False)
-    if as_json:
-        json.dump({"drafters": rows, "schedulers": schedulers, "problems": reg.problems}, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-        return
+        warnings.warn(problem, stacklevel=1)
+    if json_path is not None:
+        opt.wrote(Console(stderr=True), write_json(json_path, {"drafters": rows, "schedulers": schedulers,
+                                                               "problems": reg.problems}))
+        if is_stdout(json_path):
+            return
     table = Table(title="dspec drafters")
     for col in ("name", "capabilities", "package", "version"):
         table.add_column(col)
     for row in rows:
         name = row["name"] + (f" ({', '.join(row['aliases'])})" if row["aliases"] else "")
         table.add_row(name, ", ".join(row["capabilities"]) or "-", row["package"], row["version"])
-    Console().print(table)
+    results_console().print(table)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -10,7 +9,14 @@ import typer
 from rich.console import Console
 
 from dspec_cli.cli import app
+from dspec_cli.cli import options as opt
 from dspec_cli.core.errors import DspecError
+from dspec_cli.core.outputs import (
+    check_output_dir,
+    check_output_file,
+    is_stdout,
+    write_json,
+)
 
 
 @app.command("export")
@@ -18,10 +24,10 @@ def export_command(
     checkpoint: str = typer.Argument(..., help="Drafter checkpoint: folder or Hub id (dspec's or a foreign layout)."),
     fmt: str = typer.Option(..., "--format", help="Serving engine: vllm or sglang."),
     output: Path = typer.Option(..., "--output", help="Folder for the engine's draft checkpoint."),
-    target: Optional[str] = typer.Option(None, "--target", help="Target model: local path or Hub id (default: the embedded tiny target)."),
-    dtype: str = typer.Option("auto", "--dtype", help="Load (and export) in this dtype, e.g. bfloat16 (auto: float32 on CPU)."),
+    target: Optional[str] = opt.target(),
+    dtype: str = opt.dtype(),
     cost_table: Optional[Path] = typer.Option(None, "--cost-table", help="SGLang DSpark: cost table (dspec's or SGLang's) for dspark_sps.json (default: the checkpoint's cost_table.json)."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the export report (layout, engine settings, files, command) here."),
+    json_path: Optional[Path] = opt.json_path("the export report (layout, engine settings, command)"),
 ) -> None:
     """Export a drafter for vLLM or SGLang and print the command that serves it."""
     from dspec_cli.checkpoints import layouts as interop
@@ -33,6 +39,8 @@ def export_command(
 
     if fmt not in FORMATS:
         raise DspecError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    check_output_dir(output, "--output")
+    check_output_file(json_path, "--json")
     path = resolve_checkpoint(checkpoint)
     if output.resolve() == path.resolve():
         raise DspecError("--output must differ from the checkpoint folder (export writes another layout)")
@@ -47,8 +55,7 @@ def export_command(
     err.print(f"wrote {report['output']} ({report['layout']} layout, {fmt} method {report['method']})", highlight=False)
     for note in report["notes"]:
         err.print(f"note: {note}", highlight=False, markup=False)
-    print(report["command"])
+    if not is_stdout(json_path):
+        print(report["command"])
     if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(report, indent=2) + "\n")
-        err.print(f"wrote {json_path}", highlight=False)
+        opt.wrote(err, write_json(json_path, report))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -10,19 +11,20 @@ from rich.console import Console
 from rich.table import Table
 
 from dspec_cli.cli import app
-from dspec_cli.cli.progress import CommandProgress
+from dspec_cli.cli import options as opt
+from dspec_cli.cli.options import int_list
+from dspec_cli.cli.progress import CommandProgress, results_console
 from dspec_cli.core.errors import DspecError
+from dspec_cli.core.outputs import check_output_dir, check_output_file, is_stdout, write_json
+
+DEFAULT_CONTEXTS = (128, 512, 2048)
 
 
-def int_list(text: str, option: str, minimum: int = 1) -> list[int]:
-    """Parse "1,4,16" for ``option``; every value must be >= minimum."""
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise DspecError(f"{option} must be a comma-separated list of integers, got {text!r}") from None
-    if not values or any(v < minimum for v in values):
-        raise DspecError(f"{option} values must be >= {minimum}, got {text!r}")
-    return values
+def fit_contexts(contexts: list[int], max_ctx: int | None, row_tokens: int) -> list[int]:
+    """Contexts clipped to what fits the target with ``row_tokens`` new tokens after them."""
+    if not max_ctx:
+        return contexts
+    return sorted({min(c, max_ctx - row_tokens) for c in contexts})
 
 
 def render_cost_table(table, console: Console, max_rows: int = 24) -> None:
@@ -43,7 +45,7 @@ FORMATS = ("dspec", "sglang-diagonal", "sglang-additive")
 
 
 def _profile_steps(name, checkpoint, block_size, requests, verify_tokens, fmt, target, contexts, repeats, warmup,
-                   device, dtype, seed, json_path, plot) -> None:
+                   device, dtype, seed, json_path, plots) -> None:
     """``profile-hardware --drafter``: whole steps over requests x verify tokens (dspec_cli.workflows.step_profile)."""
     from dspec_cli.checkpoints import load_drafter
     from dspec_cli.core import sglang_sps as sglang_tables
@@ -67,43 +69,44 @@ def _profile_steps(name, checkpoint, block_size, requests, verify_tokens, fmt, t
         prof = profile_steps(tgt, model, requests=rows, verify_tokens=widths, contexts=ctx, repeats=repeats,
                              warmup=warmup, model_name=target or "embedded:tiny-target", seed=seed, progress=advance)
     table = prof.cost_table()
-    out = Console()
-    render_cost_table(table, out if out.is_terminal else Console(width=200))
+    if not is_stdout(json_path):
+        render_cost_table(table, results_console())
     if json_path is not None:
         if fmt == "dspec":
             table.save(json_path)
         else:
-            sglang_tables.write_json(json_path, sglang_tables.to_sglang_diagonal(table) if fmt == "sglang-diagonal"
+            write_json(json_path, sglang_tables.to_sglang_diagonal(table) if fmt == "sglang-diagonal"
                                      else sglang_tables.fit_additive(prof.additive_cells()))
-        err.print(f"wrote {json_path}")
-    if plot is not None:
+        opt.wrote(err, None if is_stdout(json_path) else json_path)
+    if plots is not None:
         from dspec_cli.workflows.plots import sps_plot
 
-        err.print(f"wrote {sps_plot(table, plot)}")
+        opt.wrote(err, sps_plot(table, plots / "sps.png"))
 
 
 @app.command("profile-hardware")
 def profile_command(
-    target: Optional[str] = typer.Option(None, "--target", help="Target model: local path or Hub id (default: the embedded tiny target)."),
-    max_batch_tokens: int = typer.Option(256, "--max-batch-tokens", help="Largest B (tokens per forward) profiled."),
-    grid: Optional[str] = typer.Option(None, "--grid", help="Explicit B values, e.g. 1,2,4,8 (default: dense 1..16, sparser up to --max-batch-tokens)."),
-    contexts: str = typer.Option("128,512,2048", "--contexts", help="Context lengths in the KV cache."),
-    row_tokens: int = typer.Option(8, "--row-tokens", help="New tokens per row (γ + 1); B tokens use ceil(B / row-tokens) rows."),
-    repeats: int = typer.Option(10, "--repeats", help="Timed forwards per point (median and IQR)."),
-    warmup: int = typer.Option(2, "--warmup", help="Untimed forwards per point."),
-    device: str = typer.Option("cpu", "--device"),
-    dtype: str = typer.Option("auto", "--dtype"),
-    seed: int = typer.Option(0, "--seed"),
+    target: Optional[str] = opt.target(),
+    max_batch_tokens: int = typer.Option(256, "--max-batch-tokens", help="Largest B (tokens per forward) profiled, >= 1."),
+    grid: Optional[str] = typer.Option(None, "--grid", metavar="B[,B...]", help="Explicit B values, e.g. 1,2,4,8 (default: dense 1..16, sparser up to --max-batch-tokens)."),
+    contexts: Optional[str] = typer.Option(None, "--contexts", metavar="C[,C...]", help="Context lengths in the KV cache, >= 1 (default 128,512,2048, clipped to the target's context)."),
+    row_tokens: int = typer.Option(8, "--row-tokens", help="New tokens per row (γ + 1), >= 1; B tokens use ceil(B / row-tokens) rows."),
+    repeats: int = typer.Option(10, "--repeats", help="Timed forwards per point (median and IQR), >= 1."),
+    warmup: int = typer.Option(2, "--warmup", help="Untimed forwards per point, >= 0."),
+    device: str = opt.device(),
+    dtype: str = opt.dtype(),
+    seed: int = opt.seed(),
     drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Time whole speculative steps of this drafter (drafting + verification + host work) over --requests x --verify-tokens."),
     checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="With --drafter: its checkpoint (default: the drafter's default)."),
     block_size: int = typer.Option(7, "--block-size", help="With --drafter: γ."),
     requests: str = typer.Option("1,2,4,8,16,32", "--requests", help="With --drafter: concurrent requests R."),
     verify_tokens: Optional[str] = typer.Option(None, "--verify-tokens", help="With --drafter: tokens verified per request, anchor included, 1..γ+1 (default: γ+1; sglang-additive: 1, γ/2+1, γ+1)."),
     fmt: str = typer.Option("dspec", "--format", help="What --json writes: dspec, sglang-diagonal or sglang-additive (the last two need --drafter)."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the cost table here (what --cost-table reads)."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of the SPS(B) curves here."),
+    json_path: Optional[Path] = opt.json_path("the cost table (what --cost-table reads)"),
+    plots: Optional[Path] = opt.plots("sps.png, the SPS(B) curves"),
 ) -> None:
     """Profile steps per second SPS(B) of the target (or whole speculative steps) for token-batch sizes B and context lengths."""
+    from dspec_cli.core.devices import parse_dtype, resolve_device
     from dspec_cli.core.hardware import default_grid, profile_sps
     from dspec_cli.runtime.target import Target
 
@@ -115,20 +118,34 @@ def profile_command(
     if drafter is not None and grid is not None:
         raise DspecError("--grid sets target-forward batch sizes; with --drafter give --requests and --verify-tokens")
     if drafter is not None:
-        return _profile_steps(drafter, checkpoint, block_size, requests, verify_tokens, fmt, target, contexts,
-                              repeats, warmup, device, dtype, seed, json_path, plot)
+        check_output_file(json_path, "--json")
+        check_output_dir(plots, "--plots")
+        resolve_device(device), parse_dtype(dtype)
+        return _profile_steps(drafter, checkpoint, block_size, requests, verify_tokens, fmt, target,
+                              contexts or ",".join(map(str, DEFAULT_CONTEXTS)), repeats, warmup, device, dtype, seed,
+                              json_path, plots)
 
     points = int_list(grid, "--grid") if grid else default_grid(max_batch_tokens)
-    ctx = int_list(contexts, "--contexts")
+    ctx = int_list(contexts, "--contexts") if contexts else list(DEFAULT_CONTEXTS)
     if repeats < 1:
         raise DspecError(f"--repeats must be >= 1, got {repeats}")
     if warmup < 0:
         raise DspecError(f"--warmup must be >= 0, got {warmup}")
     if row_tokens < 1:
         raise DspecError(f"--row-tokens must be >= 1, got {row_tokens}")
+    check_output_file(json_path, "--json")
+    check_output_dir(plots, "--plots")
+    resolve_device(device), parse_dtype(dtype)
     tgt = Target.load(target, dtype=dtype, device=device)
     err = Console(stderr=True)
-    with CommandProgress(err) as bar:
+    if contexts is None:
+        max_ctx = getattr(tgt.model.config.get_text_config(), "max_position_embeddings", None)
+        fitted = fit_contexts(ctx, max_ctx, row_tokens)
+        if fitted != ctx:
+            warnings.warn(f"the target's context is {max_ctx} tokens: profiling contexts {','.join(map(str, fitted))} "
+                          f"(the default {','.join(map(str, ctx))} clipped)", stacklevel=1)
+        ctx = fitted
+    with CommandProgress(err, unit="points") as bar:
         task = bar.add_task("profiling SPS(B)", total=len(set(points)) * len(set(ctx)))
 
         def advance(c: int, b: int) -> None:
@@ -137,12 +154,12 @@ def profile_command(
         table = profile_sps(tgt.model, grid=points, contexts=ctx, repeats=repeats, warmup=warmup,
                             row_tokens=row_tokens, model_name=target or "embedded:tiny-target", seed=seed,
                             progress=advance)
-    out = Console()
-    render_cost_table(table, out if out.is_terminal else Console(width=200))
+    if not is_stdout(json_path):
+        render_cost_table(table, results_console())
     if json_path is not None:
         table.save(json_path)
-        err.print(f"wrote {json_path}")
-    if plot is not None:
+        opt.wrote(err, None if is_stdout(json_path) else json_path)
+    if plots is not None:
         from dspec_cli.workflows.plots import sps_plot
 
-        err.print(f"wrote {sps_plot(table, plot)}")
+        opt.wrote(err, sps_plot(table, plots / "sps.png"))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -12,7 +10,9 @@ from rich.console import Console
 from rich.progress import DownloadColumn
 
 from dspec_cli.cli import app
+from dspec_cli.cli import options as opt
 from dspec_cli.cli.progress import CommandProgress
+from dspec_cli.core.outputs import check_output_file, is_stdout, write_json
 
 
 @app.command("push")
@@ -23,8 +23,8 @@ def push_command(
     revision: Optional[str] = typer.Option(None, "--revision", help="Branch to commit to (created from main when missing; default main)."),
     endpoint: Optional[str] = typer.Option(None, "--endpoint", help="Hub URL (default: HF_ENDPOINT, else https://huggingface.co)."),
     token: Optional[str] = typer.Option(None, "--token", help="Hub token (default: HF_TOKEN, else the `hf auth login` token); never printed."),
-    target: Optional[str] = typer.Option(None, "--target", help="Validate against this target (default: the one config.json names)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+    target: Optional[str] = typer.Option(None, "--target", metavar="PATH|HUB_ID", help="Validate against this target (default: the one config.json names)."),
+    json_path: Optional[Path] = opt.json_path("the result (repo, revision, commit, files)"),
 ) -> None:
     """Check that CHECKPOINT loads against its target, refresh its model card, upload it in one commit."""
     from dspec_cli.checkpoints.hub import push_folder, push_repo_id
@@ -34,6 +34,7 @@ def push_command(
     from dspec_cli.workflows.validate import validate_checkpoint
 
     push_repo_id(repo_id)  # a bad id fails before anything loads
+    check_output_file(json_path, "--json")
     err = Console(stderr=True)
     with err.status(f"validating {checkpoint}"):
         config = validate_checkpoint(checkpoint, target)
@@ -47,10 +48,10 @@ def push_command(
             message=f"Upload {config['drafter']} drafter (dspec {__version__})",
             on_file=lambda name, size: bar.update(task, advance=size, description=f"uploaded {name}"),
         )
-    if as_json:
-        json.dump(vars(result), sys.stdout, indent=2)
-        sys.stdout.write("\n")
-        return
+    if json_path is not None:
+        opt.wrote(err, write_json(json_path, vars(result)))
+        if is_stdout(json_path):
+            return
     err.print(f"committed {len(result.files)} files to {result.repo_id}@{result.revision}: {result.commit_url}",
               soft_wrap=True, highlight=False)
     print(result.url)

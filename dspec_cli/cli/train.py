@@ -18,6 +18,8 @@ from rich.progress import (
 )
 
 from dspec_cli.cli import app
+from dspec_cli.cli.progress import LogLines
+from dspec_cli.core.outputs import check_output_file
 
 
 class RichProgress:
@@ -27,8 +29,13 @@ class RichProgress:
         self.console = console
         self.bar: Progress | None = None
         self.task = None
+        self.lines = None if console.is_terminal else LogLines(console, "steps")
+        self.title, self.total, self.first = "", 0, 0
 
     def start(self, total: int, done: int, title: str) -> None:
+        self.title, self.total, self.first = title, total, done
+        if self.lines is not None:  # a log: a line every few seconds, not a bar cut to 80 columns
+            return
         self.bar = Progress(
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
             TimeElapsedColumn(), TimeRemainingColumn(), console=self.console,
@@ -42,6 +49,9 @@ class RichProgress:
         if tau is not None:
             stats += f" · τ {tau:.2f}"
         stats += f" · {row['tokens_per_s']:,.0f} tok/s"
+        if self.lines is not None:
+            self.lines.tick(self, self.title, row["step"], self.total, stats, base=self.first)
+            return
         self.bar.update(self.task, completed=row["step"], stats=stats)
 
     def note(self, text: str) -> None:
@@ -57,7 +67,7 @@ def train_command(
     overrides: Optional[list[str]] = typer.Argument(None, help="Recipe overrides, e.g. train.lr=3e-4 drafter.num_anchors=256."),
     drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter to train (default: the recipe's drafter.name)."),
     recipe: Optional[Path] = typer.Option(None, "--recipe", "-r", help="TOML recipe (optional with --resume)."),
-    target: Optional[str] = typer.Option(None, "--target", help="Expected target; must match the recipe's target.name."),
+    target: Optional[str] = typer.Option(None, "--target", metavar="PATH|HUB_ID", help="Expected target; must match the recipe's target.name."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Run folder (default: runs/<recipe folder>-<drafter>)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --output from its latest checkpoint."),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Total optimizer steps (= train.max_steps)."),
@@ -72,6 +82,7 @@ def train_command(
     from dspec_cli.training.loop import TrainOptions, train
 
     hf_logging.disable_progress_bar()
+    check_output_file(json_log, "--json-log")
     opts = TrainOptions(
         recipe=recipe, drafter=drafter, overrides=overrides or [], output=output, target=target, resume=resume,
         max_steps=max_steps, stop_after=stop_after, json_log=json_log, feature_cache=feature_cache, init_from=init_from,
@@ -90,3 +101,5 @@ def train_command(
     else:
         print(f"stopped at step {result.step}/{result.total_steps} ({summary}); "
               f"continue with: dspec train --resume --output {result.output}")
+    if result.interrupted:
+        raise KeyboardInterrupt  # the checkpoint is written: report "Interrupted", exit 130

@@ -14,6 +14,7 @@ import torch
 
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import CALIBRATION_FILE
+from dspec_cli.core.outputs import atomic_write_text
 
 
 def apply_temperatures(confidence: torch.Tensor, temperatures: Sequence[float] | torch.Tensor | None) -> torch.Tensor:
@@ -69,7 +70,7 @@ class Calibration:
         """Write to ``path`` (a folder gets ``calibration.json`` inside); returns the file."""
         path = Path(path)
         file = path / CALIBRATION_FILE if path.is_dir() else path
-        file.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        atomic_write_text(file, json.dumps(self.to_dict(), indent=2) + "\n")
         return file
 
     @classmethod

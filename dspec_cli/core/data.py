@@ -1,15 +1,16 @@
-"""Prompt sets and conversations: jsonl files of ``{"turns": [...]}`` or ShareGPT
-``{"conversations": [...]}`` lines."""
+"""Prompt sets and conversations: jsonl files of ``{"turns": [...]}``, ShareGPT
+``{"conversations": [{"from", "value"} | {"role", "content"}, ...]}`` or OpenAI-style
+``{"messages": [{"role", "content"}, ...]}`` lines."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 from dspec_cli.core.errors import DspecError
+from dspec_cli.core.jsonl import parse_lines, read_jsonl
 
 BUILTIN = "builtin"  # name of the project's own prompt set (dspec_cli/assets/prompts.jsonl)
 
@@ -22,41 +23,23 @@ class Prompt:
 
 
 def _first_user_turn(obj: dict, where: str) -> tuple[str, tuple[str, ...]]:
+    """The first user turn and every user turn of a ``turns``, ShareGPT or ``messages`` line."""
     if "turns" in obj:
         turns = obj["turns"]
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
             raise DspecError(f"{where}: 'turns' must be a non-empty list of strings")
         return turns[0], tuple(turns)
-    if "conversations" in obj:
-        conv = obj["conversations"]
-        users = [m.get("content") for m in conv if isinstance(m, dict) and m.get("role") in ("user", "human")]
-        if not users or not isinstance(users[0], str):
-            raise DspecError(f"{where}: 'conversations' has no user turn")
-        return users[0], tuple(users)
-    raise DspecError(f"{where}: line has no 'turns' (or 'conversations') field")
+    users = tuple(m["content"] for m in _messages(obj, where) if m["role"] == "user")
+    return users[0], users
 
 
 def jsonl_objects(path: str | Path, kind: str = "dataset") -> Iterator[tuple[str, dict]]:
-    """(``file:line``, object) per non-blank line; a malformed line is an error naming file and line."""
+    """(``file:line``, object) per non-blank line (:mod:`dspec_cli.core.jsonl`); ``builtin`` is the
+    project's own prompt set."""
     if str(path) == BUILTIN:
-        text = resources.files("dspec_cli").joinpath("assets/prompts.jsonl").read_text()
-        name = "builtin prompts"
-    else:
-        p = Path(path)
-        if not p.is_file():
-            raise DspecError(f"{kind} {path}: file not found")
-        text, name = p.read_text(encoding="utf-8"), str(p)
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{name}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DspecError(f"{where}: not valid JSON ({exc.msg})") from None
-        if not isinstance(obj, dict):
-            raise DspecError(f"{where}: expected a JSON object")
-        yield where, obj
+        text = resources.files("dspec_cli").joinpath("assets/prompts.jsonl").read_text(encoding="utf-8")
+        return parse_lines(text, "builtin prompts")
+    return read_jsonl(path, kind)
 
 
 def load_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
@@ -97,8 +80,10 @@ def _messages(obj: dict, where: str) -> list[dict[str, str]]:
     if "turns" in obj:
         return [{"role": "user", "content": t} for t in _first_user_turn(obj, where)[1]]
     conv = obj.get("conversations", obj.get("messages"))
+    if conv is None:
+        raise DspecError(f"{where}: line has no 'turns', 'conversations' or 'messages' field")
     if not isinstance(conv, list) or not conv:
-        raise DspecError(f"{where}: line needs a non-empty 'turns' or 'conversations' list")
+        raise DspecError(f"{where}: 'conversations' / 'messages' must be a non-empty list")
     out = []
     for i, m in enumerate(conv):
         if not isinstance(m, dict):

@@ -4,7 +4,6 @@ embedded assets, ``config.json`` reading and atomic text writes (docs/checkpoint
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +36,6 @@ CARD_FILE = "README.md"
 
 
 PUBLISHED_FILES = (CONFIG_FILE, WEIGHTS_FILE, CALIBRATION_FILE, COST_TABLE_FILE, BENCH_FILE, CARD_FILE)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def read_config(path: Path) -> dict[str, Any]:

@@ -35,6 +35,7 @@ import torch
 
 from dspec_cli.core import sglang_sps
 from dspec_cli.core.errors import DspecError
+from dspec_cli.core.outputs import write_json
 
 DEFAULT_CONTEXTS = (128, 512, 2048)
 
@@ -241,9 +242,8 @@ class CostTable:
         return {"sps" if k == "measured" else k: getattr(self, k) for k in keys}
 
     def save(self, path: str | Path) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        """Write the table as JSON (atomically; ``-`` is stdout)."""
+        write_json(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | Path, block_size: int | None = None) -> CostTable:

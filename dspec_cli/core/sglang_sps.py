@@ -27,26 +27,16 @@ SGLang schema (an additive table along its diagonal, requests = B / (γ + 1), wh
 from __future__ import annotations
 
 import bisect
-import json
 import math
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
 from dspec_cli.core.errors import DspecError
-from dspec_cli.core.files import atomic_write_text
 
 SPS_FILE = "dspark_sps.json"
 DIAGONAL_FIELDS = ("sample_batch_tokens", "sample_steps_per_sec", "max_batch_tokens")
 ADDITIVE_FIELDS = ("bias_seconds", "bs_probes", "alpha_seconds", "m_probes", "theta_seconds")
-
-
-def write_json(path: Path, obj: dict) -> Path:
-    """Write ``obj`` atomically (a temporary file renamed over ``path``)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
-    return path
 
 
 def _positive(values, integer: bool = False) -> bool:

@@ -242,6 +242,7 @@ class TrainableDrafter(Drafter):
         hint = f"train one with `dspec train --drafter {cls.name} --recipe RECIPE` or pass --checkpoint PATH"
         if not (path / "config.json").is_file():
             raise DspecError(f"no trained {cls.name} drafter is embedded; {hint}")
+        _check_block_size(cls.name, path, overrides.get("block_size"))
         try:
             return cls.from_pretrained(path, target, **overrides)
         except DspecError as exc:
@@ -257,6 +258,7 @@ class TrainableDrafter(Drafter):
         if (foreign := load_foreign(cls, path, target, overrides)) is not None:
             return foreign  # another project's layout (DeepSpec, z-lab DFlash, EAGLE-3), converted in memory
         check_checkpoint_config(cls.name, path, target)
+        _check_block_size(cls.name, path, overrides.get("block_size"))
         drafter = super().from_pretrained(path, target, **overrides)
         weights = path / WEIGHTS_FILE
         if not weights.is_file():
@@ -279,3 +281,10 @@ class TrainableDrafter(Drafter):
             drafter.calibration = Calibration.load(path / CALIBRATION_FILE, drafter=cls.name)
         return drafter
 
+
+def _check_block_size(name: str, path: Path, wanted: int | None) -> None:
+    """A block larger than the one a checkpoint was trained with is an error naming both."""
+    trained = read_config(path).get("drafter_config", {}).get("block_size")
+    if isinstance(trained, int) and wanted is not None and wanted > trained:
+        raise DspecError(f"--block-size {wanted} exceeds the {trained} positions drafter {name!r} was trained for "
+                         f"({path}); use --block-size {trained} or less")

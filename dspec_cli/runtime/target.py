@@ -22,6 +22,7 @@ from contextlib import contextmanager
 import torch
 
 from dspec_cli.checkpoints.hub import resolve_checkpoint
+from dspec_cli.core.devices import auto_dtype, parse_dtype, resolve_device
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import ASSETS_DIR, DEFAULT_TARGET_PATH, embedded_path
 from dspec_cli.core.hardware import warn_if_slow_half
@@ -79,21 +80,21 @@ class Target:
     ) -> Target:
         """Load a local path or Hub id (None: the embedded default at ``DEFAULT_TARGET_PATH``).
 
-        ``dtype="auto"`` is float32 on CPU (half-precision matmuls there give logits that depend on
-        how many tokens a forward holds, which can flip greedy near-ties between verification and
-        plain decoding) and the checkpoint's own dtype elsewhere.
+        ``device="auto"``: cuda when available, else cpu. ``dtype="auto"``:
+        :func:`~dspec_cli.core.devices.auto_dtype` (float32 on CPU, bfloat16 on CUDA).
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
+        device = resolve_device(device)
+        torch_dtype = parse_dtype(dtype)
+        if torch_dtype == "auto":
+            torch_dtype = auto_dtype(device) or "auto"
         if name_or_path is None:
             if not DEFAULT_TARGET_PATH.is_dir():
                 raise DspecError(f"embedded default target not found at {DEFAULT_TARGET_PATH}")
             name_or_path = str(DEFAULT_TARGET_PATH)
         local = str(resolve_checkpoint(name_or_path, what="target"))  # a Hub id -> its cached snapshot
-        torch_dtype = _parse_dtype(dtype)
-        if torch_dtype == "auto" and torch.device(device).type == "cpu":
-            torch_dtype = torch.float32  # CPUs: fp32 keeps verification numerically batch-invariant
         if isinstance(torch_dtype, torch.dtype):
             warn_if_slow_half(torch_dtype, device)
         try:
@@ -456,15 +457,6 @@ def _concat(taps: list[torch.Tensor], q: int, dtype, device, rows: int = 1) -> t
     if not taps:
         return torch.zeros(rows, q, 0, dtype=dtype, device=device)
     return torch.cat(taps, dim=-1)
-
-
-def _parse_dtype(dtype: str | torch.dtype) -> str | torch.dtype:
-    if isinstance(dtype, torch.dtype) or dtype == "auto":
-        return dtype
-    value = getattr(torch, str(dtype), None)
-    if not isinstance(value, torch.dtype):
-        raise DspecError(f"unknown dtype {dtype!r} (use auto, float32, bfloat16 or float16)")
-    return value
 
 
 def _require_pending(batch: TargetBatch, tree: bool) -> PendingStep:

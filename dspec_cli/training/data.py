@@ -21,6 +21,7 @@ import torch
 
 from dspec_cli.core.data import Conversation, load_conversations
 from dspec_cli.core.errors import DspecError
+from dspec_cli.core.outputs import atomic_write_text
 
 _PROBE = "\u2063dspec-probe\u2063"
 _TOKENIZE_CHUNK = 512  # conversations per batched tokenizer call
@@ -223,7 +224,7 @@ class FeatureCache:
                 )
         else:
             self.root.mkdir(parents=True, exist_ok=True)
-            _atomic_text(manifest, json.dumps({"version": 1, **meta}, indent=2) + "\n")
+            atomic_write_text(manifest, json.dumps({"version": 1, **meta}, indent=2) + "\n")
 
     def _file(self, index: int) -> Path:
         return self.root / f"{index // 4096:04d}" / f"{index}.safetensors"
@@ -276,9 +277,3 @@ def _pad(rows: list[torch.Tensor], width: int) -> torch.Tensor:
     for r, x in enumerate(rows):
         out[r, : x.shape[0]] = x
     return out
-
-
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)

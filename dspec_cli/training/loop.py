@@ -31,8 +31,10 @@ import torch.distributed as dist
 from dspec_cli.checkpoints.model_card import write_model_card
 from dspec_cli.checkpoints.native import check_checkpoint_config, weights_fingerprint
 from dspec_cli.core import plugins
+from dspec_cli.core.devices import resolve_device
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import EMBEDDED, WEIGHTS_FILE
+from dspec_cli.core.jsonl import write_line
 from dspec_cli.runtime.drafter import TrainableDrafter
 from dspec_cli.runtime.target import Target
 from dspec_cli.training.data import (
@@ -86,6 +88,7 @@ class TrainResult:
     finished: bool  # False when stopped early (stop_after or a signal); --resume continues
     metrics: dict = field(default_factory=dict)  # last logged row
     checkpoint: Path | None = None
+    interrupted: bool = False  # stopped by SIGINT / SIGTERM (the CLI exits 130)
 
 
 class Progress(Protocol):
@@ -220,7 +223,7 @@ def _init_distributed(device_pref: str) -> tuple[Rank, torch.device]:
     if device_pref == "auto":
         device = torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
     else:
-        device = torch.device(device_pref)
+        device = resolve_device(device_pref)
         if device.type == "cuda" and device.index is None:
             device = torch.device(f"cuda:{local}")
     if device.type == "cuda":
@@ -377,7 +380,7 @@ class _Run:
         stop_at = min(self.total, self.opts.stop_after) if self.opts.stop_after else self.total
         row: dict = read_state(self.resume_from).get("metrics", {}) if self.resume_from is not None else {}
         ckpt = None
-        with _StopRequest() as stop, open(log_path if rank.main else os.devnull, "a") as log:
+        with _StopRequest() as stop, open(log_path if rank.main else os.devnull, "a", encoding="utf-8") as log:
             while step < stop_at:
                 row, stop_requested = self._step(step, stop.requested)
                 step += 1
@@ -385,18 +388,19 @@ class _Run:
                     self.progress.update(row)
                 stopping = stop_requested or step == stop_at or (rank.world == 1 and stop.requested)
                 if rank.main and (step % t.log_every == 0 or step == self.total or stopping):
-                    log.write(json.dumps(row) + "\n")
+                    write_line(log, row)
                     log.flush()
                 if (t.save_every and step % t.save_every == 0) or step == self.total or stopping:
                     ckpt = self._save(step, row)
                 if stopping:
                     break
+            interrupted = stop.requested
         finished = step >= self.total
         if finished and rank.main:
             self.drafter.save_pretrained(self.out)
             write_model_card(self.out, self._card(step, row))
         rank.barrier()
-        return TrainResult(self.out, step, self.total, finished, row, ckpt)
+        return TrainResult(self.out, step, self.total, finished, row, ckpt, interrupted=interrupted and not finished)
 
     def _step(self, step: int, stop_requested: bool) -> tuple[dict, bool]:
         """One optimizer step (0-based ``step``); returns its log row and whether any rank asked to stop."""

@@ -15,17 +15,15 @@ turn), so a resumed file equals an uninterrupted one.
 from __future__ import annotations
 
 import hashlib
-import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
 
 from dspec_cli.checkpoints import load_drafter
 from dspec_cli.core.data import Conversation, load_conversations
 from dspec_cli.core.errors import DspecError
+from dspec_cli.core.jsonl import decode, parse_lines, write_line
 from dspec_cli.runtime.engine import GenerationConfig, RequestResult, SpeculativeEngine
 from dspec_cli.runtime.target import Target
 
@@ -34,7 +32,7 @@ _CHUNK_PER_SLOT = 4  # conversations in flight per concurrent request slot
 
 @dataclass
 class RegenerateOptions:
-    prompts: str
+    prompts: str | Sequence[str]  # conversation file(s), read in order
     output: str | Path
     target: str | None = None  # Hub id or local path (None = the embedded tiny target)
     drafter: str | None = None  # speeds generation up; output is lossless anyway
@@ -81,15 +79,9 @@ def done_ids(path: Path) -> tuple[set[str], bool]:
         with open(path, "r+b") as f:
             f.truncate(len(raw))
     ids = set()
-    for lineno, line in enumerate(raw.decode("utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DspecError(f"{path}:{lineno}: not valid JSON ({exc.msg}); the output file is damaged") from None
-        if not isinstance(obj, dict) or "id" not in obj:
-            raise DspecError(f"{path}:{lineno}: no 'id'; --output must be a file written by dspec data regenerate")
+    for where, obj in parse_lines(decode(raw, str(path)), str(path)):
+        if "id" not in obj:
+            raise DspecError(f"{where}: no 'id'; --output must be a file written by dspec data regenerate")
         ids.add(str(obj["id"]))
     return ids, repaired
 
@@ -136,13 +128,14 @@ def regenerate(
         raise DspecError(f"--concurrency must be >= 1, got {opts.concurrency}")
     if opts.limit is not None and opts.limit < 1:
         raise DspecError(f"--limit must be >= 1, got {opts.limit}")
-    if Path(opts.prompts).resolve() == out.resolve():
-        raise DspecError("--output must differ from --prompts")
+    sources = [opts.prompts] if isinstance(opts.prompts, str | Path) else list(opts.prompts)
+    if any(Path(p).resolve() == out.resolve() for p in sources):
+        raise DspecError("--output must differ from --dataset")
     cfg = GenerationConfig(
         max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p,
         block_size=opts.block_size, max_batch=opts.concurrency, seed=opts.seed,
     )
-    convs = load_conversations(opts.prompts, opts.limit)
+    convs = _conversations(sources, opts.limit)
     stats = RegenerateStats(conversations=len(convs))
     finished, repaired = done_ids(out)
     if repaired:
@@ -152,8 +145,7 @@ def regenerate(
     if not todo:
         return stats
     if target is None:
-        device = opts.device if opts.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        target = Target.load(opts.target, dtype=opts.dtype, device=device)
+        target = Target.load(opts.target, dtype=opts.dtype, device=opts.device)
     if target.tokenizer is None or target.tokenizer.chat_template is None:
         raise DspecError("the target's tokenizer has no chat template; regeneration needs a chat model")
     drafter = load_drafter(opts.drafter, target, opts.checkpoint, opts.block_size) if opts.drafter else None
@@ -190,11 +182,26 @@ def regenerate(
                 active = [d for d in runnable if d.next_turn()]
             for d in dialogues:
                 if d.answered:
-                    f.write(json.dumps(d.record(), ensure_ascii=False) + "\n")
+                    write_line(f, d.record())
                     f.flush()
                     stats.written += 1
     stats.seconds = time.perf_counter() - t0
     return stats
+
+
+def _conversations(paths: Sequence[str], limit: int | None) -> list[Conversation]:
+    """The conversations of every file in order (the first ``limit``); ids must be unique across files."""
+    convs: list[Conversation] = []
+    seen: dict[str, str] = {}
+    for path in paths:
+        for conv in load_conversations(path, limit - len(convs) if limit else None):
+            if conv.id in seen:
+                raise DspecError(f"{conv.where}: duplicate id {conv.id!r} (first at {seen[conv.id]})")
+            seen[conv.id] = conv.where
+            convs.append(conv)
+        if limit and len(convs) >= limit:
+            break
+    return convs
 
 
 def _decode(target, engine: SpeculativeEngine, ids: list[int]) -> str:

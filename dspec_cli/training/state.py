@@ -30,7 +30,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from dspec_cli.core.errors import DspecError
-from dspec_cli.core.files import atomic_write_text
+from dspec_cli.core.outputs import atomic_write_text
 
 CHECKPOINTS = "checkpoints"
 

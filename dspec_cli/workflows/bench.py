@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 import torch
 
 from dspec_cli.checkpoints import load_drafter
+from dspec_cli.checkpoints.hub import resolve_checkpoint
 from dspec_cli.core import plugins
 from dspec_cli.core.data import BUILTIN, dataset_name, load_prompts
+from dspec_cli.core.devices import parse_dtype, resolve_device
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.hardware import CostTable, device_name
 from dspec_cli.core.specs import parse_drafter_spec, parse_scheduler_spec
@@ -41,7 +43,7 @@ class BenchOptions:
     schedulers: Sequence[str] = ("fixed",)
     cost_table: str | None = None
     strict: bool = False
-    device: str = "cpu"
+    device: str = "auto"
     dtype: str = "auto"
     warmup: bool = True
     repeats: int = 1  # timed runs per engine, interleaved; tokens/s is the median
@@ -178,6 +180,26 @@ def drafted_share(run: dict) -> float | None:
     return sum(runs) / len(runs) if runs else run.get("drafted_round_share")
 
 
+def fitting_prompts(target: Target, prompts: Sequence[Sequence[int]], max_new_tokens: int, block_size: int,
+                    *, strict: bool = False, where: str = "prompts") -> tuple[list, int]:
+    """The prompt ids that fit the target's context with ``max_new_tokens`` (and a verify block)
+    after them, and how many did not. None fitting, or any not fitting with ``strict``, is an error."""
+    max_ctx = getattr(target.config, "max_position_embeddings", None)
+    if not max_ctx:
+        return list(prompts), 0
+    room = max_ctx - max_new_tokens - block_size - 1
+    kept = [p for p in prompts if len(p) <= room]
+    skipped = len(prompts) - len(kept)
+    if skipped and (strict or not kept):
+        longest = max(len(p) for p in prompts)
+        raise DspecError(
+            f"{where}: {skipped} of {len(prompts)} prompt(s) do not fit the target's context of {max_ctx} tokens "
+            f"with --max-new-tokens {max_new_tokens} (longest {longest} tokens)"
+            + ("" if kept else "; lower --max-new-tokens or use a target with a longer context")
+        )
+    return kept, skipped
+
+
 def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | None = None) -> dict:
     """Run every (dataset, drafter, concurrency) and the plain-decoding baseline; return the JSON dict.
 
@@ -193,17 +215,26 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
         raise DspecError("give one --checkpoint per --drafter (in the same order; '' for the default), or none")
     for name in opts.drafters:
         parse_drafter_spec(name)  # unknown names and options fail before any model loads
+    for spec in opts.schedulers:
+        name, _ = parse_scheduler_spec(spec)
+        if plugins.get_scheduler_class(name).needs_cost_table and not opts.cost_table:
+            raise DspecError(f"--scheduler {name} needs --cost-table (write one with `dspec profile-hardware --json PATH`)")
+    if opts.cost_table:
+        CostTable.load(opts.cost_table, block_size=opts.block_size)  # a missing or malformed table fails before any model loads
+    GenerationConfig(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, top_k=opts.top_k,
+                     top_p=opts.top_p, block_size=opts.block_size)  # sampling options checked up front
+    resolve_device(opts.device), parse_dtype(opts.dtype)
     datasets = list(opts.datasets) or [BUILTIN]
     prompt_sets = {d: load_prompts(d, opts.num_prompts) for d in datasets}
+    # checkpoints (local or downloaded) before the target loads: a missing one fails first
+    checkpoints = [str(resolve_checkpoint(c)) if c else None for c in opts.checkpoints] or [None] * len(opts.drafters)
     target = Target.load(opts.target, dtype=opts.dtype, device=opts.device)
     schedulers = [_schedulers(opts, target) for _ in opts.drafters]  # per drafter: the draft gate learns its cost
-    drafters = [
-        load_drafter(name, target, opts.checkpoints[i] if opts.checkpoints else None, opts.block_size)
-        for i, name in enumerate(opts.drafters)
-    ]
+    drafters = [load_drafter(name, target, ckpt, opts.block_size) for name, ckpt in zip(opts.drafters, checkpoints)]
     runs = []
     for dset, prompts in prompt_sets.items():
-        ids = [target.render_prompt(p.text) for p in prompts]
+        ids, skipped = fitting_prompts(target, [target.render_prompt(p.text) for p in prompts], opts.max_new_tokens,
+                                       opts.block_size, strict=opts.strict, where=f"--dataset {dset}")
         for conc in opts.concurrency:
             cfg = GenerationConfig(
                 max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, top_k=opts.top_k,
@@ -226,6 +257,7 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
                         "dataset": dataset_name(dset),
                         "concurrency": conc,
                         "num_prompts": len(ids),
+                        "skipped_prompts": skipped,
                         "max_new_tokens": opts.max_new_tokens,
                         "temperature": opts.temperature,
                         "top_p": opts.top_p,

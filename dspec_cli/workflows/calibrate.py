@@ -18,7 +18,6 @@ drafter name and block size they belong to.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 from dspec_cli.core.calibration import Calibration, apply_temperatures
 from dspec_cli.core.data import jsonl_objects
 from dspec_cli.core.errors import DspecError
+from dspec_cli.core.jsonl import write_jsonl
 from dspec_cli.runtime.engine import SpeculativeEngine
 
 NUM_BINS = 20
@@ -277,13 +277,11 @@ def threshold_sweep(rounds: Rounds, thresholds: Sequence[float] = SWEEP_THRESHOL
 
 def save_traces(path: str | Path, rounds: Rounds, *, drafter: str, block_size: int) -> None:
     """One JSON line per round: {"drafter", "block_size", "confidence": [...], "accepted"}."""
-    lines = []
-    for i in range(len(rounds)):
-        n = int(rounds.verified[i])
-        conf = rounds.confidence[i, :n].tolist()
-        lines.append(json.dumps({"drafter": drafter, "block_size": block_size, "confidence": conf,
-                                 "accepted": int(rounds.accepted[i])}))
-    Path(path).write_text("\n".join(lines) + ("\n" if lines else ""))
+    write_jsonl(path, (
+        {"drafter": drafter, "block_size": block_size, "confidence": rounds.confidence[i, : int(rounds.verified[i])].tolist(),
+         "accepted": int(rounds.accepted[i])}
+        for i in range(len(rounds))
+    ))
 
 
 def load_traces(path: str | Path) -> tuple[Rounds, dict]:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from dspec_cli.checkpoints.layouts import save, to_foreign
 from dspec_cli.core.errors import DspecError
-from dspec_cli.core.files import atomic_write_text
+from dspec_cli.core.outputs import atomic_write_text
 from dspec_cli.workflows.serve_files import (
     SERVE_FILE,
     Sidecars,

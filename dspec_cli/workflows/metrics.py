@@ -37,6 +37,7 @@ def acceptance(results: Sequence[RequestResult], block_size: int) -> dict:
         "mean_verified": verified / rounds if rounds else 0.0,
         "verified_per_committed": (verified + rounds) / committed if committed else 0.0,
         "cond_accept": [a / r if r else None for a, r in zip(acc, reach)],
+        "cond_accept_rounds": reach,  # rounds each cond_accept rests on
         "survival": [a / v if v else None for a, v in zip(acc, ver)],
     }
 

@@ -4,6 +4,7 @@ load-adaptive verification budgets."""
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,13 +15,43 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from dspec_cli.core.hardware import CostTable  # noqa: E402
 
+FEW_ROUNDS = 30  # a point resting on fewer rounds is drawn hollow and labelled with its count
+
 
 def _save(fig, path: str | Path) -> Path:
+    """Write the PNG atomically (a temporary file renamed into place) and close the figure."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+    try:
+        fig.savefig(tmp, dpi=120, bbox_inches="tight")
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
     return path
+
+
+def report_title(report: dict) -> str:
+    """"target · device (type, dtype) · temperature T" of a bench report."""
+    env = report.get("env", {})
+    temps = sorted({r["temperature"] for r in report.get("runs", []) if "temperature" in r})
+    temp = "temperature " + ", ".join(f"{t:g}" for t in temps) if temps else ""
+    where = f"{env.get('device_name', '')} ({env.get('device', '')}, {env.get('dtype', '')})" if env else ""
+    return " · ".join(x for x in (report.get("target", ""), where, temp) if x)
+
+
+def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95 % Wilson score interval of a proportion (sensible for small n and for 0 or n successes)."""
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return centre - half, centre + half
+
+
+def _legend_below(ax, ncol: int = 2) -> None:
+    """The legend under the axes, never over the data."""
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=ncol, frameon=False)
 
 
 def _pct(x: float | None) -> str:
@@ -59,15 +90,19 @@ def reliability_diagram(
             text.append(f"ECE {label} {_pct(data['ece'])}")
         auc = pos["auroc"]
         text.append(f"AUC {'-' if auc is None else f'{auc:.3f}'}")
-        ax.text(0.03, 0.97, "\n".join(text), transform=ax.transAxes, va="top", fontsize=7)
+        ax.text(0.03, 0.97, "\n".join(text), transform=ax.transAxes, va="top", fontsize=7,
+                bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none", "pad": 1})
         ax.set(xlim=(0, 1), ylim=(0, 1), title=f"position {pos['position']}")
+        ax.set_xticks([0, 0.5, 1], ["0", "0.5", "1"])
+        ax.set_yticks([0, 0.5, 1], ["0", "0.5", "1"])
         if i % cols == 0:
             ax.set_ylabel("observed acceptance")
         if i >= n - cols:
             ax.set_xlabel("predicted survival")
     axes.flat[0].legend(loc="lower right", fontsize=7)
     if title:
-        fig.suptitle(title, y=1.02)
+        fig.suptitle(title)
+    fig.tight_layout()
     return _save(fig, path)
 
 
@@ -86,7 +121,7 @@ def sps_plot(table: CostTable, path: str | Path) -> Path:
     ax.set(xlabel="tokens per forward B", ylabel="steps per second SPS(B)",
            title=f"{table.model} · {table.device_name} · {table.dtype}")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
     return _save(fig, path)
 
 
@@ -104,13 +139,14 @@ def threshold_sweep_plot(sweep: Sequence[dict], path: str | Path, title: str = "
     rate.plot(t, [100 * (r["acceptance_rate"] or 0) for r in sweep], "o-", color="tab:red", label="acceptance rate")
     rate.set(ylabel="acceptance rate (%)", ylim=(0, 105))
     handles = ax.get_legend_handles_labels()[0] + rate.get_legend_handles_labels()[0]
-    ax.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="upper right")
+    ax.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15),
+              ncol=3, frameon=False)
     if title:
         ax.set_title(title)
     return _save(fig, path)
 
 
-def schedule_plot(results: Sequence[dict], path: str | Path) -> Path:
+def schedule_plot(results: Sequence[dict], path: str | Path, title: str = "") -> Path:
     """Throughput (top) and verification budget per request (bottom) against concurrency, per scheduler."""
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(6, 6), sharex=True)
     for name in dict.fromkeys(r["scheduler"] for r in results):
@@ -125,7 +161,10 @@ def schedule_plot(results: Sequence[dict], path: str | Path) -> Path:
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
         ax.set_xscale("log", base=2)
-    top.legend(fontsize=8)
+        ax.set_xticks(sorted({r["concurrency"] for r in results}), [str(c) for c in sorted({r["concurrency"] for r in results})])
+    top.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+    if title:
+        top.set_title(title, fontsize=9)
     return _save(fig, path)
 
 
@@ -134,48 +173,74 @@ def _run_label(run: dict) -> str:
     return run["drafter"] if sched in ("-", "fixed") else f"{run['drafter']} · {sched}"
 
 
-def acceptance_plot(runs: Sequence[dict], path: str | Path) -> Path:
+def acceptance_plot(runs: Sequence[dict], path: str | Path, title: str = "") -> Path:
     """The paper's Fig. 2: conditional acceptance by draft position, one panel per dataset,
-    one line per drafter (runs at the lowest concurrency)."""
+    one line per drafter (runs at the lowest concurrency). Bars: 95 % Wilson intervals; a point
+    resting on fewer than ``FEW_ROUNDS`` rounds is hollow and labelled n=count."""
     datasets = list(dict.fromkeys(r["dataset"] for r in runs))
-    fig, axes = plt.subplots(1, len(datasets), figsize=(4.2 * len(datasets), 3.6), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(datasets), figsize=(4.6 * len(datasets), 4.2), squeeze=False, sharey=True)
     for ax, dset in zip(axes.flat, datasets):
         rows = [r for r in runs if r["dataset"] == dset]
         low = min(r.get("concurrency", 1) for r in rows)
-        for run in (r for r in rows if r.get("concurrency", 1) == low):
-            pts = [(k + 1, 100 * a) for k, a in enumerate(run["cond_accept"]) if a is not None]
-            if pts:
-                ax.plot(*zip(*pts), "o-", ms=3, label=f"{_run_label(run)} (τ {run['tau']:.2f})")
-        ax.set(title=dset, xlabel="draft position k", ylim=(0, 100))
+        shown = [r for r in rows if r.get("concurrency", 1) == low]
+        for i, run in enumerate(shown):
+            dx = (i - (len(shown) - 1) / 2) * 0.12  # side by side: intervals and labels of runs do not overlap
+            counts = run.get("cond_accept_rounds") or [None] * len(run["cond_accept"])
+            pts = [(k + 1 + dx, a, n) for k, (a, n) in enumerate(zip(run["cond_accept"], counts)) if a is not None]
+            if not pts:
+                continue
+            line = ax.plot([x for x, _, _ in pts], [100 * a for _, a, _ in pts], "-", lw=1.2,
+                           label=f"{_run_label(run)} (τ {run['tau']:.2f})")[0]
+            color = line.get_color()
+            for x, a, n in pts:
+                few = n is not None and n < FEW_ROUNDS
+                ax.plot(x, 100 * a, "o", ms=4, color=color, mfc="white" if few else color, zorder=3)
+                if n:
+                    lo, hi = wilson(round(a * n), n)
+                    ax.plot([x, x], [100 * lo, 100 * hi], "-", lw=0.8, color=color, alpha=0.5)
+                if few:
+                    ax.annotate(f"n={n}", (x, 100 * a), textcoords="offset points", xytext=(3, 6 if i % 2 else -10),
+                                fontsize=6, color=color)
+        ax.set(title=dset, xlabel="draft position k", ylim=(0, 105))
+        ax.set_xticks(range(1, max(len(r["cond_accept"]) for r in rows) + 1))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _legend_below(ax, ncol=1)
     axes.flat[0].set_ylabel("P(accept k | accepted 1..k-1) (%)")
+    if title:
+        fig.suptitle(title, fontsize=9)
     return _save(fig, path)
 
 
-def load_plots(runs: Sequence[dict], out_dir: str | Path) -> list[Path]:
+def load_plots(runs: Sequence[dict], out_dir: str | Path, title: str = "") -> list[Path]:
     """Serving under load, per dataset (``load.png``, or ``load-<i>.png`` in dataset order):
-    aggregate against per-user throughput (the paper's Fig. 7; plain decoding dashed) and mean
-    verification budget against concurrency (Fig. 8)."""
+    aggregate against per-user throughput (the paper's Fig. 7; plain decoding dashed; each point
+    labelled with its concurrency R) and mean verification budget against concurrency (Fig. 8)."""
     out_dir, paths = Path(out_dir), []
     datasets = list(dict.fromkeys(r["dataset"] for r in runs))
     for i, dset in enumerate(datasets):
         rows = [r for r in runs if r["dataset"] == dset]
-        fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.6))
         for label in dict.fromkeys(_run_label(r) for r in rows):
             series = sorted((r for r in rows if _run_label(r) == label), key=lambda r: r["concurrency"])
-            left.plot([r["per_user_tokens_per_s"] for r in series], [r["throughput_tokens_per_s"] for r in series],
-                      "o-", label=label)
+            xs, ys = [r["per_user_tokens_per_s"] for r in series], [r["throughput_tokens_per_s"] for r in series]
+            line = left.plot(xs, ys, "o-", label=label)[0]
+            for r, x, y in zip(series, xs, ys):
+                left.annotate(f"R={r['concurrency']}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=6,
+                              color=line.get_color())
             right.plot([r["concurrency"] for r in series], [r["mean_verify_budget"] for r in series], "o-", label=label)
         plain = sorted({(r["concurrency"], r["baseline_tokens_per_s"]) for r in rows if r.get("baseline_tokens_per_s")})
         if plain:
             left.plot([tps / c for c, tps in plain], [tps for _, tps in plain], "k--", lw=1, label="plain decoding")
         left.set(xlabel="per-user tokens / s", ylabel="aggregate tokens / s", title=f"{dset}: throughput")
-        right.set(xlabel="concurrent requests", ylabel="mean verification budget (tokens / request / round)",
+        right.set(xlabel="concurrent requests R", ylabel="mean verification budget\n(tokens / request / round)",
                   title=f"{dset}: budget")
         right.set_xscale("log", base=2)
+        levels = sorted({r["concurrency"] for r in rows})
+        right.set_xticks(levels, [str(c) for c in levels])
         for ax in (left, right):
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
+            _legend_below(ax)
+        if title:
+            fig.suptitle(title, fontsize=9)
         paths.append(_save(fig, out_dir / ("load.png" if len(datasets) == 1 else f"load-{i + 1}.png")))
     return paths

@@ -20,6 +20,7 @@ from dspec_cli.core.calibration import Calibration
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import CALIBRATION_FILE, COST_TABLE_FILE
 from dspec_cli.core.hardware import CostTable
+from dspec_cli.core.outputs import write_json
 from dspec_cli.workflows import sglang_sts
 
 SIDECAR_DIR = "sglang"
@@ -45,7 +46,7 @@ class Sidecars:
     def write(self, output: Path) -> dict[str, str]:
         paths = self.paths(output)
         for key, path in paths.items():
-            sglang_sps.write_json(Path(path), getattr(self, key))
+            write_json(Path(path), getattr(self, key))
         return paths
 
 

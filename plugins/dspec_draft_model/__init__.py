@@ -68,6 +68,12 @@ class DraftModelDrafter(Drafter):
         """A draft-model "checkpoint" is the draft LM itself: a local path or Hub id."""
         return cls.build(cls.config_class(model=str(path), **overrides), target)
 
+    def save_pretrained(self, path) -> None:
+        """The draft LM itself (weights and tokenizer): what :meth:`from_pretrained` reads."""
+        self.model.model.save_pretrained(path)
+        if self.model.tokenizer is not None:
+            self.model.tokenizer.save_pretrained(path)
+
     def init_state(self) -> DraftModelState:
         return DraftModelState(batch=self.model.new_batch())
 

@@ -1,0 +1,97 @@
+"""The options every command shares: one name, one meaning, one type, one help text (docs/cli.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from dspec_cli.core.errors import DspecError
+
+
+def target(what: str = "Target model") -> Any:
+    return typer.Option(None, "--target", metavar="PATH|HUB_ID",
+                        help=f"{what}: local folder or Hub id (default: the embedded tiny target).")
+
+
+def dataset(*aliases: str) -> Any:
+    return typer.Option([], "--dataset", *aliases, metavar="FILE|builtin",
+                        help="Prompt file (repeatable): jsonl of {\"turns\": [...]}, ShareGPT {\"conversations\": [...]} "
+                             "or {\"messages\": [...]} lines, or 'builtin' (default: the built-in prompts).")
+
+
+def num_prompts() -> Any:
+    return typer.Option(None, "--num-prompts", help="Use the first N prompts of each dataset (default: all).")
+
+
+def max_new_tokens(default: int) -> Any:
+    return typer.Option(default, "--max-new-tokens", help="Most tokens generated per prompt (>= 1).")
+
+
+def temperature(default: float = 1.0) -> Any:
+    return typer.Option(default, "--temperature", help="Sampling temperature, >= 0 (0 = greedy).")
+
+
+def top_p(default: float = 1.0) -> Any:
+    return typer.Option(default, "--top-p", help="Nucleus sampling mass in (0, 1] (1 = off).")
+
+
+def top_k(default: int = 0) -> Any:
+    return typer.Option(default, "--top-k", help="Sample from the K most likely tokens, >= 0 (0 = off).")
+
+
+def seed() -> Any:
+    return typer.Option(0, "--seed", help="Random seed (any integer): the same seed gives the same tokens.")
+
+
+def device() -> Any:
+    return typer.Option("auto", "--device", metavar="DEVICE",
+                        help="auto (cuda when available, else cpu), cpu, cuda or cuda:N.")
+
+
+def dtype() -> Any:
+    return typer.Option("auto", "--dtype", metavar="DTYPE",
+                        help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16.")
+
+
+def json_path(what: str) -> Any:
+    return typer.Option(None, "--json", metavar="PATH|-", help=f"Write {what} as JSON to PATH ('-': stdout).")
+
+
+def plots(what: str) -> Any:
+    return typer.Option(None, "--plots", metavar="DIR", help=f"Write PNG figures into DIR: {what}.")
+
+
+def strict(what: str) -> Any:
+    return typer.Option(False, "--strict", help=f"Make {what} an error instead of a warning.")
+
+
+def overwrite(what: str) -> Any:
+    return typer.Option(False, "--overwrite", help=f"Replace {what} (otherwise an existing one is an error).")
+
+
+def concurrency_list(default: str) -> Any:
+    return typer.Option(default, "--concurrency", metavar="R[,R...]",
+                        help=f"Concurrent requests, one run per value, e.g. 1,4,16 (default {default}).")
+
+
+def concurrency(default: int) -> Any:
+    return typer.Option(default, "--concurrency", metavar="R", help=f"Concurrent requests (default {default}).")
+
+
+def int_list(text: str, option: str, minimum: int = 1) -> list[int]:
+    """Parse "1,4,16" for ``option``; every value must be >= minimum."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise DspecError(f"{option} must be a comma-separated list of integers, got {text!r}") from None
+    if not values or any(v < minimum for v in values):
+        raise DspecError(f"{option} values must be >= {minimum}, got {text!r}")
+    return values
+
+
+def wrote(console, path: str | Path | None) -> None:
+    """Say on stderr that ``path`` was written (nothing for stdout)."""
+    if path is not None:
+        console.print(f"wrote {path}", highlight=False, soft_wrap=True)
