@@ -14,6 +14,7 @@ from dspec_cli.core.version import __version__
 _API = {
     # core: errors, the round's data types, the registry
     "DspecError": "dspec_cli.core.errors",
+    "Capability": "dspec_cli.core.types",
     "DraftTree": "dspec_cli.core.types",
     "Proposal": "dspec_cli.core.types",
     "Sampler": "dspec_cli.core.types",

@@ -6,9 +6,11 @@ import pytest
 import torch
 from tiny_models import tiny_qwen3, tiny_target, tiny_tokenizer
 
+from dspec_cli.core.calibration import Calibration
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.plugins import get_drafter_class
-from dspec_cli.runtime.drafter import Drafter
+from dspec_cli.core.types import Proposal
+from dspec_cli.runtime.drafter import Drafter, DrafterConfig
 from dspec_cli.runtime.engine import GenerationConfig, RoundSampler, SpeculativeEngine
 from dspec_cli.runtime.target import Target
 from dspec_cli.testing import (
@@ -214,3 +216,28 @@ def test_round_sampler_block_draws_match_single_draws(temperature):
     assert torch.equal(used.sample(probs, 0), expect)
     if temperature:
         assert not torch.equal(RoundSampler(cfg, seeds + 1, rounds, n).sample(probs, 0), expect)
+
+
+class _FixedConfidenceDrafter(Drafter):
+    """Drafts the anchor repeated with a raw confidence of 0.7 at every position."""
+
+    name = "test-fixed-confidence"
+
+    def propose(self, state, anchors, max_len, sampler):
+        R = anchors.shape[0]
+        return Proposal(tokens=anchors[:, None].repeat(1, max_len), lengths=torch.full((R,), max_len),
+                        confidence=torch.full((R, max_len), 0.7))
+
+
+def test_engine_applies_the_drafter_calibration_once(target):
+    """The checkpoint's STS temperatures reach the scheduler (and the recorded rounds) exactly once."""
+    drafter = _FixedConfidenceDrafter(DrafterConfig(block_size=3), target)
+    drafter.calibration = Calibration("test-fixed-confidence", 3, [2.0, 0.5, 1.0])
+    cfg = GenerationConfig(max_new_tokens=8, block_size=3, seed=0)
+    results = SpeculativeEngine(target, drafter, cfg).generate([target.render_prompt(PROMPTS[0])])
+    raw = torch.full((1, 3), 0.7, dtype=torch.float64)
+    want = torch.sigmoid(torch.logit(raw) / torch.tensor([2.0, 0.5, 1.0], dtype=torch.float64))[0]
+    rounds = [c for c in results[0].confidence if len(c) == 3]
+    assert rounds, "no round verified the whole block"
+    for conf in rounds:
+        assert torch.allclose(torch.tensor(conf, dtype=torch.float64), want, atol=1e-6)

@@ -21,7 +21,7 @@ from dspec_cli.runtime.drafter import Drafter
 ECHO_PLUGIN = '''
 import torch
 from dspec_cli import hookimpl
-from dspec_cli.runtime.drafter import Drafter, Proposal
+from dspec_cli import Drafter, Proposal
 
 
 class EchoDrafter(Drafter):
@@ -123,7 +123,10 @@ def test_load_plugins_env_restricts(third_party_site):
     names = {row["name"] for row in json.loads(out.stdout)["drafters"]}
     assert names == {"echo"}
     out = _dspec(["drafters", "--json", "-"], third_party_site, env={"DSPEC_LOAD_PLUGINS": ""})
-    assert json.loads(out.stdout)["drafters"] == []
+    report = json.loads(out.stdout)
+    assert report["drafters"] == []
+    # restricting plugins never removes the core schedulers
+    assert {row["name"] for row in report["schedulers"]} == {"fixed", "threshold", "hardware", "async"}
 
 
 def test_table_output_lists_builtins():

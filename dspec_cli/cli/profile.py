@@ -15,7 +15,12 @@ from dspec_cli.cli import options as opt
 from dspec_cli.cli.options import int_list
 from dspec_cli.cli.progress import CommandProgress, results_console
 from dspec_cli.core.errors import DspecError
-from dspec_cli.core.outputs import check_output_dir, check_output_file, is_stdout, write_json
+from dspec_cli.core.outputs import (
+    check_output_dir,
+    check_output_file,
+    is_stdout,
+    write_json,
+)
 
 DEFAULT_CONTEXTS = (128, 512, 2048)
 

@@ -20,9 +20,16 @@ from rich.progress import (
 LOG_INTERVAL = float(os.environ.get("DSPEC_PROGRESS_INTERVAL", "5"))  # seconds between log lines
 
 
+PIPED_WIDTH = 240  # tables written to a file or pipe without COLUMNS: wide enough not to fold
+
+
 def results_console() -> Console:
-    """stdout for tables: as wide as the terminal, else ``COLUMNS`` (rich reads it), else 80."""
-    return Console()
+    """stdout for tables: as wide as the terminal, else ``COLUMNS`` (rich reads it), else
+    :data:`PIPED_WIDTH` (a log file should hold the whole table, not columns folded to 80)."""
+    console = Console()
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        console = Console(width=PIPED_WIDTH)
+    return console
 
 
 def _clock(seconds: float) -> str:

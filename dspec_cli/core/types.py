@@ -8,9 +8,24 @@ is what a drafter samples its drafts with. Tensors are batched by request row r 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Protocol
 
 import torch
+
+
+class Capability(str, Enum):
+    """What a drafter can do beyond proposing a chain (``Drafter.capabilities``); members compare
+    equal to their names as strings."""
+
+    draft_probs = "draft_probs"  # proposals carry q for rejection sampling (else verified one-hot)
+    confidence = "confidence"  # a learned confidence head (else the Σq² heuristic)
+    tree = "tree"  # proposes draft trees
+    trainable = "trainable"  # a TrainableDrafter: `dspec train` can train it
+    marginals = "marginals"  # per-position distributions for tree builders (block_marginals, head_logits)
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass

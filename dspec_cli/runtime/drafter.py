@@ -34,12 +34,12 @@ from dspec_cli.core.files import (
     embedded_path,
     read_config,
 )
-from dspec_cli.core.types import Proposal, Sampler
+from dspec_cli.core.types import Capability, Proposal, Sampler
 
 if TYPE_CHECKING:
     from dspec_cli.runtime.target import Target
 
-CAPABILITIES = ("draft_probs", "confidence", "tree", "trainable", "marginals")
+CAPABILITIES = tuple(Capability)
 
 
 @dataclass
@@ -103,7 +103,7 @@ class Drafter:
 
     name: ClassVar[str] = ""
     config_class: ClassVar[type[DrafterConfig]] = DrafterConfig
-    capabilities: ClassVar[frozenset[str]] = frozenset()
+    capabilities: ClassVar[frozenset[Capability]] = frozenset()
     description: ClassVar[str] = ""
     # STS temperatures from the checkpoint's calibration.json; the engine applies them to every
     # proposal's confidences (the one place calibration is applied). None: confidences as drafted.
@@ -223,6 +223,9 @@ class TrainableDrafter(Drafter):
     """
 
     net: torch.nn.Module
+
+    def prepare_training(self, data) -> None:
+        """Called once before training with the training data (``TrainData``); default: nothing."""
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.net.parameters() if p.requires_grad]

@@ -447,7 +447,7 @@ class _GatedScheduler(Scheduler):
             raise DspecError(f"layout must be one of {', '.join(self.LAYOUTS)}, got {layout!r}")
         self.layout = layout
         padded = layout == "padded"
-        gate = gate and getattr(cost_table, "measures", "forward") != "step"  # a step table already prices drafting
+        gate = gate and cost_table is not None and cost_table.measures != "step"  # a step table already prices drafting
         draft_gate = DraftGate(draft_seconds=draft_seconds, probe_share=probe_share, padded=padded,
                                measure=measure) if gate else None
         super().__init__(cost_table, gate=draft_gate, **kwargs)

@@ -326,8 +326,7 @@ class _Run:
         self.target = self._load_target()
         self.drafter = self._build_drafter(self.target)
         self.data = self._load_data(self.target)
-        if hasattr(self.drafter, "prepare_training"):  # e.g. eagle3 builds its draft vocabulary from the data
-            self.drafter.prepare_training(self.data)
+        self.drafter.prepare_training(self.data)  # e.g. eagle3 builds its draft vocabulary from the data
         self.order = DataOrder(len(self.data), t.global_batch, t.seed)
         self.total = t.max_steps or self.order.steps_for(t.epochs)
         if t.global_batch % (t.micro_batch * rank.world):

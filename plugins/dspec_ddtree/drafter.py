@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from dspec_cli import (
+    Capability,
     Drafter,
     DrafterConfig,
     DraftState,
@@ -65,7 +66,7 @@ def base_class(name: str) -> type[Drafter]:
 
 def check_base(cls: type[Drafter]) -> None:
     """A one-line error naming the ``base`` option unless ``cls`` has per-position marginals."""
-    if "marginals" not in cls.capabilities:
+    if Capability.marginals not in cls.capabilities:
         raise DspecError(f"base {cls.name!r} has no per-position marginals (capability 'marginals'); ddtree bases: {_bases()}")
 
 
@@ -88,7 +89,7 @@ class DDTreeDrafter(WrappedDrafter):
 
     name = "ddtree"
     config_class = DDTreeConfig
-    capabilities = frozenset({"tree"})
+    capabilities = frozenset({Capability.tree})
     description = "DDTree: best-first draft tree over a parallel drafter's per-position distributions (dflash, dspark)"
 
     def __init__(self, config: DDTreeConfig, target: Target, base: Drafter):

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspec_cli import (
+    Capability,
     DrafterConfig,
     DraftState,
     DspecError,
@@ -186,7 +187,7 @@ class DFlashDrafter(TrainableDrafter):
 
     name = "dflash"
     config_class = DFlashConfig
-    capabilities = frozenset({"draft_probs", "marginals", "trainable"})
+    capabilities = frozenset({Capability.draft_probs, Capability.marginals, Capability.trainable})
     description = "parallel block drafter with target KV injection (DFlash, DeepSpec variant)"
 
     def __init__(self, config: BlockDrafterConfig, target: Target):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dspec_cli import (
+    Capability,
     Drafter,
     DrafterConfig,
     DraftState,
@@ -52,7 +53,7 @@ def check_same_vocabulary(draft: Target, target: Target) -> None:
 class DraftModelDrafter(Drafter):
     name = "draft-model"
     config_class = DraftModelConfig
-    capabilities = frozenset({"draft_probs"})
+    capabilities = frozenset({Capability.draft_probs})
     description = "a separate small causal LM sharing the tokenizer (classic speculative sampling)"
 
     def __init__(self, config: DraftModelConfig, target: Target, model: Target | None = None):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from dspec_dflash import BlockDrafterConfig, DFlashDrafter
 
-from dspec_cli import hookimpl
+from dspec_cli import Capability, hookimpl
 
 __all__ = ["DSparkMarkovConfig", "DSparkMarkovDrafter", "DSparkRNNConfig", "DSparkRNNDrafter"]
 
@@ -42,14 +42,14 @@ class DSparkRNNConfig(DSparkMarkovConfig):
 class DSparkMarkovDrafter(DFlashDrafter):
     name = "dspark-markov"
     config_class = DSparkMarkovConfig
-    capabilities = frozenset({"draft_probs", "confidence", "marginals", "trainable"})
+    capabilities = frozenset({Capability.draft_probs, Capability.confidence, Capability.marginals, Capability.trainable})
     description = "DSpark: parallel backbone + low-rank Markov head + confidence head"
 
 
 class DSparkRNNDrafter(DFlashDrafter):
     name = "dspark-rnn"
     config_class = DSparkRNNConfig
-    capabilities = frozenset({"draft_probs", "confidence", "marginals", "trainable"})
+    capabilities = frozenset({Capability.draft_probs, Capability.confidence, Capability.marginals, Capability.trainable})
     description = "DSpark: parallel backbone + gated RNN head + confidence head"
 
 

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from dspec_cli import (
+    Capability,
     DrafterConfig,
     DraftState,
     DraftTree,
@@ -119,7 +120,7 @@ class Eagle3Drafter(TrainableDrafter):
 
     name = "eagle3"
     config_class = Eagle3Config
-    capabilities = frozenset({"draft_probs", "tree", "trainable"})
+    capabilities = frozenset({Capability.draft_probs, Capability.tree, Capability.trainable})
     description = "EAGLE-3: one decoder layer over fused low/mid/high target features (chain or EAGLE-2 tree)"
 
     def __init__(self, config: Eagle3Config, target: Target):
