@@ -56,6 +56,7 @@ class RegenerateStats:
     written: int = 0
     shortened: int = 0  # stopped before their last user turn: the context would overflow
     skipped: int = 0  # first turn already too long for the context: not written
+    failed: int = 0  # a request kept failing (server path): listed in the errors file, retried next run
     turns: int = 0
     generated_tokens: int = 0
     seconds: float = 0.0
@@ -90,6 +91,23 @@ def done_ids(path: Path) -> tuple[set[str], bool]:
             raise DspecError(f"{path}:{lineno}: no 'id'; --output must be a file written by dspec data regenerate")
         ids.add(str(obj["id"]))
     return ids, repaired
+
+
+def plan(opts: RegenerateOptions) -> tuple[Path, RegenerateStats, list[Conversation]]:
+    """Check the options, read the prompts and the output so far: (output, stats, conversations to do)."""
+    out = Path(opts.output)
+    if opts.limit is not None and opts.limit < 1:
+        raise DspecError(f"--limit must be >= 1, got {opts.limit}")
+    if Path(opts.prompts).resolve() == out.resolve():
+        raise DspecError("--output must differ from --prompts")
+    convs = load_conversations(opts.prompts, opts.limit)
+    stats = RegenerateStats(conversations=len(convs))
+    finished, repaired = done_ids(out)
+    if repaired:
+        stats.notes.append(f"dropped a partial last line of {out} (interrupted write)")
+    todo = [c for c in convs if c.id not in finished]
+    stats.already_done = len(convs) - len(todo)
+    return out, stats, todo
 
 
 class _Dialogue:
@@ -132,24 +150,13 @@ def regenerate(
     from dspec_cli.bench import build_drafter
     from dspec_cli.target import Target
 
-    out = Path(opts.output)
     if opts.concurrency < 1:
         raise DspecError(f"--concurrency must be >= 1, got {opts.concurrency}")
-    if opts.limit is not None and opts.limit < 1:
-        raise DspecError(f"--limit must be >= 1, got {opts.limit}")
-    if Path(opts.prompts).resolve() == out.resolve():
-        raise DspecError("--output must differ from --prompts")
     cfg = GenerationConfig(
         max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p,
         block_size=opts.block_size, max_batch=opts.concurrency, seed=opts.seed,
     )
-    convs = load_conversations(opts.prompts, opts.limit)
-    stats = RegenerateStats(conversations=len(convs))
-    finished, repaired = done_ids(out)
-    if repaired:
-        stats.notes.append(f"dropped a partial last line of {out} (interrupted write)")
-    todo = [c for c in convs if c.id not in finished]
-    stats.already_done = len(convs) - len(todo)
+    out, stats, todo = plan(opts)
     if not todo:
         return stats
     if target is None:
