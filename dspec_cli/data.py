@@ -44,7 +44,11 @@ def jsonl_objects(path: str | Path, kind: str = "dataset") -> Iterator[tuple[str
     else:
         p = Path(path)
         if not p.is_file():
-            raise DspecError(f"{kind} {path}: file not found")
+            from dspec_cli.datasets import is_registered, resolve
+
+            if not is_registered(str(path)):
+                raise DspecError(f"{kind} {path}: file not found (nor a set that `dspec datasets` lists)")
+            p = resolve(str(path))  # a registered name -> its formatted local copy
         text, name = p.read_text(encoding="utf-8"), str(p)
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():

@@ -46,6 +46,15 @@ def render_table(report: dict, console: Console) -> None:
     console.print(table)
 
 
+def render_domains(rows: list[dict], console: Console) -> None:
+    table = Table(title="τ per domain (mean over the sets of each domain)")
+    for col in ("drafter", "scheduler", "R", "math", "code", "chat"):
+        table.add_column(col, justify="left" if col in ("drafter", "scheduler") else "right")
+    for r in rows:
+        table.add_row(r["drafter"], r["scheduler"], str(r["concurrency"]), _fmt(r["math"]), _fmt(r["code"]), _fmt(r["chat"]))
+    console.print(table)
+
+
 @app.command("bench")
 def bench_command(
     drafter: list[str] = typer.Option(..., "--drafter", "-d", help="Drafter (repeatable): NAME[:BASE][,KEY=VALUE...] with config options, e.g. ddtree:dspark,tree_budget=64."),
@@ -68,10 +77,17 @@ def bench_command(
     dtype: str = typer.Option("auto", "--dtype"),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the full report as JSON here."),
     plots: Optional[Path] = typer.Option(None, "--plots", help="Write PNGs here: acceptance by position; with several concurrencies, throughput and budget under load."),
+    suite: Optional[str] = typer.Option(None, "--suite", help="paper = the paper's nine evaluation sets with their caps (see `dspec datasets`); prints τ per domain."),
 ) -> None:
     """Measure τ, acceptance by position and speedup over plain decoding of the same target."""
     if num_prompts is not None and num_prompts < 1:
         raise DspecError(f"--num-prompts must be >= 1, got {num_prompts}")
+    if suite is not None:
+        from dspec_cli.datasets import PAPER_SUITE
+
+        if suite != "paper":
+            raise DspecError(f"--suite must be 'paper', got {suite!r}")
+        dataset = [*PAPER_SUITE, *dataset]
     opts = BenchOptions(
         drafters=drafter, target=target, checkpoints=checkpoint, datasets=dataset, num_prompts=num_prompts,
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, block_size=block_size,
@@ -88,6 +104,11 @@ def bench_command(
         report = run_bench(opts, progress)
     out = Console()
     render_table(report, out if out.is_terminal else Console(width=200))
+    if suite is not None:
+        from dspec_cli.datasets import domain_tau
+
+        report["domains"] = domain_tau(report["runs"])
+        render_domains(report["domains"], out if out.is_terminal else Console(width=200))
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report, indent=2) + "\n")
