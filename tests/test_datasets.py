@@ -35,6 +35,10 @@ def sets(hub, monkeypatch):  # noqa: F811
         "alpaca": {"data/train-00000-of-00001.parquet": parquet([{"instruction": "Translate.", "input": "Hallo"},
                                                                  {"instruction": "Name a colour.", "input": ""}])},
         "arena-hard": {"data/train-00000-of-00001.parquet": parquet([{"turns": [{"content": "Explain RAID 5."}]}])},
+        "aime25": {"data/test-00000-of-00001.parquet": parquet([{"problem": "Find the largest prime below 30.", "answer": "29"}])},
+        "mbpp": {"sanitized/test-00000-of-00001.parquet": parquet([{"prompt": "Write a function that reverses a list."}])},
+        "livecodebench": {"test.jsonl": b'{"question_content": "Read n and print n squared."}\n',
+                          "test6.jsonl": b'{"question_content": "Sort the input."}\n'},
         "open-perfectblend": {"data/train-00000-of-00001.parquet": parquet([{"conversations": [
             {"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]}])},
     }
@@ -93,3 +97,14 @@ def test_domain_tau_averages_the_sets_of_each_domain():
             for n, t in [("gsm8k", 3.0), ("math500", 4.0), ("humaneval", 5.0), ("alpaca", 2.0), ("builtin", 9.0)]]
     assert ds.domain_tau(runs) == [{"drafter": "d", "scheduler": "fixed", "concurrency": 1,
                                     "math": 3.5, "code": 5.0, "chat": 2.0}]
+
+
+def test_bench_suite_paper_prints_tau_per_domain(sets, tmp_path, capsys):
+    report_path = tmp_path / "bench.json"
+    code, out, _ = run_cli(["bench", "-d", "prompt-lookup", "--suite", "paper", "--num-prompts", "1",
+                            "--max-new-tokens", "4", "--json", str(report_path)], capsys)
+    report = json.loads(report_path.read_text())
+    assert code == 0 and {r["dataset"] for r in report["runs"]} == set(ds.PAPER_SUITE)
+    (row,) = report["domains"]
+    assert all(row[d] is not None for d in ("math", "code", "chat")) and "τ per domain" in out
+    assert_cli_error(["bench", "-d", "prompt-lookup", "--suite", "nope"], capsys, "--suite must be 'paper'")
