@@ -2,9 +2,10 @@
 
 Per optimizer step, each rank takes its share of the step's ``global_batch`` samples (see
 :class:`~dspec_cli.train_data.DataOrder`), runs the frozen target on each micro-batch (no grad)
-for the drafter's features, calls ``drafter.training_loss`` and accumulates gradients. Gradients
-are averaged across ranks once per step (the all-reduce DDP does after ``no_sync``
-accumulation; done directly so that ``training_loss`` may call any submodule of ``drafter.net``),
+for the drafter's features, calls ``drafter.training_loss`` and accumulates gradients. With
+several processes the loss runs inside torch's DistributedDataParallel (a module whose forward is
+``training_loss``, so it may use any submodule of ``drafter.net``): micro-batches accumulate under
+``no_sync`` and the last one's backward averages the gradients across ranks. Gradients are then
 clipped, and AdamW + warmup/cosine take the step. Rank 0 logs and writes checkpoints.
 
 A run is a pure function of (recipe, data, world size): the data order depends only on the seed
@@ -294,9 +295,6 @@ class _Run:
         drafter.net.to(self.device).train()
         if not drafter.trainable_parameters():
             raise DspecError(f"drafter {self.cls.name!r} has no trainable parameters")
-        if self.rank.world > 1:
-            for p in drafter.net.parameters():
-                dist.broadcast(p.data, src=0)
         return drafter
 
     def _load_data(self, target) -> TrainData:
@@ -324,6 +322,7 @@ class _Run:
             )
         self.accum = t.global_batch // (t.micro_batch * rank.world)
         self.params = self.drafter.trainable_parameters()
+        self.loss_module = _wrap(self.drafter, device, rank.world)  # DDP broadcasts rank 0's weights
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
         total, warmup = self.total, math.ceil(t.warmup_ratio * self.total)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -395,18 +394,20 @@ class _Run:
         t0 = time.perf_counter()
         sums: dict[str, torch.Tensor] = {}
         tokens = torch.zeros((), device=device)
-        for indices in self.order.micro_batches(step, rank.rank, rank.world, t.micro_batch):
+        micro = list(self.order.micro_batches(step, rank.rank, rank.world, t.micro_batch))
+        for i, indices in enumerate(micro):
             batch = self.data.collate(indices, self.pad_id, device)
             feats = self.features(batch, indices)
-            with torch.autocast(device.type, dtype=getattr(torch, t.dtype), enabled=amp):
-                out = self.drafter.training_loss(batch, feats)
+            last = i == len(micro) - 1  # DDP all-reduces in this backward; the earlier ones accumulate locally
+            with _no_sync(self.loss_module, last), torch.autocast(device.type, dtype=getattr(torch, t.dtype), enabled=amp):
+                out = self.loss_module(batch, feats)
             if out["loss"].requires_grad:
-                (out["loss"] / self.accum).backward()
+                with _no_sync(self.loss_module, last):
+                    (out["loss"] / self.accum).backward()
             for k, v in out.items():
                 v = v.detach().float() if isinstance(v, torch.Tensor) else torch.tensor(float(v))
                 sums[k] = sums.get(k, 0.0) + v.to(device)
             tokens += batch["attention_mask"].sum()
-        _sync_grads(self.params, rank.world)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip if t.grad_clip > 0 else float("inf"))
         keys = sorted(sums)
         extra = [tokens.float(), grad_norm.float(), torch.tensor(float(stop_requested), device=device)]
@@ -485,19 +486,34 @@ def _load_initial_weights(drafter, path: Path, target) -> None:
             v.copy_(weights[k])
 
 
-def _sync_grads(params: list[torch.nn.Parameter], world: int) -> None:
-    """Average gradients across ranks: one all-reduce per dtype over the flattened grads."""
+class _Loss(torch.nn.Module):
+    """``drafter.training_loss`` as a module's forward (what DistributedDataParallel wraps)."""
+
+    def __init__(self, drafter: TrainableDrafter):
+        super().__init__()
+        self.net = drafter.net  # registered: DDP finds the parameters here
+        self._drafter = [drafter]  # not a submodule
+
+    def forward(self, batch: dict, feats) -> dict:
+        out = self._drafter[0].training_loss(batch, feats)
+        if not out["loss"].requires_grad:  # nothing to learn in this batch: a zero that still touches every
+            touch = sum(p.sum() for p in self.net.parameters() if p.requires_grad)  # parameter, so this rank
+            out = {**out, "loss": out["loss"] + 0.0 * touch}  # joins the other ranks' gradient all-reduce
+        return out
+
+
+def _wrap(drafter: TrainableDrafter, device: torch.device, world: int):
+    """The loss module: plain in one process, DistributedDataParallel across several."""
     if world <= 1:
-        return
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    for dtype in sorted({p.grad.dtype for p in params}, key=str):
-        grads = [p.grad for p in params if p.grad.dtype == dtype]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        flat /= world
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        return drafter.training_loss
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [device.index] if device.type == "cuda" and device.index is not None else None
+    return DistributedDataParallel(_Loss(drafter), device_ids=ids, find_unused_parameters=True)
+
+
+def _no_sync(module, sync: bool):
+    """DDP's ``no_sync`` unless this backward should all-reduce (or there is no DDP)."""
+    import contextlib
+
+    return module.no_sync() if not sync and hasattr(module, "no_sync") else contextlib.nullcontext()
