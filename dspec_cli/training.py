@@ -66,6 +66,7 @@ class TrainOptions:
     json_log: str | Path | None = None  # default: OUT/train_log.jsonl
     feature_cache: str | Path | None = None
     init_from: str | Path | None = None  # a drafter checkpoint to fine-tune (fresh optimizer and schedule)
+    report_to: Sequence[str] = ()  # trackers besides the JSONL log: "tensorboard" (OUT/tensorboard)
 
 
 @dataclass
@@ -112,6 +113,9 @@ class Rank:
 
 def train(opts: TrainOptions, progress: Progress | None = None) -> TrainResult:
     """Train (or resume) a drafter; returns where the result is. Errors are DspecError."""
+    from dspec_cli.report_to import check
+
+    check(opts.report_to)
     recipe, drafter_cls, out, resume_from = _prepare(opts)
     rank, device = _init_distributed(recipe.train.device)
     try:
@@ -366,6 +370,9 @@ class _Run:
         stop_at = min(self.total, self.opts.stop_after) if self.opts.stop_after else self.total
         row: dict = read_state(self.resume_from).get("metrics", {}) if self.resume_from is not None else {}
         ckpt = None
+        from dspec_cli.report_to import Reporters
+
+        reporters = Reporters(self.opts.report_to if rank.main else (), self.out)
         with _StopRequest() as stop, open(log_path if rank.main else os.devnull, "a") as log:
             while step < stop_at:
                 row, stop_requested = self._step(step, stop.requested)
@@ -376,10 +383,12 @@ class _Run:
                 if rank.main and (step % t.log_every == 0 or step == self.total or stopping):
                     log.write(json.dumps(row) + "\n")
                     log.flush()
+                    reporters.log(row)
                 if (t.save_every and step % t.save_every == 0) or step == self.total or stopping:
                     ckpt = self._save(step, row)
                 if stopping:
                     break
+        reporters.close()
         finished = step >= self.total
         if finished and rank.main:
             self.drafter.save_pretrained(self.out)

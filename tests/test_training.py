@@ -501,3 +501,20 @@ def test_init_from_fine_tunes_a_checkpoint_and_refuses_misfits(setup):
     with pytest.raises(DspecError, match=r"weights do not fit the recipe's .* \(weight is \(3, 3\)"):
         train(TrainOptions(recipe=recipe, output=tmp / "z", init_from=base.output))
     assert not (tmp / "z").exists() or not any((tmp / "z").iterdir())
+
+
+def test_report_to_tensorboard_writes_the_logged_rows_as_scalars(setup):
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install 'dspec[tensorboard]')")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tmp, recipe = setup
+    out = tmp / "tb"
+    train(TrainOptions(recipe=recipe, output=out, max_steps=3, report_to=["tensorboard"]))
+    rows = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    loss = events.Scalars("train/loss")
+    assert [e.step for e in loss] == [r["step"] for r in rows] == [1, 2, 3]
+    assert [e.value for e in loss] == pytest.approx([r["loss"] for r in rows], rel=1e-6)
+    with pytest.raises(DspecError, match="--report-to 'wandb'"):
+        train(TrainOptions(recipe=recipe, output=tmp / "tb2", max_steps=1, report_to=["wandb"]))
