@@ -60,7 +60,7 @@ def bench_command(
     drafter: list[str] = typer.Option(..., "--drafter", "-d", help="Drafter (repeatable): NAME[:BASE][,KEY=VALUE...] with config options, e.g. ddtree:dspark,tree_budget=64."),
     target: Optional[str] = typer.Option(None, "--target", help="Target model: local path or Hub id (default: the embedded tiny target)."),
     checkpoint: list[str] = typer.Option([], "--checkpoint", help="Drafter checkpoint (path or Hub id), one per --drafter in order."),
-    dataset: list[str] = typer.Option([], "--dataset", help="jsonl prompt file with {\"turns\": [...]} lines (repeatable; default: built-in prompts)."),
+    dataset: list[str] = typer.Option([], "--dataset", help="jsonl prompt file with {\"turns\": [...]} lines, or a set from `dspec datasets` (repeatable; default: built-in prompts)."),
     num_prompts: Optional[int] = typer.Option(None, "--num-prompts", help="Use the first N prompts of each dataset."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
     temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature (0 = greedy)."),

@@ -67,7 +67,7 @@ def _copy_source(checkpoint: str, folder: Path) -> bool:
 def calibrate_command(
     drafter: str = typer.Option(..., "--drafter", "-d", help="Drafter name (see `dspec drafters`)."),
     checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="Drafter checkpoint: folder or Hub id (default: the drafter's default)."),
-    dataset: str = typer.Option(..., "--dataset", help="Held-out jsonl prompts ({\"turns\": [...]} lines), or 'builtin'."),
+    dataset: str = typer.Option(..., "--dataset", help="Held-out jsonl prompts ({\"turns\": [...]} lines), a set from `dspec datasets`, or 'builtin'."),
     num_prompts: Optional[int] = typer.Option(None, "--num-prompts", help="Use the first N prompts."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
     target: Optional[str] = typer.Option(None, "--target", help="Target model: local path or Hub id (default: the embedded tiny target)."),

@@ -21,7 +21,7 @@ app.add_typer(data_app, name="data")
 def regenerate_command(
     recipe: Optional[Path] = typer.Option(None, "--recipe", "-r", help="Take target, prompts, output and sampling from a training recipe."),
     target: Optional[str] = typer.Option(None, "--target", help="Target model: local path or Hub id (default: the embedded tiny target)."),
-    prompts: Optional[str] = typer.Option(None, "--prompts", help="jsonl of {\"turns\": [...]} or ShareGPT {\"conversations\": [...]} lines."),
+    prompts: Optional[str] = typer.Option(None, "--prompts", help="jsonl of {\"turns\": [...]} or ShareGPT {\"conversations\": [...]} lines, or a set from `dspec datasets` (e.g. open-perfectblend)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Output jsonl; re-running skips ids already there."),
     drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter that speeds generation up (output is lossless)."),
     checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="Checkpoint of --drafter: folder or Hub id."),
