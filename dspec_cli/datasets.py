@@ -51,7 +51,7 @@ class DatasetSpec:
 
 
 REGISTRY: dict[str, DatasetSpec] = {s.name: s for s in [
-    DatasetSpec("gsm8k", "openai/gsm8k", "main", "test", ("main/test-*",), ("question",),
+    DatasetSpec("gsm8k", "openai/gsm8k", "60b4b82b84c2dac2b54f7d7f3056eae01514f12e", "test", ("main/test-*",), ("question",),
                 "{question}" + MATH_SUFFIX, "math", 500),
     DatasetSpec("math500", "HuggingFaceH4/MATH-500", "ff5b20257d8185524591543f8ff5993951537bb8", "test",
                 ("test.jsonl",), ("problem",), "{problem}" + MATH_SUFFIX, "math", 500),
@@ -59,7 +59,7 @@ REGISTRY: dict[str, DatasetSpec] = {s.name: s for s in [
                 "{problem}" + MATH_SUFFIX, "math", 30),
     DatasetSpec("humaneval", "openai/openai_humaneval", "main", "test", ("openai_humaneval/test-*",), ("prompt",),
                 HUMANEVAL_TEMPLATE, "code", 164),
-    DatasetSpec("mbpp", "google-research-datasets/mbpp", "main", "test", ("sanitized/test-*",), ("prompt",),
+    DatasetSpec("mbpp", "google-research-datasets/mbpp", "4bb6404fdc6cacfda99d4ac4205087b89d32030c", "test", ("sanitized/test-*",), ("prompt",),
                 "{prompt}", "code", 256),
     DatasetSpec("livecodebench", "livecodebench/code_generation_lite", "main", "test",
                 ("test.jsonl", "test2.jsonl", "test3.jsonl", "test4.jsonl", "test5.jsonl", "test6.jsonl"),
