@@ -256,7 +256,12 @@ class _Regeneration:
                             self.stats.written += 1
                     self.tick(self.stats.generated_tokens - before)
 
-            await asyncio.gather(*(worker(s) for s in servers for _ in range(self.sopts.concurrency)))
+            tasks = [asyncio.ensure_future(worker(s)) for s in servers for _ in range(self.sopts.concurrency)]
+            try:
+                await asyncio.gather(*tasks)
+            finally:  # an error in one worker stops the others before the files close
+                for task in tasks:
+                    task.cancel()
         if not self.stats.failed:
             errors_path(self.out).unlink()
 

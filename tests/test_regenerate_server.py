@@ -85,17 +85,20 @@ def test_real_server_regenerates_interrupts_and_resumes(server, tmp_path):
 
     seen = []
 
+    class Interrupted(Exception):
+        pass
+
     def progress(total):
         assert total == 6
 
         def tick(_tokens):
             seen.append(1)
             if len(seen) == 3:
-                raise KeyboardInterrupt
+                raise Interrupted  # stops the run with other conversations in flight
 
         return tick
 
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(Interrupted):
         regenerate_with_servers(_opts(tmp_path), sopts, progress)
     out = tmp_path / "out.jsonl"
     assert len(out.read_text().splitlines()) == 3
