@@ -65,7 +65,9 @@ def main(argv: list[str] | None = None) -> None:
         hub_logging.set_verbosity_error()
     _register_commands()
     try:
-        app(args=argv, standalone_mode=False)
+        code = app(args=argv, standalone_mode=False)
+        if code == 130:  # typer reports Ctrl-C as this return value instead of raising
+            raise KeyboardInterrupt
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except (typer.Abort, KeyboardInterrupt):
