@@ -16,6 +16,7 @@ boundary with a checkpoint (a second Ctrl-C aborts at once).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -325,8 +326,9 @@ class _Run:
                 f"x world size {rank.world}"
             )
         self.accum = t.global_batch // (t.micro_batch * rank.world)
+        self.sharded = t.shard == "fsdp" and rank.world > 1
+        self.loss_module = _wrap(self.drafter, device, rank.world, self.sharded)  # before the optimizer sees params
         self.params = self.drafter.trainable_parameters()
-        self.loss_module = _wrap(self.drafter, device, rank.world)  # DDP broadcasts rank 0's weights
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
         total, warmup = self.total, math.ceil(t.warmup_ratio * self.total)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -344,7 +346,12 @@ class _Run:
         if self.resume_from is None:
             seed_all(t.seed + rank.rank)
             return 0
-        states = load_checkpoint(self.resume_from, self.drafter, self.optimizer, self.scheduler, device)
+        if self.sharded:
+            from dspec_cli import sharding
+
+            states = sharding.load(self.resume_from, self.loss_module, self.optimizer, self.scheduler)
+        else:
+            states = load_checkpoint(self.resume_from, self.drafter, self.optimizer, self.scheduler, device)
         start = read_state(self.resume_from)["step"]
         if len(states) == rank.world:
             restore_rng(states[rank.rank], device)
@@ -390,9 +397,11 @@ class _Run:
                     break
         reporters.close()
         finished = step >= self.total
-        if finished and rank.main:
-            self.drafter.save_pretrained(self.out)
-            write_model_card(self.out, self._card(step, row))
+        if finished:
+            with self._full_state():
+                if rank.main:
+                    self.drafter.save_pretrained(self.out)
+                    write_model_card(self.out, self._card(step, row))
         rank.barrier()
         return TrainResult(self.out, step, self.total, finished, row, ckpt)
 
@@ -418,6 +427,10 @@ class _Run:
                 sums[k] = sums.get(k, 0.0) + v.to(device)
             tokens += batch["attention_mask"].sum()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip if t.grad_clip > 0 else float("inf"))
+        if self.sharded:
+            from dspec_cli.sharding import full_norm
+
+            grad_norm = full_norm(grad_norm)
         keys = sorted(sums)
         extra = [tokens.float(), grad_norm.float(), torch.tensor(float(stop_requested), device=device)]
         packed = torch.stack([sums[k] / self.accum for k in keys] + extra)
@@ -446,14 +459,23 @@ class _Run:
         else:
             states = [rng]
         path = self.out / "checkpoints" / f"step_{step}"
-        if self.rank.main:
-            state = {"drafter": self.cls.name, "target": self.recipe.target.name, "total_steps": self.total,
-                     "world_size": self.rank.world, "accumulation": self.accum, "samples": len(self.data),
-                     "samples_seen": step * self.recipe.train.global_batch, "metrics": row}
-            path = save_checkpoint(self.out, step, self.drafter, self.optimizer, self.scheduler, state, states,
-                                   self.recipe.to_dict(), self.recipe.train.keep_checkpoints)
+        with self._full_state():
+            if self.rank.main:
+                state = {"drafter": self.cls.name, "target": self.recipe.target.name, "total_steps": self.total,
+                         "world_size": self.rank.world, "accumulation": self.accum, "samples": len(self.data),
+                         "samples_seen": step * self.recipe.train.global_batch, "metrics": row}
+                path = save_checkpoint(self.out, step, self.drafter, self.optimizer, self.scheduler, state, states,
+                                       self.recipe.to_dict(), self.recipe.train.keep_checkpoints)
         self.rank.barrier()
         return path
+
+    def _full_state(self):
+        """Sharded runs: the unsharded weights and optimizer state on rank 0 (collective)."""
+        if not self.sharded:
+            return contextlib.nullcontext()
+        from dspec_cli.sharding import gathered
+
+        return gathered(self.loss_module, self.drafter, self.optimizer, self.rank.main)
 
     def _card(self, step: int, row: dict) -> dict:
         r, data = self.recipe, self.data
@@ -511,18 +533,33 @@ class _Loss(torch.nn.Module):
         return out
 
 
-def _wrap(drafter: TrainableDrafter, device: torch.device, world: int):
-    """The loss module: plain in one process, DistributedDataParallel across several."""
+def _wrap(drafter: TrainableDrafter, device: torch.device, world: int, sharded: bool):
+    """The loss module: plain in one process; across several, DistributedDataParallel, or FSDP2
+    (``sharded``: see :mod:`dspec_cli.sharding`)."""
     if world <= 1:
         return drafter.training_loss
+    if sharded:
+        from dspec_cli.sharding import shard
+
+        return shard(_Loss(drafter))
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [device.index] if device.type == "cuda" and device.index is not None else None
     return DistributedDataParallel(_Loss(drafter), device_ids=ids, find_unused_parameters=True)
 
 
+@contextlib.contextmanager
 def _no_sync(module, sync: bool):
-    """DDP's ``no_sync`` unless this backward should all-reduce (or there is no DDP)."""
-    import contextlib
-
-    return module.no_sync() if not sync and hasattr(module, "no_sync") else contextlib.nullcontext()
+    """No gradient reduction in this forward/backward unless ``sync`` (DDP ``no_sync``; FSDP2
+    ``set_requires_gradient_sync``); nothing to do in one process."""
+    if sync or not isinstance(module, torch.nn.Module):
+        yield
+    elif hasattr(module, "no_sync"):
+        with module.no_sync():
+            yield
+    else:
+        module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            module.set_requires_gradient_sync(True)
