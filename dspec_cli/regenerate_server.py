@@ -44,7 +44,7 @@ PROBE = (
     "def f(x):\n    return x ** 2  # ok\n"
     "Über straße, façade, naïve — 你好，世界！こんにちは。Привет, мир! 🙂 <b>tags</b> & {json: [1, 2]}"
 )
-RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
+RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
 _MAX_BACKOFF_S = 60.0
 _sleep = asyncio.sleep  # tests record the back-off instead of sleeping
 
