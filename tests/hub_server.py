@@ -14,6 +14,9 @@ It speaks the part of the Hub HTTP API that huggingface_hub (legacy LFS path, i.
     GET  /api/models/NS/NAME/tree/REV               file listing (oid, size, lfs)
     HEAD/GET /NS/NAME/resolve/REV/PATH              file, with X-Repo-Commit, ETag / X-Linked-Etag, sizes
 
+The three reads also serve dataset repos (``/api/datasets/...``, ``/datasets/NS/NAME/resolve/...``)
+that a test adds with ``add_dataset``.
+
 State lives in memory; a commit is applied all at once or not at all. ``fail(route, status)``
 injects errors (``route`` is one of the names in ``ROUTES``); ``token`` / ``read_only_token``
 make writes answer 401 / 403.
@@ -33,6 +36,7 @@ from urllib.parse import unquote, urlsplit
 import yaml
 
 _REPO = r"(?P<repo>[^/]+/[^/]+)"
+_READ_REPO = r"(?P<repo>(?:datasets/)?[^/]+/[^/]+)"  # reads also serve dataset repos, keyed "datasets/NS/NAME"
 ROUTES = [  # (name, method, path regex); the first match wins
     ("create", "POST", r"/api/repos/create"),
     ("yaml", "POST", r"/api/validate-yaml"),
@@ -41,10 +45,10 @@ ROUTES = [  # (name, method, path regex); the first match wins
     ("commit", "POST", rf"/api/models/{_REPO}/commit/(?P<rev>[^/]+)"),
     ("lfs-batch", "POST", rf"/{_REPO}\.git/info/lfs/objects/batch"),
     ("lfs-put", "PUT", r"/lfs/(?P<oid>[0-9a-f]{64})"),
-    ("tree", "GET", rf"/api/models/{_REPO}/tree/(?P<rev>[^/]+)(?:/.*)?"),
-    ("info", "GET", rf"/api/models/{_REPO}(?:/revision/(?P<rev>[^/]+))?"),
-    ("resolve", "HEAD", rf"/{_REPO}/resolve/(?P<rev>[^/]+)/(?P<path>.+)"),
-    ("resolve", "GET", rf"/{_REPO}/resolve/(?P<rev>[^/]+)/(?P<path>.+)"),
+    ("tree", "GET", rf"/api/(?:models/|(?=datasets/)){_READ_REPO}/tree/(?P<rev>[^/]+)(?:/.*)?"),
+    ("info", "GET", rf"/api/(?:models/|(?=datasets/)){_READ_REPO}(?:/revision/(?P<rev>[^/]+))?"),
+    ("resolve", "HEAD", rf"/{_READ_REPO}/resolve/(?P<rev>[^/]+)/(?P<path>.+)"),
+    ("resolve", "GET", rf"/{_READ_REPO}/resolve/(?P<rev>[^/]+)/(?P<path>.+)"),
 ]
 WRITES = {"create", "branch", "preupload", "commit", "lfs-batch"}  # the PUT href is pre-authorised (like S3)
 
@@ -86,6 +90,13 @@ class HubServer:
     def __exit__(self, *exc) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+    def add_dataset(self, repo_id: str, files: dict[str, bytes]) -> str:
+        """A dataset repo with ``files`` in one commit (read-only routes serve it); returns the sha."""
+        with self.lock:
+            repo = self.repos[f"datasets/{repo_id}"] = Repo(private=False)
+            sha = repo.branches["main"] = self.new_commit(repo, None, files, set(), "add data")
+        return sha
 
     def fail(self, route: str, status: int = 500) -> None:
         """Answer every request to ``route`` with ``status`` until :meth:`heal`."""

@@ -526,3 +526,47 @@ def test_init_from_fine_tunes_a_checkpoint_and_refuses_misfits(setup):
     with pytest.raises(DspecError, match=r"weights do not fit the recipe's .* \(weight is \(3, 3\)"):
         train(TrainOptions(recipe=recipe, output=tmp / "z", init_from=base.output))
     assert not (tmp / "z").exists() or not any((tmp / "z").iterdir())
+
+
+def test_report_to_tensorboard_writes_the_logged_rows_as_scalars(setup):
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install 'dspec[tensorboard]')")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tmp, recipe = setup
+    out = tmp / "tb"
+    train(TrainOptions(recipe=recipe, output=out, max_steps=3, report_to=["tensorboard"]))
+    rows = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    loss = events.Scalars("train/loss")
+    assert [e.step for e in loss] == [r["step"] for r in rows] == [1, 2, 3]
+    assert [e.value for e in loss] == pytest.approx([r["loss"] for r in rows], rel=1e-6)
+    with pytest.raises(DspecError, match="--report-to 'wandb'"):
+        train(TrainOptions(recipe=recipe, output=tmp / "tb2", max_steps=1, report_to=["wandb"]))
+
+
+def test_torchrun_fsdp_matches_one_process_and_resumes_exactly(setup):
+    """train.shard=fsdp: FSDP2 across 2 gloo ranks = 1 process; stop + --resume = uninterrupted."""
+    tmp, recipe = setup
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent), str(TESTS.parent / "plugins")]),
+           "OMP_NUM_THREADS": "1"}
+    script = tmp / "dspec_with_probe.py"
+    script.write_text("from test_training import register_probe\nregister_probe()\n"
+                      "from dspec_cli.cli import main\nmain()\n")
+    same = ["drafter.keep=1.0", "train.micro_batch=1", "train.shard=fsdp"]
+
+    def torchrun(*args):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(script), "train", *args, *same]
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
+        assert res.returncode == 0, res.stderr[-2000:]
+        return res
+
+    full, part = tmp / "fsdp-full", tmp / "fsdp-part"
+    torchrun("--recipe", str(recipe), "--output", str(full), "--max-steps", "3")
+    torchrun("--recipe", str(recipe), "--output", str(part), "--max-steps", "3", "--stop-after", "2")
+    res = torchrun("--resume", "--output", str(part))
+    assert res.stdout.count("trained 3 steps") == 1
+    assert torch.equal(_weights(full)["weight"], _weights(part)["weight"])  # bit-exact resume
+    single = train(TrainOptions(recipe=recipe, output=tmp / "fsdp-single", max_steps=3, overrides=same))
+    assert torch.allclose(_weights(full)["weight"], _weights(single.output)["weight"], atol=1e-5)

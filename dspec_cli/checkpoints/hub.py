@@ -11,19 +11,18 @@ number of times (5, backing off up to 8 s); requests that carry no timeout of th
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from dspec_cli.core.errors import DspecError
+from dspec_cli.core.hub_env import bound_timeouts, hub_endpoint
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 # what loading needs: configs, weights, tokenizer files, chat templates (not ONNX/GGUF/original/...)
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
 AUTH_HINT = "set HF_TOKEN or run `hf auth login`"
-_timeouts_bounded = False
 
 
 def is_repo_id(name: str) -> bool:
@@ -45,32 +44,6 @@ def push_repo_id(name: str) -> str:
     if revision is not None:
         raise DspecError(f"--repo-id takes NS/NAME; give the branch with --revision, not {name!r}")
     return repo
-
-
-def hub_endpoint(endpoint: str | None = None) -> str | None:
-    """The explicit endpoint, else ``HF_ENDPOINT`` as set now (None: huggingface_hub's default)."""
-    return (endpoint or os.environ.get("HF_ENDPOINT") or "").rstrip("/") or None
-
-
-def bound_timeouts() -> None:
-    """Give huggingface_hub's shared HTTP client a finite default timeout (its own is none)."""
-    global _timeouts_bounded
-    if _timeouts_bounded:
-        return
-    from huggingface_hub.utils import set_client_factory
-
-    try:
-        from huggingface_hub.utils._http import default_client_factory
-    except ImportError:  # another huggingface_hub layout: keep its defaults
-        return
-
-    def factory():
-        client = default_client_factory()
-        client.timeout = float(os.environ.get("DSPEC_HUB_TIMEOUT", "60"))
-        return client
-
-    set_client_factory(factory)
-    _timeouts_bounded = True
 
 
 def resolve_checkpoint(name: str | Path, *, what: str = "checkpoint", endpoint: str | None = None,

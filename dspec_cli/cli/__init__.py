@@ -47,7 +47,7 @@ def _register_commands() -> None:
                 raise
 
 
-_OPTIONAL_COMMANDS = ("bench", "train", "data", "calibrate", "profile", "schedule", "push", "export")
+_OPTIONAL_COMMANDS = ("bench", "train", "data", "datasets", "calibrate", "profile", "schedule", "push", "export")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -54,6 +54,15 @@ def render_table(report: dict, console: Console) -> None:
     console.print(table)
 
 
+def render_domains(rows: list[dict], console: Console) -> None:
+    table = Table(title="τ per domain (mean over the sets of each domain)")
+    for col in ("drafter", "scheduler", "R", "math", "code", "chat"):
+        table.add_column(col, justify="left" if col in ("drafter", "scheduler") else "right")
+    for r in rows:
+        table.add_row(r["drafter"], r["scheduler"], str(r["concurrency"]), _fmt(r["math"]), _fmt(r["code"]), _fmt(r["chat"]))
+    console.print(table)
+
+
 @app.command("bench")
 def bench_command(
     drafter: list[str] = typer.Option(..., "--drafter", "-d", help="Drafter (repeatable): NAME[:BASE][,KEY=VALUE...] with config options, e.g. ddtree:dspark,tree_budget=64 (see `dspec drafters`)."),
@@ -76,10 +85,17 @@ def bench_command(
     dtype: str = opt.dtype(),
     json_path: Optional[Path] = opt.json_path("the full report"),
     plots: Optional[Path] = opt.plots("acceptance.png; with several concurrencies also load.png"),
+    suite: Optional[str] = typer.Option(None, "--suite", help="paper = the paper's nine evaluation sets with their caps (see `dspec datasets`); prints τ per domain."),
 ) -> None:
     """Measure τ, acceptance by position and speedup over plain decoding of the same target."""
     if num_prompts is not None and num_prompts < 1:
         raise DspecError(f"--num-prompts must be >= 1, got {num_prompts}")
+    if suite is not None:
+        from dspec_cli.core.datasets import PAPER_SUITE
+
+        if suite != "paper":
+            raise DspecError(f"--suite must be 'paper', got {suite!r}")
+        dataset = [*PAPER_SUITE, *dataset]
     check_output_file(json_path, "--json")
     check_output_dir(plots, "--plots")
     opts = BenchOptions(
@@ -100,8 +116,14 @@ def bench_command(
     for name, n in skipped.items():
         warnings.warn(f"{name}: skipped {n} prompt(s) that do not fit the target's context with --max-new-tokens "
                       f"{max_new_tokens} (--strict makes this an error)", stacklevel=1)
+    if suite is not None:
+        from dspec_cli.core.datasets import domain_tau
+
+        report["domains"] = domain_tau(report["runs"])
     if not is_stdout(json_path):
         render_table(report, results_console())
+        if suite is not None:
+            render_domains(report["domains"], results_console())
     opt.wrote(err, write_json(json_path, report) if json_path is not None else None)
     if plots is not None and report["runs"]:
         from dspec_cli.workflows.plots import acceptance_plot, load_plots, report_title

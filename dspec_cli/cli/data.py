@@ -38,6 +38,12 @@ def regenerate_command(
     device: str = opt.device(),
     dtype: str = opt.dtype(),
     json_path: Optional[Path] = opt.json_path("the counts (written, already done, shortened, skipped, tokens)"),
+    server: list[str] = typer.Option([], "--server", help="OpenAI-compatible server URL (vllm serve, SGLang, TGI, transformers serve) instead of the built-in engine; repeatable: servers share the work."),
+    server_concurrency: int = typer.Option(32, "--server-concurrency", help="Conversations in flight per --server."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model name to request from the servers (default: the one /v1/models lists)."),
+    chat_template_kwargs: str = typer.Option('{"enable_thinking": false}', "--chat-template-kwargs", help="JSON object passed to the servers' chat template ('{}' sends none)."),
+    max_retries: int = typer.Option(5, "--max-retries", help="Retries per request on 429 / 5xx / timeouts (exponential back-off)."),
+    request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds per server request."),
 ) -> None:
     """Regenerate every assistant turn with the target (self-distillation data for dspec train)."""
     from transformers.utils import logging as hf_logging
@@ -69,22 +75,35 @@ def regenerate_command(
         dtype=dtype,
     )
     err = Console(stderr=True)
-    with CommandProgress(err, MofNCompleteColumn(), TextColumn("turns"), TimeRemainingColumn(), unit="turns") as bar:
+    if server:
+        from dspec_cli.cli.regenerate_server import run_with_servers
 
-        def progress(desc: str, total: int):  # the bar starts once the inputs have been checked
-            task = bar.add_task(desc, total=total)
-            return lambda _res: bar.advance(task)
+        stats = run_with_servers(opts, server, server_concurrency, model, chat_template_kwargs, max_retries,
+                                 request_timeout, explicit={"--drafter": drafter, "--checkpoint": checkpoint,
+                                                            "--concurrency": concurrency}, console=err)
+    else:
+        with CommandProgress(err, MofNCompleteColumn(), TextColumn("turns"), TimeRemainingColumn()) as bar:
 
-        stats = regenerate(opts, progress)
+            def progress(desc: str, total: int):  # the bar starts once the inputs have been checked
+                task = bar.add_task(desc, total=total)
+                return lambda _res: bar.advance(task)
+
+            stats = regenerate(opts, progress)
     for note in stats.notes:
         err.print(note)
     rate = stats.generated_tokens / stats.seconds if stats.seconds else 0.0
+    conv_rate = stats.written / stats.seconds if stats.seconds else 0.0
     if json_path is not None:
-        opt.wrote(err, write_json(json_path, {"output": str(out), **vars(stats), "tokens_per_s": rate}))
+        opt.wrote(err, write_json(json_path, {"output": str(out), **vars(stats), "tokens_per_s": rate,
+                                              "conversations_per_s": conv_rate}))
         if is_stdout(json_path):
             return
     print(
         f"{out}: wrote {stats.written} conversation(s) ({stats.turns} turns, {stats.generated_tokens} tokens, "
-        f"{rate:.0f} tok/s); {stats.already_done} already done, {stats.shortened} shortened and "
-        f"{stats.skipped} skipped (context too short)"
+        f"{conv_rate:.2f} conv/s, {rate:.0f} tok/s); {stats.already_done} already done, {stats.shortened} shortened "
+        f"and {stats.skipped} skipped (context too short)"
     )
+    if stats.failed:
+        from dspec_cli.training.regenerate_server import errors_path
+
+        raise DspecError(f"{stats.failed} conversation(s) failed (reasons in {errors_path(out)}); re-run to retry them")

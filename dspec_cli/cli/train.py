@@ -75,6 +75,7 @@ def train_command(
     json_log: Optional[Path] = typer.Option(None, "--json-log", help="Metrics JSONL (default: OUT/train_log.jsonl)."),
     feature_cache: Optional[Path] = typer.Option(None, "--feature-cache", help="Folder caching target features (reused when present)."),
     init_from: Optional[Path] = typer.Option(None, "--init-from", help="Start from this drafter checkpoint's weights (fine-tuning; new optimizer and schedule)."),
+    report_to: list[str] = typer.Option([], "--report-to", help="Also log metrics to: tensorboard (OUT/tensorboard; needs dspec[tensorboard])."),
 ) -> None:
     """Train a drafter for a target: online target features, AdamW + warmup/cosine, atomic checkpoints."""
     from transformers.utils import logging as hf_logging
@@ -86,6 +87,7 @@ def train_command(
     opts = TrainOptions(
         recipe=recipe, drafter=drafter, overrides=overrides or [], output=output, target=target, resume=resume,
         max_steps=max_steps, stop_after=stop_after, json_log=json_log, feature_cache=feature_cache, init_from=init_from,
+        report_to=report_to,
     )
     err = Console(stderr=True)
     bar = RichProgress(err)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from dspec_cli.core.datasets import is_registered, resolve
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.jsonl import parse_lines, read_jsonl
 
@@ -39,7 +40,12 @@ def jsonl_objects(path: str | Path, kind: str = "dataset") -> Iterator[tuple[str
     if str(path) == BUILTIN:
         text = resources.files("dspec_cli").joinpath("assets/prompts.jsonl").read_text(encoding="utf-8")
         return parse_lines(text, "builtin prompts")
-    return read_jsonl(path, kind)
+    p = Path(path)
+    if not p.exists() and is_registered(str(path)):
+        p = resolve(str(path))  # a set that `dspec datasets` lists -> its formatted local copy
+    elif not p.exists():
+        raise DspecError(f"{kind} {path}: file not found (nor a set that `dspec datasets` lists)")
+    return read_jsonl(p, kind)
 
 
 def load_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:

@@ -2,9 +2,10 @@
 
 Per optimizer step, each rank takes its share of the step's ``global_batch`` samples (see
 :class:`~dspec_cli.training.data.DataOrder`), runs the frozen target on each micro-batch (no grad)
-for the drafter's features, calls ``drafter.training_loss`` and accumulates gradients. Gradients
-are averaged across ranks once per step (the all-reduce DDP does after ``no_sync``
-accumulation; done directly so that ``training_loss`` may call any submodule of ``drafter.net``),
+for the drafter's features, calls ``drafter.training_loss`` and accumulates gradients. With
+several processes the loss runs inside torch's DistributedDataParallel (a module whose forward is
+``training_loss``, so it may use any submodule of ``drafter.net``): micro-batches accumulate under
+``no_sync`` and the last one's backward averages the gradients across ranks. Gradients are then
 clipped, and AdamW + warmup/cosine take the step. Rank 0 logs and writes checkpoints.
 
 A run is a pure function of (recipe, data, world size): the data order depends only on the seed
@@ -15,6 +16,7 @@ boundary with a checkpoint (a second Ctrl-C aborts at once).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -37,6 +39,7 @@ from dspec_cli.core.files import EMBEDDED, WEIGHTS_FILE
 from dspec_cli.core.jsonl import write_line
 from dspec_cli.runtime.drafter import TrainableDrafter
 from dspec_cli.runtime.target import Target
+from dspec_cli.training import sharding
 from dspec_cli.training.data import (
     DataOrder,
     FeatureCache,
@@ -50,6 +53,8 @@ from dspec_cli.training.recipes import (
     load_recipe,
     resume_conflicts,
 )
+from dspec_cli.training.report_to import Reporters, check
+from dspec_cli.training.sharding import full_norm, gathered, shard
 from dspec_cli.training.state import (
     capture_rng,
     latest_checkpoint,
@@ -78,6 +83,7 @@ class TrainOptions:
     json_log: str | Path | None = None  # default: OUT/train_log.jsonl
     feature_cache: str | Path | None = None
     init_from: str | Path | None = None  # a drafter checkpoint to fine-tune (fresh optimizer and schedule)
+    report_to: Sequence[str] = ()  # trackers besides the JSONL log: "tensorboard" (OUT/tensorboard)
 
 
 @dataclass
@@ -125,6 +131,8 @@ class Rank:
 
 def train(opts: TrainOptions, progress: Progress | None = None) -> TrainResult:
     """Train (or resume) a drafter; returns where the result is. Errors are DspecError."""
+
+    check(opts.report_to)
     recipe, drafter_cls, out, resume_from = _prepare(opts)
     rank, device = _init_distributed(recipe.train.device)
     try:
@@ -307,9 +315,6 @@ class _Run:
         drafter.net.to(self.device).train()
         if not drafter.trainable_parameters():
             raise DspecError(f"drafter {self.cls.name!r} has no trainable parameters")
-        if self.rank.world > 1:
-            for p in drafter.net.parameters():
-                dist.broadcast(p.data, src=0)
         return drafter
 
     def _load_data(self, target) -> TrainData:
@@ -335,6 +340,8 @@ class _Run:
                 f"x world size {rank.world}"
             )
         self.accum = t.global_batch // (t.micro_batch * rank.world)
+        self.sharded = t.shard == "fsdp" and rank.world > 1
+        self.loss_module = _wrap(self.drafter, device, rank.world, self.sharded)  # before the optimizer sees params
         self.params = self.drafter.trainable_parameters()
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
         total, warmup = self.total, math.ceil(t.warmup_ratio * self.total)
@@ -353,7 +360,11 @@ class _Run:
         if self.resume_from is None:
             seed_all(t.seed + rank.rank)
             return 0
-        states = load_checkpoint(self.resume_from, self.drafter, self.optimizer, self.scheduler, device)
+        if self.sharded:
+
+            states = sharding.load(self.resume_from, self.loss_module, self.optimizer, self.scheduler)
+        else:
+            states = load_checkpoint(self.resume_from, self.drafter, self.optimizer, self.scheduler, device)
         start = read_state(self.resume_from)["step"]
         if len(states) == rank.world:
             restore_rng(states[rank.rank], device)
@@ -379,6 +390,8 @@ class _Run:
         stop_at = min(self.total, self.opts.stop_after) if self.opts.stop_after else self.total
         row: dict = read_state(self.resume_from).get("metrics", {}) if self.resume_from is not None else {}
         ckpt = None
+
+        reporters = Reporters(self.opts.report_to if rank.main else (), self.out)
         with _StopRequest() as stop, open(log_path if rank.main else os.devnull, "a", encoding="utf-8") as log:
             while step < stop_at:
                 row, stop_requested = self._step(step, stop.requested)
@@ -389,15 +402,19 @@ class _Run:
                 if rank.main and (step % t.log_every == 0 or step == self.total or stopping):
                     write_line(log, row)
                     log.flush()
+                    reporters.log(row)
                 if (t.save_every and step % t.save_every == 0) or step == self.total or stopping:
                     ckpt = self._save(step, row)
                 if stopping:
                     break
             interrupted = stop.requested
+        reporters.close()
         finished = step >= self.total
-        if finished and rank.main:
-            self.drafter.save_pretrained(self.out)
-            write_model_card(self.out, self._card(step, row))
+        if finished:
+            with self._full_state():
+                if rank.main:
+                    self.drafter.save_pretrained(self.out)
+                    write_model_card(self.out, self._card(step, row))
         rank.barrier()
         return TrainResult(self.out, step, self.total, finished, row, ckpt, interrupted=interrupted and not finished)
 
@@ -408,19 +425,24 @@ class _Run:
         t0 = time.perf_counter()
         sums: dict[str, torch.Tensor] = {}
         tokens = torch.zeros((), device=device)
-        for indices in self.order.micro_batches(step, rank.rank, rank.world, t.micro_batch):
+        micro = list(self.order.micro_batches(step, rank.rank, rank.world, t.micro_batch))
+        for i, indices in enumerate(micro):
             batch = self.data.collate(indices, self.pad_id, device)
             feats = self.features(batch, indices)
-            with torch.autocast(device.type, dtype=getattr(torch, t.dtype), enabled=amp):
-                out = self.drafter.training_loss(batch, feats)
+            last = i == len(micro) - 1  # DDP all-reduces in this backward; the earlier ones accumulate locally
+            with _no_sync(self.loss_module, last), torch.autocast(device.type, dtype=getattr(torch, t.dtype), enabled=amp):
+                out = self.loss_module(batch, feats)
             if out["loss"].requires_grad:
-                (out["loss"] / self.accum).backward()
+                with _no_sync(self.loss_module, last):
+                    (out["loss"] / self.accum).backward()
             for k, v in out.items():
                 v = v.detach().float() if isinstance(v, torch.Tensor) else torch.tensor(float(v))
                 sums[k] = sums.get(k, 0.0) + v.to(device)
             tokens += batch["attention_mask"].sum()
-        _sync_grads(self.params, rank.world)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip if t.grad_clip > 0 else float("inf"))
+        if self.sharded:
+
+            grad_norm = full_norm(grad_norm)
         keys = sorted(sums)
         extra = [tokens.float(), grad_norm.float(), torch.tensor(float(stop_requested), device=device)]
         packed = torch.stack([sums[k] / self.accum for k in keys] + extra)
@@ -449,14 +471,22 @@ class _Run:
         else:
             states = [rng]
         path = self.out / "checkpoints" / f"step_{step}"
-        if self.rank.main:
-            state = {"drafter": self.cls.name, "target": self.recipe.target.name, "total_steps": self.total,
-                     "world_size": self.rank.world, "accumulation": self.accum, "samples": len(self.data),
-                     "samples_seen": step * self.recipe.train.global_batch, "metrics": row}
-            path = save_checkpoint(self.out, step, self.drafter, self.optimizer, self.scheduler, state, states,
-                                   self.recipe.to_dict(), self.recipe.train.keep_checkpoints)
+        with self._full_state():
+            if self.rank.main:
+                state = {"drafter": self.cls.name, "target": self.recipe.target.name, "total_steps": self.total,
+                         "world_size": self.rank.world, "accumulation": self.accum, "samples": len(self.data),
+                         "samples_seen": step * self.recipe.train.global_batch, "metrics": row}
+                path = save_checkpoint(self.out, step, self.drafter, self.optimizer, self.scheduler, state, states,
+                                       self.recipe.to_dict(), self.recipe.train.keep_checkpoints)
         self.rank.barrier()
         return path
+
+    def _full_state(self):
+        """Sharded runs: the unsharded weights and optimizer state on rank 0 (collective)."""
+        if not self.sharded:
+            return contextlib.nullcontext()
+
+        return gathered(self.loss_module, self.drafter, self.optimizer, self.rank.main)
 
     def _card(self, step: int, row: dict) -> dict:
         r, data = self.recipe, self.data
@@ -498,19 +528,48 @@ def _load_initial_weights(drafter, path: Path, target) -> None:
             v.copy_(weights[k])
 
 
-def _sync_grads(params: list[torch.nn.Parameter], world: int) -> None:
-    """Average gradients across ranks: one all-reduce per dtype over the flattened grads."""
+class _Loss(torch.nn.Module):
+    """``drafter.training_loss`` as a module's forward (what DistributedDataParallel wraps)."""
+
+    def __init__(self, drafter: TrainableDrafter):
+        super().__init__()
+        self.net = drafter.net  # registered: DDP finds the parameters here
+        self._drafter = [drafter]  # not a submodule
+
+    def forward(self, batch: dict, feats) -> dict:
+        out = self._drafter[0].training_loss(batch, feats)
+        if not out["loss"].requires_grad:  # nothing to learn in this batch: a zero that still touches every
+            touch = sum(p.sum() for p in self.net.parameters() if p.requires_grad)  # parameter, so this rank
+            out = {**out, "loss": out["loss"] + 0.0 * touch}  # joins the other ranks' gradient all-reduce
+        return out
+
+
+def _wrap(drafter: TrainableDrafter, device: torch.device, world: int, sharded: bool):
+    """The loss module: plain in one process; across several, DistributedDataParallel, or FSDP2
+    (``sharded``: see :mod:`dspec_cli.training.sharding`)."""
     if world <= 1:
-        return
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    for dtype in sorted({p.grad.dtype for p in params}, key=str):
-        grads = [p.grad for p in params if p.grad.dtype == dtype]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        flat /= world
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        return drafter.training_loss
+    if sharded:
+
+        return shard(_Loss(drafter))
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [device.index] if device.type == "cuda" and device.index is not None else None
+    return DistributedDataParallel(_Loss(drafter), device_ids=ids, find_unused_parameters=True)
+
+
+@contextlib.contextmanager
+def _no_sync(module, sync: bool):
+    """No gradient reduction in this forward/backward unless ``sync`` (DDP ``no_sync``; FSDP2
+    ``set_requires_gradient_sync``); nothing to do in one process."""
+    if sync or not isinstance(module, torch.nn.Module):
+        yield
+    elif hasattr(module, "no_sync"):
+        with module.no_sync():
+            yield
+    else:
+        module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            module.set_requires_gradient_sync(True)

@@ -83,6 +83,7 @@ class TrainSpec:
     save_every: int = 3000  # checkpoint every N steps (0 = only at the end)
     keep_checkpoints: int = 0  # keep the newest N step_* checkpoints (0 = all)
     log_every: int = 1  # metrics-log row every N steps
+    shard: str = "none"  # none: every rank holds the drafter (DDP) | fsdp: FSDP2 fully_shard across ranks
 
     def __post_init__(self) -> None:
         positive = {"global_batch": self.global_batch, "micro_batch": self.micro_batch, "log_every": self.log_every}
@@ -94,6 +95,8 @@ class TrainSpec:
                 raise DspecError(f"recipe: train.{key} must be >= 0, got {getattr(self, key)}")
         if not 0 <= self.warmup_ratio < 1:
             raise DspecError(f"recipe: train.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.shard not in ("none", "fsdp"):
+            raise DspecError(f"recipe: train.shard must be none or fsdp, got {self.shard!r}")
         if self.schedule not in ("cosine", "linear", "constant"):
             raise DspecError(f"recipe: train.schedule must be cosine, linear or constant, got {self.schedule!r}")
         if self.dtype not in ("bfloat16", "float16", "float32"):

@@ -56,6 +56,7 @@ class RegenerateStats:
     written: int = 0
     shortened: int = 0  # stopped before their last user turn: the context would overflow
     skipped: int = 0  # first turn already too long for the context: not written
+    failed: int = 0  # a request kept failing (server path): listed in the errors file, retried next run
     turns: int = 0
     generated_tokens: int = 0
     seconds: float = 0.0
@@ -84,6 +85,24 @@ def done_ids(path: Path) -> tuple[set[str], bool]:
             raise DspecError(f"{where}: no 'id'; --output must be a file written by dspec data regenerate")
         ids.add(str(obj["id"]))
     return ids, repaired
+
+
+def plan(opts: RegenerateOptions) -> tuple[Path, RegenerateStats, list[Conversation]]:
+    """Check the options, read the prompts and the output so far: (output, stats, conversations to do)."""
+    out = Path(opts.output)
+    if opts.limit is not None and opts.limit < 1:
+        raise DspecError(f"--limit must be >= 1, got {opts.limit}")
+    sources = [opts.prompts] if isinstance(opts.prompts, str | Path) else list(opts.prompts)
+    if any(Path(p).resolve() == out.resolve() for p in sources):
+        raise DspecError("--output must differ from --dataset")
+    convs = _conversations(sources, opts.limit)
+    stats = RegenerateStats(conversations=len(convs))
+    finished, repaired = done_ids(out)
+    if repaired:
+        stats.notes.append(f"dropped a partial last line of {out} (interrupted write)")
+    todo = [c for c in convs if c.id not in finished]
+    stats.already_done = len(convs) - len(todo)
+    return out, stats, todo
 
 
 class _Dialogue:
@@ -123,25 +142,13 @@ def regenerate(
     ``progress(description, total_turns)`` returns a per-finished-turn callback. ``target``: an
     already loaded :class:`~dspec_cli.runtime.target.Target` (default: load ``opts.target``).
     """
-    out = Path(opts.output)
     if opts.concurrency < 1:
         raise DspecError(f"--concurrency must be >= 1, got {opts.concurrency}")
-    if opts.limit is not None and opts.limit < 1:
-        raise DspecError(f"--limit must be >= 1, got {opts.limit}")
-    sources = [opts.prompts] if isinstance(opts.prompts, str | Path) else list(opts.prompts)
-    if any(Path(p).resolve() == out.resolve() for p in sources):
-        raise DspecError("--output must differ from --dataset")
     cfg = GenerationConfig(
         max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p,
         block_size=opts.block_size, max_batch=opts.concurrency, seed=opts.seed,
     )
-    convs = _conversations(sources, opts.limit)
-    stats = RegenerateStats(conversations=len(convs))
-    finished, repaired = done_ids(out)
-    if repaired:
-        stats.notes.append(f"dropped a partial last line of {out} (interrupted write)")
-    todo = [c for c in convs if c.id not in finished]
-    stats.already_done = len(convs) - len(todo)
+    out, stats, todo = plan(opts)
     if not todo:
         return stats
     if target is None:

@@ -1,0 +1,51 @@
+"""``dspec data regenerate --server``: option checks and the progress bar of the server path."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from rich.console import Console
+from rich.progress import MofNCompleteColumn, TextColumn, TimeRemainingColumn
+
+from dspec_cli.cli.progress import CommandProgress
+from dspec_cli.core.errors import DspecError
+from dspec_cli.training.regenerate import RegenerateOptions, RegenerateStats
+
+
+def run_with_servers(opts: RegenerateOptions, servers: list[str], concurrency: int, model: str | None,
+                     chat_template_kwargs: str, max_retries: int, timeout: float, *, explicit: dict,
+                     console: Console) -> RegenerateStats:
+    """``explicit``: built-in-engine flags by name -> value given (any set one is an error here)."""
+    from dspec_cli.training.regenerate_server import (
+        ServerOptions,
+        regenerate_with_servers,
+    )
+
+    given = [flag for flag, value in explicit.items() if value is not None]
+    if given:
+        raise DspecError(f"{', '.join(given)} apply to the built-in engine, not to --server (use --server-concurrency)")
+    try:
+        kwargs = json.loads(chat_template_kwargs)
+    except json.JSONDecodeError as exc:
+        raise DspecError(f"--chat-template-kwargs is not valid JSON ({exc.msg})") from None
+    if not isinstance(kwargs, dict):
+        raise DspecError("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+    sopts = ServerOptions(servers=servers, concurrency=concurrency, model=model, chat_template_kwargs=kwargs,
+                          max_retries=max_retries, timeout=timeout)
+    with CommandProgress(console, MofNCompleteColumn(), TextColumn("conversations · {task.fields[rate]}"),
+                         TimeRemainingColumn()) as bar:
+
+        def progress(total: int):
+            task = bar.add_task("regenerate", total=total, rate="")
+            t0, tokens = time.perf_counter(), [0]
+
+            def tick(new_tokens: int) -> None:
+                tokens[0] += new_tokens
+                dt = max(time.perf_counter() - t0, 1e-9)
+                done = bar.tasks[task].completed + 1
+                bar.update(task, advance=1, rate=f"{done / dt:.2f} conv/s, {tokens[0] / dt:.0f} tok/s")
+
+            return tick
+
+        return regenerate_with_servers(opts, sopts, progress)
