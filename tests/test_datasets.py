@@ -9,10 +9,9 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_hub import hub  # noqa: F401  (the local Hub fixture)
 from tiny_models import assert_cli_error, run_cli
 
-from dspec_cli import datasets as ds
+from dspec_cli.core import datasets as ds
 from dspec_cli.core.data import load_conversations, load_prompts
 from dspec_cli.core.errors import DspecError
 

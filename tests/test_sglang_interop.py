@@ -180,7 +180,7 @@ def test_calibrate_from_shards_writes_both_files(tmp_path, capsys):
     sts = json.loads((tmp_path / "sts.json").read_text())
     assert set(sts) == STS_KEYS and sts["temperatures"] == temps and sts["num_samples"] == 70
     assert_cli_error(["calibrate", "--drafter", "dspark", "--traces", str(tmp_path / "nothing"),
-                      "--sglang-sts", str(tmp_path / "x.json")], capsys, "no STS shards")
+                      "--sglang-sts", str(tmp_path / "x.json")], capsys, "nor STS shards")
     assert_cli_error(["calibrate", "--drafter", "dspark", "--output", str(tmp_path / "o")], capsys,
                      "exactly one of --dataset")
 

@@ -153,7 +153,7 @@ def calibrate_command(
     from dspec_cli.core.calibration import Calibration
     from dspec_cli.core.data import BUILTIN, load_prompts
     from dspec_cli.core.devices import parse_dtype, resolve_device
-    from dspec_cli.core.files import CALIBRATION_FILE
+    from dspec_cli.core.files import CALIBRATION_FILE, embedded_path
     from dspec_cli.runtime.engine import GenerationConfig
     from dspec_cli.runtime.target import Target
     from dspec_cli.workflows.bench import fitting_prompts
@@ -170,8 +170,6 @@ def calibrate_command(
         raise DspecError(f"--num-prompts must be >= 1, got {num_prompts}")
     if block_size is not None and block_size < 1:
         raise DspecError(f"--block-size must be >= 1, got {block_size}")
-    if (dataset is None) == (traces is None):
-        raise DspecError("give exactly one of --dataset (run the drafter) and --traces (recorded rounds)")
     cls = plugins.get_drafter_class(drafter)
     if not {"confidence", "draft_probs"} & set(cls.capabilities):
         raise DspecError(f"drafter {cls.name!r} has no confidence signal (no confidence head, no draft "
@@ -197,8 +195,11 @@ def calibrate_command(
         if meta["drafter"] and meta["drafter"] != cls.name:
             raise DspecError(f"traces {traces} are of drafter {meta['drafter']!r}, not {cls.name!r}")
         gamma = rounds.block_size
-        if out_dir is not None and ckpt_dir is None:
-            raise DspecError("with --traces, --output / --in-place need the --checkpoint the traces belong to")
+        if out_dir is not None and ckpt_dir is None:  # the default drafter's checkpoint is the embedded one
+            ckpt_dir = embedded_path("drafters") / cls.name
+            if not (ckpt_dir / "config.json").is_file():
+                raise DspecError(f"with --traces, --output needs the --checkpoint the traces belong to "
+                                 f"(no {cls.name} drafter is embedded)")
     else:
         prompts = [p for d in (dataset or [BUILTIN]) for p in load_prompts(d, num_prompts)]
         tgt = Target.load(target, dtype=dtype, device=device)

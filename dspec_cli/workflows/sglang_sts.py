@@ -40,7 +40,7 @@ def shard_files(path: str | Path) -> list[Path]:
     pattern = re.compile(re.escape(path.name) + r"\.(\d+)\.pt")
     found = [(int(m.group(1)), p) for p in path.parent.glob(f"{path.name}.*.pt") if (m := pattern.fullmatch(p.name))]
     if not found:
-        raise DspecError(f"traces {path}: no STS shards {path.name}.N.pt (SGLANG_DSPARK_STS_COLLECT_PATH's stem)")
+        raise DspecError(f"traces {path}: file not found, nor STS shards {path.name}.N.pt (SGLANG_DSPARK_STS_COLLECT_PATH's stem)")
     return [p for _, p in sorted(found)]
 
 

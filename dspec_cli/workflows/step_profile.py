@@ -24,16 +24,20 @@ import torch
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.hardware import CostTable, device_name
 from dspec_cli.runtime.engine import GenerationConfig, SpeculativeEngine
+from dspec_cli.runtime.schedule import Scheduler
 
 
 class _Enough(Exception):
     """Raised from inside the engine once a cell has its samples (ends the run early)."""
 
 
-class _FixedWidth:
+class _FixedWidth(Scheduler):
     """A scheduler verifying exactly ``width`` drafts per row that times the rounds it shaped."""
 
+    name = "profile-fixed-width"
+
     def __init__(self, width: int, rows: int, needed: int):
+        super().__init__()
         self.width, self.rows, self.needed = width, rows, needed
         self.seconds: list[float] = []
         self._full = False
