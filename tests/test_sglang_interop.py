@@ -181,8 +181,8 @@ def test_calibrate_from_shards_writes_both_files(tmp_path, capsys):
     assert set(sts) == STS_KEYS and sts["temperatures"] == temps and sts["num_samples"] == 70
     assert_cli_error(["calibrate", "--drafter", "dspark", "--traces", str(tmp_path / "nothing"),
                       "--sglang-sts", str(tmp_path / "x.json")], capsys, "nor STS shards")
-    assert_cli_error(["calibrate", "--drafter", "dspark", "--output", str(tmp_path / "o")], capsys,
-                     "exactly one of --dataset")
+    assert_cli_error(["calibrate", "--drafter", "dspark", "--traces", str(tmp_path / "sts"), "--dataset", "builtin",
+                      "--output", str(tmp_path / "o2")], capsys, "not both")
 
 
 # -- whole-step profile ------------------------------------------------------------------------------
