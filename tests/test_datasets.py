@@ -83,8 +83,8 @@ def test_cached_sets_work_offline_and_uncached_ones_say_what_to_do(sets, monkeyp
 
 
 def test_datasets_command_lists_the_sets(capsys):
-    code, out, _ = run_cli(["datasets", "--json"], capsys)
-    rows = {r["name"]: r for r in json.loads(out)}
+    code, out, _ = run_cli(["datasets", "--json", "-"], capsys)
+    rows = {r["name"]: r for r in json.loads(out)["datasets"]}
     assert code == 0 and set(ds.PAPER_SUITE) <= set(rows) and rows["open-perfectblend"]["kind"] == "train"
     assert rows["math500"]["pinned"] and rows["humaneval"]["cap"] == 164 and rows["mt-bench"]["multi_turn"]
     code, out, _ = run_cli(["datasets"], capsys)

@@ -2,26 +2,31 @@
 
 from __future__ import annotations
 
-import json
+from pathlib import Path
+from typing import Optional
 
-import typer
 from rich.console import Console
 from rich.table import Table
 
 from dspec_cli.cli import app
+from dspec_cli.cli import options as opt
+from dspec_cli.cli.progress import results_console
+from dspec_cli.core.outputs import check_output_file, is_stdout, write_json
 
 
 @app.command("datasets")
 def datasets_command(
-    as_json: bool = typer.Option(False, "--json", help="Print the registry as JSON."),
+    json_path: Optional[Path] = opt.json_path("the registry"),
 ) -> None:
     """List the sets that --dataset / --prompts accept by name (Hub id, revision, split, fields, template)."""
     from dspec_cli.core.datasets import describe
 
+    check_output_file(json_path, "--json")
     rows = describe()
-    if as_json:
-        print(json.dumps(rows, indent=2, ensure_ascii=False))
-        return
+    if json_path is not None:
+        opt.wrote(Console(stderr=True), write_json(json_path, {"datasets": rows}))
+        if is_stdout(json_path):
+            return
     table = Table(title="dspec datasets (use as --dataset NAME or --prompts NAME)")
     for col in ("name", "kind", "domain", "Hub dataset", "revision", "split", "fields", "cap", "template"):
         table.add_column(col, overflow="fold")
@@ -30,5 +35,4 @@ def datasets_command(
         template = r["template"].replace("\n", "\\n")
         table.add_row(r["name"], r["kind"], r["domain"], r["repo_id"], revision, r["split"], ", ".join(r["fields"]),
                       "-" if r["cap"] is None else str(r["cap"]), template if len(template) < 60 else template[:57] + "...")
-    console = Console()
-    (console if console.is_terminal else Console(width=200)).print(table)
+    results_console().print(table)
