@@ -13,6 +13,7 @@ from tiny_models import run_cli as run
 from tiny_models import tiny_tokenizer
 from transformers import AutoModelForCausalLM, Qwen3Config
 
+from dspec_cli.core.hardware import CostTable
 from dspec_cli.runtime.engine import RequestResult, RunStats
 
 
@@ -204,6 +205,25 @@ def test_repeats_rotate_engine_order_and_speedup_is_paired(monkeypatch):
     assert bench.format_speedup(a) == "2.00x (2.00–2.00)"
     assert a["speedup_geomean"] == pytest.approx(2.0) and a["speedup_ci95"] == pytest.approx([2.0, 2.0])
     assert "speedup_ci95" not in bench.run_metrics(timed[1][:1], timed[0][:1], RunStats(), 3)
+
+
+def test_speedup_bound_prices_verification_against_plain_steps():
+    """τ · plain-step cost / verify-step cost: from the cost table where given, else measured."""
+    import dspec_cli.workflows.bench as bench
+
+    def reps(verify_seconds, rounds):
+        return [([], 1.0, RunStats(verify_seconds=verify_seconds, rounds=rounds))]
+
+    measured = bench.speedup_bound(2.5, 8, 1, reps(3.0, 10), reps(1.0, 10))  # a verify costs 3 plain steps
+    assert measured == {"speedup_bound": pytest.approx(2.5 / 3), "speedup_bound_source": "measured"}
+    table = CostTable(device="cpu", device_name="x", dtype="float32", model="m", torch="t", grid=[1, 4, 8, 16],
+                      contexts=[128], measured={"128": [100.0, 90.0, 50.0, 30.0]})
+    tabled = bench.speedup_bound(2.5, 8, 1, reps(3.0, 10), reps(1.0, 10), table)
+    assert tabled["speedup_bound"] == pytest.approx(2.5 * table.sps(8) / table.sps(1))
+    assert tabled["speedup_bound_source"] == "cost_table"
+    assert bench.speedup_bound(2.5, 8, 1, reps(0.0, 0), reps(1.0, 10))["speedup_bound"] is None
+    phases = bench.phase_ms_per_round(RunStats(draft_seconds=0.2, verify_seconds=0.5, rounds=100))
+    assert phases == pytest.approx({"draft": 2.0, "verify": 5.0, "prefill": 0.0, "other": 0.0})
 
 
 def test_ratio_interval_is_a_t_interval_on_log_ratios():

@@ -38,9 +38,15 @@ def _prompts(run: dict) -> str:
     return f"{run['num_prompts']}" + (f" ({skipped} skipped)" if skipped else "")
 
 
+def _bound(run: dict) -> str:
+    """The speedup the measured τ allows with free drafting and host work (reports from before it: -)."""
+    bound = run.get("speedup_bound")
+    return "-" if bound is None else f"{bound:.2f}x"
+
+
 def render_table(report: dict, console: Console) -> None:
     table = Table(title=f"dspec bench · target {report['target']} · {report['env']['device']} · {report['env']['dtype']}")
-    for col in ("dataset", "prompts", "drafter", "scheduler", "R", "τ", "tok/s", "per user", "base tok/s", "speedup", "budget", "cond. accept by position", "draft %", "drafted"):
+    for col in ("dataset", "prompts", "drafter", "scheduler", "R", "τ", "tok/s", "per user", "base tok/s", "speedup", "bound", "budget", "cond. accept by position", "draft %", "drafted"):
         left = col in ("dataset", "drafter", "scheduler", "cond. accept by position")
         table.add_column(col, justify="left" if left else "right", no_wrap=col in ("dataset", "drafter", "scheduler"))
     for run in report["runs"]:
@@ -48,7 +54,7 @@ def render_table(report: dict, console: Console) -> None:
         table.add_row(
             run["dataset"], _prompts(run), run["drafter"], run["scheduler"], str(run["concurrency"]), _fmt(run["tau"]),
             _fmt(run["tokens_per_s"], ".1f"), _fmt(run["per_user_tokens_per_s"], ".1f"),
-            _fmt(run["baseline_tokens_per_s"], ".1f"), format_speedup(run), _fmt(run["mean_verify_budget"]), cond,
+            _fmt(run["baseline_tokens_per_s"], ".1f"), format_speedup(run), _bound(run), _fmt(run["mean_verify_budget"]), cond,
             _fmt(100 * run["draft_time_share"], ".0f"), _fmt(100 * drafted_share(run), ".0f") + "%",
         )
     console.print(table)

@@ -116,8 +116,33 @@ def run_interleaved(engines, ids, repeats: int, conc: int, dset: str, progress) 
     return timed
 
 
+def phase_ms_per_round(stats: RunStats) -> dict[str, float]:
+    """Milliseconds per round of each engine phase: draft (drafter, incl. catching up), verify
+    (target forward, acceptance, commit, drafter advance), prefill of joining requests, other
+    (bookkeeping, retiring)."""
+    if not stats.rounds:
+        return {}
+    return {k: 1e3 * getattr(stats, f"{k}_seconds") / stats.rounds for k in ("draft", "verify", "prefill", "other")}
+
+
+def speedup_bound(tau: float, budget: float, rows: int, reps: list[tuple[list, float, RunStats]],
+                  baseline: list[tuple[list, float, RunStats]], cost_table: CostTable | None = None) -> dict:
+    """What the measured τ allows if drafting and the rest of the round were free: τ times the cost
+    of a plain step over the cost of a verify step. From the cost table where one is given (padded
+    verify of ``rows`` rows at the mean ``budget`` ℓ + 1: τ · SPS(R·budget) / SPS(R)), else from
+    this run's measured verify phase against the baseline's plain steps."""
+    if cost_table is not None:
+        return {"speedup_bound": tau * cost_table.sps(rows * budget) / cost_table.sps(rows),
+                "speedup_bound_source": "cost_table"}
+    run = [sum(s.verify_seconds for _, _, s in reps), sum(s.rounds for _, _, s in reps)]
+    base = [sum(s.verify_seconds for _, _, s in baseline), sum(s.rounds for _, _, s in baseline)]
+    if not all(run + base):
+        return {"speedup_bound": None, "speedup_bound_source": None}
+    return {"speedup_bound": tau * (base[0] / base[1]) / (run[0] / run[1]), "speedup_bound_source": "measured"}
+
+
 def run_metrics(reps: list[tuple[list, float, RunStats]], baseline: list[tuple[list, float, RunStats]], stats: RunStats,
-                block_size: int) -> dict:
+                block_size: int, cost_table: CostTable | None = None, rows: int = 1) -> dict:
     """Acceptance, speed and serving metrics of one engine's timed repeats (:func:`run_interleaved`)
     against the plain-decoding baseline's; outputs and statistics come from the first repeat.
 
@@ -132,8 +157,10 @@ def run_metrics(reps: list[tuple[list, float, RunStats]], baseline: list[tuple[l
     latency = [r.end_time - r.start_time for r in results if r.end_time > r.start_time]
     per_user = sum(len(r.output_ids) / t for r, t in zip(results, latency)) / len(latency) if latency else 0.0
     budgets = [v + 1 for r in results for v in r.verified]
+    accepted = acceptance(results, block_size)
+    budget = sum(budgets) / len(budgets) if budgets else 1.0
     return {
-        **acceptance(results, block_size),
+        **accepted,
         "generated_tokens": generated_tokens(results),
         "repeats": len(reps),
         "wall_seconds": generated_tokens(results) / tps if tps else 0.0,
@@ -151,6 +178,8 @@ def run_metrics(reps: list[tuple[list, float, RunStats]], baseline: list[tuple[l
         "drafted_round_share_runs": [s.drafted_rounds / s.rounds if s.rounds else 0.0 for _, _, s in reps],
         "draft_time_share": stats.draft_seconds / busy if busy else 0.0,
         "verify_time_share": stats.verify_seconds / busy if busy else 0.0,
+        "phase_ms_per_round": phase_ms_per_round(stats),
+        **speedup_bound(accepted["tau"], budget, rows, reps, baseline, cost_table),
     }
 
 
@@ -229,6 +258,7 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
     # checkpoints (local or downloaded) before the target loads: a missing one fails first
     checkpoints = [str(resolve_checkpoint(c)) if c else None for c in opts.checkpoints] or [None] * len(opts.drafters)
     target = Target.load(opts.target, dtype=opts.dtype, device=opts.device)
+    bound_table = CostTable.load(opts.cost_table, block_size=opts.block_size) if opts.cost_table else None
     schedulers = [_schedulers(opts, target) for _ in opts.drafters]  # per drafter: the draft gate learns its cost
     drafters = [load_drafter(name, target, ckpt, opts.block_size) for name, ckpt in zip(opts.drafters, checkpoints)]
     runs = []
@@ -263,7 +293,7 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
                         "top_p": opts.top_p,
                         "top_k": opts.top_k,
                         "block_size": opts.block_size,
-                        **run_metrics(reps, timed[0], eng.stats, opts.block_size),
+                        **run_metrics(reps, timed[0], eng.stats, opts.block_size, bound_table, conc),
                     }
                 )
     return {
