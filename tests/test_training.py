@@ -545,15 +545,17 @@ def test_report_to_tensorboard_writes_the_logged_rows_as_scalars(setup):
         train(TrainOptions(recipe=recipe, output=tmp / "tb2", max_steps=1, report_to=["wandb"]))
 
 
-def test_torchrun_fsdp_matches_one_process_and_resumes_exactly(setup):
-    """train.shard=fsdp: FSDP2 across 2 gloo ranks = 1 process; stop + --resume = uninterrupted."""
+@pytest.mark.parametrize("shard", ["fsdp", "none"])
+def test_torchrun_matches_one_process_and_resumes_exactly(setup, shard):
+    """FSDP2 (train.shard=fsdp) or DDP (none) across 2 gloo ranks = 1 process; stop + --resume =
+    uninterrupted, bit for bit."""
     tmp, recipe = setup
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent), str(TESTS.parent / "plugins")]),
            "OMP_NUM_THREADS": "1"}
     script = tmp / "dspec_with_probe.py"
     script.write_text("from test_training import register_probe\nregister_probe()\n"
                       "from dspec_cli.cli import main\nmain()\n")
-    same = ["drafter.keep=1.0", "train.micro_batch=1", "train.shard=fsdp"]
+    same = ["drafter.keep=1.0", "train.micro_batch=1", f"train.shard={shard}"]
 
     def torchrun(*args):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -562,11 +564,11 @@ def test_torchrun_fsdp_matches_one_process_and_resumes_exactly(setup):
         assert res.returncode == 0, res.stderr[-2000:]
         return res
 
-    full, part = tmp / "fsdp-full", tmp / "fsdp-part"
+    full, part = tmp / f"{shard}-full", tmp / f"{shard}-part"
     torchrun("--recipe", str(recipe), "--output", str(full), "--max-steps", "3")
     torchrun("--recipe", str(recipe), "--output", str(part), "--max-steps", "3", "--stop-after", "2")
     res = torchrun("--resume", "--output", str(part))
     assert res.stdout.count("trained 3 steps") == 1
     assert torch.equal(_weights(full)["weight"], _weights(part)["weight"])  # bit-exact resume
-    single = train(TrainOptions(recipe=recipe, output=tmp / "fsdp-single", max_steps=3, overrides=same))
+    single = train(TrainOptions(recipe=recipe, output=tmp / f"{shard}-single", max_steps=3, overrides=same))
     assert torch.allclose(_weights(full)["weight"], _weights(single.output)["weight"], atol=1e-5)
