@@ -21,11 +21,16 @@ def apply_temperatures(confidence: torch.Tensor, temperatures: Sequence[float] |
     """σ(logit(c_k) / T_k) per position of confidence [..., γ]; positions past the list keep T = 1."""
     if temperatures is None or len(temperatures) == 0:
         return confidence
-    gamma = confidence.shape[-1]
-    temps = torch.ones(gamma, dtype=confidence.dtype, device=confidence.device)
-    t = torch.as_tensor(temperatures, dtype=confidence.dtype, device=confidence.device)[:gamma]
-    temps[: t.numel()] = t
+    temps = _temperature_row(temperatures, confidence.device, confidence.dtype, confidence.shape[-1])
     return torch.sigmoid(torch.logit(confidence) / temps)
+
+
+def _temperature_row(temperatures, device: torch.device, dtype: torch.dtype, gamma: int) -> torch.Tensor:
+    """[γ] temperatures T_1..T_γ, 1 past the end of the list."""
+    temps = torch.ones(gamma, dtype=dtype, device=device)
+    t = torch.as_tensor(temperatures, dtype=dtype, device=device)[:gamma]
+    temps[: t.numel()] = t
+    return temps
 
 
 @dataclass
@@ -37,6 +42,7 @@ class Calibration:
     temperatures: list[float]
     metrics: dict = field(default_factory=dict)  # {"before": position_metrics, "after": ...}
     source: str = ""  # the file it was read from (for messages)
+    _rows: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # apply's temperature rows
 
     def __post_init__(self) -> None:
         where = self.source or "calibration"
@@ -59,8 +65,13 @@ class Calibration:
             raise DspecError(f"{where} is for block size {self.block_size}, not {block_size}")
 
     def apply(self, confidence: torch.Tensor) -> torch.Tensor:
-        """Calibrated confidences [..., γ'] (γ' <= block size; positions past it keep T = 1)."""
-        return apply_temperatures(confidence, self.temperatures)
+        """Calibrated confidences [..., γ'] (γ' <= block size; positions past it keep T = 1). The
+        engine calls this every round: the temperature row is built once per device, dtype and γ'."""
+        key = (confidence.device, confidence.dtype, confidence.shape[-1])
+        temps = self._rows.get(key)
+        if temps is None:
+            temps = self._rows[key] = _temperature_row(self.temperatures, *key)
+        return torch.sigmoid(torch.logit(confidence) / temps)
 
     def to_dict(self) -> dict:
         return {"drafter": self.drafter, "block_size": self.block_size, "temperatures": self.temperatures,

@@ -15,7 +15,6 @@ capped (a seeded shuffle, then the first ``cap`` rows).
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 from dataclasses import asdict, dataclass
@@ -23,6 +22,7 @@ from pathlib import Path
 
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.hub_env import bound_timeouts, hub_endpoint
+from dspec_cli.core.jsonl import parse_lines, write_jsonl
 
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 HUMANEVAL_TEMPLATE = (
@@ -147,7 +147,7 @@ def _rows(path: Path) -> list[dict]:
     if path.suffix == ".json":
         data = json.loads(text)
         return data if isinstance(data, list) else data.get("data", [])
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return [obj for _, obj in parse_lines(text, path.name)]
 
 
 def format_row(spec: DatasetSpec, row: dict, where: str, multi_turn: bool = False) -> dict:
@@ -181,12 +181,6 @@ def resolve(name: str) -> Path:
     if spec.cap is not None and len(rows) > spec.cap:
         random.Random(_SHUFFLE_SEED).shuffle(rows)
         rows = rows[: spec.cap]
-    lines = []
-    for i, (where, row) in enumerate(rows):
-        obj = format_row(spec, row, f"dataset {name} {where}", multi_turn)
-        lines.append(json.dumps({"id": f"{name}-{i}", **obj, "domain": spec.domain}, ensure_ascii=False) + "\n")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    tmp.write_text("".join(lines), encoding="utf-8")
-    os.replace(tmp, out)
+    write_jsonl(out, ({"id": f"{name}-{i}", **format_row(spec, row, f"dataset {name} {where}", multi_turn),
+                       "domain": spec.domain} for i, (where, row) in enumerate(rows)))
     return out

@@ -242,8 +242,8 @@ class SpeculativeEngine:
         # drafts beyond the token budget are wasted
         budget = [min(max(cfg.max_new_tokens - len(results[i].output_ids) - 1, 0), cfg.block_size) for i in rows.active]
         sched = self.scheduler
-        # mean context for cost-table lookups (host-side)
-        sched.context = sum(len(results[i].prompt_ids) + len(results[i].output_ids) for i in rows.active) / R
+        if sched.cost_table is not None:  # mean context for cost-table lookups (host-side)
+            sched.context = sum(len(results[i].prompt_ids) + len(results[i].output_ids) for i in rows.active) / R
         if self.drafter is None or max(budget) == 0 or not sched.wants_draft(R, cfg.block_size):
             return None, torch.zeros(R, dtype=torch.long, device=dev)
         t0 = time.perf_counter()

@@ -105,7 +105,7 @@ def plan(opts: RegenerateOptions) -> tuple[Path, RegenerateStats, list[Conversat
     return out, stats, todo
 
 
-class _Dialogue:
+class Dialogue:
     """A conversation being regenerated: history so far and the turns still to play."""
 
     def __init__(self, conv: Conversation):
@@ -166,7 +166,7 @@ def regenerate(
     chunk = opts.concurrency * _CHUNK_PER_SLOT
     with open(out, "a", encoding="utf-8") as f:
         for start in range(0, len(todo), chunk):
-            dialogues = [_Dialogue(c) for c in todo[start : start + chunk]]
+            dialogues = [Dialogue(c) for c in todo[start : start + chunk]]
             active = [d for d in dialogues if d.next_turn()]
             while active:
                 prompts, runnable = [], []

@@ -26,7 +26,6 @@ the data disagree with what training tokenizes.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from collections.abc import Callable
@@ -38,10 +37,11 @@ import httpx
 from dspec_cli.core.data import Conversation
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import DEFAULT_TARGET_PATH
+from dspec_cli.core.jsonl import split_lines, write_line
 from dspec_cli.training.regenerate import (
+    Dialogue,
     RegenerateOptions,
     RegenerateStats,
-    _Dialogue,
     plan,
     turn_seed,
 )
@@ -210,8 +210,8 @@ class _Regeneration:
                 f"{self.opts.target or 'embedded tiny target'!r}: a probe prompt is {served} tokens there, {ours} here"
             )
 
-    async def dialogue(self, server: str, conv: Conversation) -> _Dialogue:
-        d, o = _Dialogue(conv), self.opts
+    async def dialogue(self, server: str, conv: Conversation) -> Dialogue:
+        d, o = Dialogue(conv), self.opts
         active = d.next_turn()
         while active:
             n_prompt = len(self.render(d.history))
@@ -252,11 +252,11 @@ class _Regeneration:
                         d = await self.dialogue(server, conv)
                     except RequestFailed as exc:
                         self.stats.failed += 1
-                        errf.write(json.dumps({"id": conv.id, "server": server, "error": str(exc)}, ensure_ascii=False) + "\n")
+                        write_line(errf, {"id": conv.id, "server": server, "error": str(exc)})
                         errf.flush()
                     else:
                         if d.answered:
-                            f.write(json.dumps(d.record(), ensure_ascii=False) + "\n")
+                            write_line(f, d.record())
                             f.flush()
                             self.stats.written += 1
                     self.tick(self.stats.generated_tokens - before)
@@ -292,7 +292,7 @@ def regenerate_with_servers(
         base_url(s)
     out, stats, todo = plan(opts)
     errors = errors_path(out)
-    if errors.exists() and (n := sum(1 for line in errors.read_text(encoding="utf-8").splitlines() if line.strip())):
+    if errors.exists() and (n := sum(1 for _, line in split_lines(errors.read_text(encoding="utf-8")) if line.strip())):
         stats.notes.append(f"retrying {n} conversation(s) that failed last time (listed in {errors})")
     if not todo:
         return stats

@@ -30,6 +30,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from dspec_cli.core.errors import DspecError
+from dspec_cli.core.jsonl import split_lines
 from dspec_cli.core.outputs import atomic_write_text
 
 CHECKPOINTS = "checkpoints"
@@ -153,10 +154,10 @@ def trim_log(path: Path, step: int) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         return
     keep = []
-    for line in path.read_text().splitlines():
+    for _, line in split_lines(path.read_text(encoding="utf-8")):
         try:
             if json.loads(line).get("step", 0) <= step:
                 keep.append(line)
-        except json.JSONDecodeError:
-            continue
+        except (json.JSONDecodeError, AttributeError):
+            continue  # blank or partial line (interrupted write)
     atomic_write_text(path, "".join(f"{line}\n" for line in keep))
