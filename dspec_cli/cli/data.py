@@ -82,7 +82,7 @@ def regenerate_command(
                                  request_timeout, explicit={"--drafter": drafter, "--checkpoint": checkpoint,
                                                             "--concurrency": concurrency}, console=err)
     else:
-        with CommandProgress(err, MofNCompleteColumn(), TextColumn("turns"), TimeRemainingColumn()) as bar:
+        with CommandProgress(err, MofNCompleteColumn(), TextColumn("turns"), TimeRemainingColumn(), unit="turns") as bar:
 
             def progress(desc: str, total: int):  # the bar starts once the inputs have been checked
                 task = bar.add_task(desc, total=total)

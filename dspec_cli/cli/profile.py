@@ -65,7 +65,7 @@ def _profile_steps(name, checkpoint, block_size, requests, verify_tokens, fmt, t
     model = load_drafter(name, tgt, checkpoint, block_size)
     rows, ctx = int_list(requests, "--requests"), int_list(contexts, "--contexts")
     err = Console(stderr=True)
-    with CommandProgress(err) as bar:
+    with CommandProgress(err, unit="cells") as bar:
         task = bar.add_task("profiling whole steps", total=len(set(rows)) * len(set(ctx)) * len(set(widths) | {block_size + 1}))
 
         def advance(c: int, r: int, v: int) -> None:

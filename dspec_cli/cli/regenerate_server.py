@@ -34,7 +34,7 @@ def run_with_servers(opts: RegenerateOptions, servers: list[str], concurrency: i
     sopts = ServerOptions(servers=servers, concurrency=concurrency, model=model, chat_template_kwargs=kwargs,
                           max_retries=max_retries, timeout=timeout)
     with CommandProgress(console, MofNCompleteColumn(), TextColumn("conversations · {task.fields[rate]}"),
-                         TimeRemainingColumn()) as bar:
+                         TimeRemainingColumn(), unit="conversations") as bar:
 
         def progress(total: int):
             task = bar.add_task("regenerate", total=total, rate="")
