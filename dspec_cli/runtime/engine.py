@@ -22,19 +22,11 @@ from dspec_cli.core import sampling
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.ragged import prefix_mask, ragged
 from dspec_cli.core.sampling import (
-    DRAFT_SALT as _SALT_DRAFT,
-)
-from dspec_cli.core.sampling import (
-    ENGINE_COIN_SALT as _SALT_COIN,
-)
-from dspec_cli.core.sampling import (
-    FIRST_TOKEN_SALT as _SALT_FIRST,
-)
-from dspec_cli.core.sampling import (
-    NOISE_SALT as _SALT_NOISE,
-)
-from dspec_cli.core.sampling import (
-    ROUND_STRIDE as _ROUND_STRIDE,
+    DRAFT_SALT,
+    ENGINE_COIN_SALT,
+    FIRST_TOKEN_SALT,
+    NOISE_SALT,
+    ROUND_STRIDE,
 )
 from dspec_cli.core.types import Proposal, VerifyResult
 from dspec_cli.runtime.drafter import Drafter
@@ -112,7 +104,7 @@ class RoundSampler:
     def __init__(self, config: GenerationConfig, seeds: torch.Tensor, rounds: torch.Tensor, steps: int):
         self.config = config
         self.seeds = seeds  # [R] int64
-        self.base = rounds * _ROUND_STRIDE  # [R] int64
+        self.base = rounds * ROUND_STRIDE  # [R] int64
         self.steps = steps  # draws per request this round (uniforms for all of them are made at once)
         self._uniforms: torch.Tensor | None = None  # [R, steps]
 
@@ -127,7 +119,7 @@ class RoundSampler:
         if self._uniforms is None or step + n > self._uniforms.shape[1]:
             width = max(self.steps, step + n)
             offsets = self.base[:, None] + torch.arange(width, device=self.seeds.device)  # [R, width]
-            self._uniforms = sampling.uniform(self.seeds[:, None], offsets, salt=_SALT_DRAFT)
+            self._uniforms = sampling.uniform(self.seeds[:, None], offsets, salt=DRAFT_SALT)
         u = self._uniforms[:, step : step + n]  # [R, n]
         if probs.dim() == 2:
             return sampling.sample_inverse_cdf(probs, u[:, 0])
@@ -184,7 +176,7 @@ class SpeculativeEngine:
         dev = self.target.device
         out = self.target.prefill(rows.batch, [list(prompts[i]) for i in new])
         new_seeds = torch.tensor([seeds[i] for i in new], dtype=torch.long, device=dev)
-        first = self._sample(out.logits, new_seeds, torch.zeros_like(new_seeds), _SALT_FIRST)
+        first = self._sample(out.logits, new_seeds, torch.zeros_like(new_seeds), FIRST_TOKEN_SALT)
         if rows.dstate is not None:  # the drafter gets them before it next drafts (DrafterLag)
             ids = [torch.tensor(prompts[i], dtype=torch.long, device=dev) for i in new]
             rows.lag.admit(ids, out.hidden if self.drafter.target_layer_ids else None)
@@ -266,16 +258,16 @@ class SpeculativeEngine:
         cfg = self.config
         width = grid.shape[1] - 1
         if width == 0:  # no row verifies a draft: a plain decoding step (the same token verify would give)
-            return _plain_step(self._sample(out.logits, rows.seeds, rows.rounds * _ROUND_STRIDE, _SALT_NOISE))
+            return _plain_step(self._sample(out.logits, rows.seeds, rows.rounds * ROUND_STRIDE, NOISE_SALT))
         drafts = ragged(grid[:, 1:], ell, ell_list)
         if cfg.greedy:
             return verify_greedy(out.logits, drafts, ell, validate=False)
         probs = sampling.logits_to_probs(out.logits, cfg.temperature, cfg.top_k, cfg.top_p)
         q = None if proposal.draft_probs is None else ragged(proposal.draft_probs[:, :width], ell, ell_list)
-        base = rows.rounds * _ROUND_STRIDE  # [R]
+        base = rows.rounds * ROUND_STRIDE  # [R]
         at = base[:, None] + torch.arange(1, width + 1, device=base.device)  # [R, width]: draft k at base + k
-        coins = ragged(sampling.uniform(rows.seeds[:, None], at, salt=_SALT_COIN), ell, ell_list)
-        noise = sampling.exponential(rows.seeds, base, probs.shape[-1], salt=_SALT_NOISE)
+        coins = ragged(sampling.uniform(rows.seeds[:, None], at, salt=ENGINE_COIN_SALT), ell, ell_list)
+        noise = sampling.exponential(rows.seeds, base, probs.shape[-1], salt=NOISE_SALT)
         return verify_chain(probs, drafts, q, ell, uniforms=coins, noise=noise, validate=False)
 
     def _verify_tree(self, rows: _Rows, proposal: Proposal):
@@ -298,7 +290,7 @@ class SpeculativeEngine:
         probs = sampling.logits_to_probs(out.logits, cfg.temperature, cfg.top_k, cfg.top_p)
         res = verify_tree(
             probs, tokens[is_node], parents[is_node], nodes, method="match",
-            seeds=rows.seeds, offsets=rows.rounds * _ROUND_STRIDE, validate=False,
+            seeds=rows.seeds, offsets=rows.rounds * ROUND_STRIDE, validate=False,
         )  # fmt: skip
         self.target.commit_path(rows.batch, res.path)
         keep = res.accepted + 1  # root + accepted nodes
