@@ -156,10 +156,9 @@ def calibrate_command(
     from dspec_cli.core.files import CALIBRATION_FILE, embedded_path
     from dspec_cli.runtime.engine import GenerationConfig
     from dspec_cli.runtime.target import Target
-    from dspec_cli.workflows.bench import fitting_prompts
     from dspec_cli.workflows.calibrate import (
         calibrate,
-        collect_rounds,
+        record_rounds,
         reliability,
         threshold_sweep,
     )
@@ -189,7 +188,7 @@ def calibrate_command(
     old_file = ckpt_dir / CALIBRATION_FILE if ckpt_dir else None
     old = Calibration.load(old_file, drafter=cls.name) if old_file and old_file.is_file() else None
     err = Console(stderr=True)
-    model, skipped, ids = None, 0, []
+    model, skipped, used = None, 0, 0
     if traces is not None:  # raw confidences as recorded (SGLang records the head's output before STS)
         rounds, meta = load_rounds(traces, block_size)
         if meta["drafter"] and meta["drafter"] != cls.name:
@@ -208,14 +207,17 @@ def calibrate_command(
         gamma = model.config.block_size
         config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                   block_size=gamma, max_batch=concurrency, seed=seed)
-        ids, skipped = fitting_prompts(tgt, [tgt.render_prompt(p.text) for p in prompts], max_new_tokens, gamma,
-                                       strict=strict, where="--dataset")
+        with CommandProgress(err, unit="prompts") as bar:
+
+            def progress(total: int):
+                task = bar.add_task(f"collecting rounds · {cls.name}", total=total)
+                return lambda _res: bar.advance(task)
+
+            rounds, used, skipped = record_rounds(tgt, model, [p.text for p in prompts], config, strict=strict,
+                                                  progress=progress)
         if skipped:
             warnings.warn(f"skipped {skipped} of {len(prompts)} prompt(s) that do not fit the target's context with "
                           f"--max-new-tokens {max_new_tokens} (--strict makes this an error)", stacklevel=1)
-        with CommandProgress(err, unit="prompts") as bar:
-            task = bar.add_task(f"collecting rounds · {cls.name}", total=len(ids))
-            rounds = collect_rounds(tgt, model, ids, config, on_finish=lambda _res: bar.advance(task))
     if old is not None:
         old.check(cls.name, gamma)
     cal = calibrate(rounds, cls.name)
@@ -228,7 +230,7 @@ def calibrate_command(
         cal_file = cal.save(out_dir) if in_place else _write_copy(model, ckpt_dir, cal, out_dir)
     console = results_console()
     if not is_stdout(json_path):
-        render_metrics(cal, console, f"{len(ids)} prompts" + (f" ({skipped} skipped: too long)" if skipped else ""))
+        render_metrics(cal, console, f"{used} prompts" + (f" ({skipped} skipped: too long)" if skipped else ""))
     opt.wrote(err, cal_file)
     sweep = threshold_sweep(rounds) if sweep_threshold else None
     if sweep is not None and not is_stdout(json_path):
@@ -249,7 +251,7 @@ def calibrate_command(
         before, after = cal.metrics["before"], cal.metrics["after"]
         pick = lambda m: {k: m[k] for k in ("count", "ece", "auroc", "brier", "mean_pred", "mean_label")}  # noqa: E731
         report = {
-            "drafter": cls.name, "block_size": gamma, "num_rounds": len(rounds), "num_prompts": len(ids),
+            "drafter": cls.name, "block_size": gamma, "num_rounds": len(rounds), "num_prompts": used,
             "skipped_prompts": skipped, "calibration_file": str(cal_file) if cal_file else None,
             "temperatures": cal.temperatures, "ece_before": before["ece_mean"], "ece_after": after["ece_mean"],
             "before": pick(before), "after": pick(after), "threshold_sweep": sweep,

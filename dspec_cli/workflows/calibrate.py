@@ -18,7 +18,7 @@ drafter name and block size they belong to.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +29,7 @@ from dspec_cli.core.data import jsonl_objects
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.jsonl import write_jsonl
 from dspec_cli.runtime.engine import SpeculativeEngine
+from dspec_cli.workflows.bench import fitting_prompts
 
 NUM_BINS = 20
 DEFAULT_GRID = tuple(sorted({round(10 ** (i / 80), 6) for i in range(-104, 105)}))  # 0.05 … 20, log-spaced, with 1.0
@@ -323,6 +324,18 @@ def collect_rounds(target, drafter, prompts: Sequence[Sequence[int]], config, on
     finally:
         drafter.calibration = calibration
     return Rounds.from_results(results, drafter.config.block_size)
+
+
+def record_rounds(target, drafter, prompts: Sequence[str], config, *, strict: bool = False,
+                  progress: Callable[[int], Callable] | None = None) -> tuple[Rounds, int, int]:
+    """Calibration data: render ``prompts`` with the chat template, keep those that fit the target's
+    context (:func:`~dspec_cli.workflows.bench.fitting_prompts`), and record their rounds raw
+    (:func:`collect_rounds`). Returns (rounds, prompts used, prompts skipped as too long);
+    ``progress(total)`` returns a per-request callback."""
+    ids, skipped = fitting_prompts(target, [target.render_prompt(p) for p in prompts], config.max_new_tokens,
+                                   config.block_size, strict=strict, where="--dataset")
+    on_finish = progress(len(ids)) if progress else None
+    return collect_rounds(target, drafter, ids, config, on_finish=on_finish), len(ids), skipped
 
 
 def calibrate(rounds: Rounds, drafter: str, grid: Sequence[float] = DEFAULT_GRID) -> Calibration:
