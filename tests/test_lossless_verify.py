@@ -14,6 +14,7 @@ import torch
 
 import dspec_cli.runtime.verify.reference as reference
 from dspec_cli import testing as T
+from dspec_cli.core.sampling import torch_uniform
 from dspec_cli.runtime.verify import verify_chain, verify_greedy
 
 R = 200_000
@@ -73,6 +74,33 @@ def test_chain_iid(case, gamma):
         target, drafter, num_requests=R, gamma=gamma, num_tokens=2, generator=_gen(seed), backend="torch"
     )
     _assert_first_two(tokens, target, 0, f"{case}, γ={gamma}")
+
+
+def _inverse_cdf_verifier(target_probs, draft_tokens, draft_probs, num_draft, *, generator=None, draw=None, **kw):
+    """verify_chain drawing the final token by inverse CDF (the engine's CPU path); ``draw`` bends the uniforms."""
+    u = torch_uniform((num_draft.numel(),), generator=generator)
+    return verify_chain(target_probs, draft_tokens, draft_probs, num_draft, generator=generator,
+                        final_uniforms=u if draw is None else draw(u), **kw)
+
+
+@pytest.mark.parametrize("case", ["dirichlet", "disjoint", "target_top_p", "one_hot_draft"])
+def test_chain_final_token_by_inverse_cdf(case):
+    target, drafter = IID_CASES[case]()
+    tokens = T.simulate_speculative(
+        target, drafter, num_requests=R, gamma=3, num_tokens=2, generator=_gen(300 + list(IID_CASES).index(case)),
+        verifier=_inverse_cdf_verifier, backend="torch",
+    )
+    _assert_first_two(tokens, target, 0, f"{case}, inverse CDF")
+
+
+def test_biased_inverse_cdf_draw_is_caught():
+    target, drafter = IID_CASES["disjoint"]()  # every draft is rejected: the final draw is every token
+    kw = dict(num_requests=R, gamma=3, num_tokens=1, backend="torch")
+    ok = T.simulate_speculative(target, drafter, generator=_gen(310), verifier=_inverse_cdf_verifier, **kw)
+    assert T.gof_test(ok[:, 0], T.exact_target_joint(target, 0, 1)).p_value > 1e-4  # control
+    bent = lambda *a, **k: _inverse_cdf_verifier(*a, draw=lambda u: u.sqrt(), **k)  # noqa: E731
+    tokens = T.simulate_speculative(target, drafter, generator=_gen(310), verifier=bent, **kw)
+    assert T.gof_test(tokens[:, 0], T.exact_target_joint(target, 0, 1)).p_value < 1e-12
 
 
 def _markov(seed: int, target_sampling: dict, drafter_sampling: dict, greedy: bool = False, vocab: int = 16):

@@ -143,6 +143,9 @@ class SpeculativeEngine:
         self.scheduler = scheduler if scheduler is not None else FixedScheduler()
         self.stop_ids = set(target.eos_token_ids if stop_ids is None else stop_ids)
         self.stats = RunStats()
+        # CPU: target tokens by inverse CDF with one uniform per row (a vocabulary-wide noise
+        # vector costs ~0.5 ms per step there); elsewhere the exponential race (the Triton verifier's)
+        self._inverse_cdf = target.device.type == "cpu"
 
     # -- public ------------------------------------------------------------------------
     def generate(
@@ -265,8 +268,13 @@ class SpeculativeEngine:
         probs = sampling.logits_to_probs(out.logits, cfg.temperature, cfg.top_k, cfg.top_p)
         q = None if proposal.draft_probs is None else ragged(proposal.draft_probs[:, :width], ell, ell_list)
         base = rows.rounds * ROUND_STRIDE  # [R]
-        at = base[:, None] + torch.arange(1, width + 1, device=base.device)  # [R, width]: draft k at base + k
-        coins = ragged(sampling.uniform(rows.seeds[:, None], at, salt=ENGINE_COIN_SALT), ell, ell_list)
+        dev = base.device
+        at = base[:, None] + torch.arange(width + 1, device=dev)  # [R, 1 + width]: final at base, draft k at base + k
+        salts = torch.tensor([NOISE_SALT] + [ENGINE_COIN_SALT] * width, device=dev)
+        u = sampling.uniform(rows.seeds[:, None], at, salt=salts)  # one call for the coins and the final draw
+        coins = ragged(u[:, 1:], ell, ell_list)
+        if self._inverse_cdf:
+            return verify_chain(probs, drafts, q, ell, uniforms=coins, final_uniforms=u[:, 0], validate=False)
         noise = sampling.exponential(rows.seeds, base, probs.shape[-1], salt=NOISE_SALT)
         return verify_chain(probs, drafts, q, ell, uniforms=coins, noise=noise, validate=False)
 
@@ -370,6 +378,8 @@ class SpeculativeEngine:
         if cfg.greedy:
             return logits.argmax(-1)
         probs = sampling.logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
+        if self._inverse_cdf:
+            return sampling.sample_inverse_cdf(probs, sampling.uniform(seeds, offsets, salt=salt))
         return sampling.sample_from_probs(probs, sampling.exponential(seeds, offsets, probs.shape[-1], salt=salt))
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:

@@ -250,8 +250,8 @@ class DFlashDrafter(TrainableDrafter):
             head_state = head.init_state(prev.numel(), h)
             if head_state is not None:
                 head_state = head_state.view(*prev.shape, -1)
-        feat, head_state = head.step(head_state, prev, h)
-        return logits + head.bias(feat).float(), head_state
+        bias, head_state = head.step_bias(head_state, prev, h)
+        return logits + bias.float(), head_state
 
     @torch.no_grad()
     def propose(self, state: BlockDraftState, anchors: torch.Tensor, max_len: int, sampler: Sampler) -> Proposal:

@@ -163,3 +163,24 @@ def test_calibration_round_trip(target, tmp_path):
     (tmp_path / "calibration.json").write_text(json.dumps({"temperatures": [1.0, -1.0]}))
     with pytest.raises(DspecError, match="calibration.json"):
         type(drafter).from_pretrained(tmp_path, target)
+
+
+def test_markov_transition_table_is_the_low_rank_bias():
+    """On a CPU the decoding bias is a row of W1·W2; it follows weight updates and is not used under grad."""
+    from dspec_cli.nn.heads import TABLE_MAX_BYTES, MarkovHead
+
+    torch.manual_seed(0)
+    head = MarkovHead(64, 8, 16)
+    prev = torch.tensor([[3, 9], [0, 63]])
+    with torch.no_grad():
+        table = head.transition_table()
+        assert table is not None and table.shape == (64, 64)
+        bias, state = head.step_bias(None, prev, torch.zeros(2, 2, 16))
+        assert state is None and bias.shape == (2, 2, 64)
+        torch.testing.assert_close(bias, head.proj(head.embed(prev)))
+        head.proj.weight.mul_(2.0)  # an in-place update (optimizer step) invalidates the table
+        torch.testing.assert_close(head.step_bias(None, prev, None)[0], head.proj(head.embed(prev)))
+    assert head.transition_table() is None  # training: gradients flow through W1 and W2
+    big = MarkovHead(int((TABLE_MAX_BYTES // 4) ** 0.5) + 1, 1, 4)
+    with torch.no_grad():
+        assert big.transition_table() is None  # too large to cache: the matrix-vector product

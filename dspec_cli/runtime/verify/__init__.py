@@ -71,22 +71,27 @@ def _ragged_sizes(values, stats, draft_tokens, target, target_name: str, R: int)
     return total, width
 
 
-def _chain_randomness(num_draft, total, vocab, uniforms, noise, generator, seeds, offsets, device):
-    """Coins [Σℓ] float64 and noise [R, V] float32 from the highest-precedence source."""
-    R = num_draft.numel()
+def _chain_coins(num_draft, total, uniforms, generator, seeds, offsets, device) -> torch.Tensor:
+    """Coins [Σℓ] float64 from the highest-precedence source."""
     if uniforms is None:
         if seeds is not None:
+            R = num_draft.numel()
             req = torch.repeat_interleave(torch.arange(R, device=device), num_draft, output_size=total)
             local = torch.arange(total, device=device) - reference.prefix_sums(num_draft)[req]
             uniforms = uniform(seeds[req], offsets[req] + local, COIN_SALT)
         else:
             uniforms = torch_uniform((total,), generator=generator, device=device)
+    return uniforms.double()
+
+
+def _chain_noise(R: int, vocab: int, noise, generator, seeds, offsets, device) -> torch.Tensor:
+    """Final-token noise [R, V] float32 from the highest-precedence source."""
     if noise is None:
         if seeds is not None:
             noise = exponential(seeds, offsets, vocab, NOISE_SALT)
         else:
             noise = torch_exponential((R, vocab), generator=generator, device=device)
-    return uniforms.double(), noise.float()
+    return noise.float()
 
 
 def verify_chain(
@@ -98,6 +103,7 @@ def verify_chain(
     generator: torch.Generator | None = None,
     uniforms: torch.Tensor | None = None,  # [Σℓ_r] float64 in (0, 1)
     noise: torch.Tensor | None = None,  # [R, V] Exp(1), > 0
+    final_uniforms: torch.Tensor | None = None,  # [R] float64 in (0, 1): final token by inverse CDF
     seeds: torch.Tensor | None = None,  # [R] int64
     offsets: torch.Tensor | None = None,  # [R] int64
     backend: str = "auto",
@@ -108,7 +114,9 @@ def verify_chain(
     Draft x_k is accepted with probability min(1, p(x_k)/q(x_k)) (q = 1 for one-hot drafts);
     at the first rejection the token is drawn from norm(max(0, p - q)) (one-hot: p with x_k
     removed; p itself if the residual is all zero), else the bonus token from p at row ℓ_r.
-    Tokens are drawn by the exponential race argmax(w / noise), no renormalisation needed.
+    The final token is drawn by the exponential race argmax(w / noise) (no renormalisation),
+    or, given ``final_uniforms`` (torch backend), by the inverse CDF of w with one uniform per
+    request: the same distribution without a vocabulary-wide noise vector (cheaper on a CPU).
     """
     checks.tensor("target_probs", target_probs, dim=2, kind="float")
     device, vocab = target_probs.device, target_probs.shape[1]
@@ -124,8 +132,15 @@ def verify_chain(
     if noise is not None:
         checks.tensor("noise", noise, dim=2, kind="float", device=device)
         checks.shape("noise", noise, (R, vocab))
+    if final_uniforms is not None:
+        if noise is not None:
+            raise ValueError("final_uniforms: give either noise or final_uniforms for the final token, not both")
+        checks.tensor("final_uniforms", final_uniforms, dim=1, kind="float", device=device)
+        checks.shape("final_uniforms", final_uniforms, (R,))
     checks.rng_keys(seeds, offsets, R, device)
     impl = _backend(backend, device)
+    if final_uniforms is not None and impl is not reference:
+        raise ValueError("final_uniforms: the Triton backend draws the final token with noise; pass noise or seeds")
 
     c = checks.Checks(device)
     stats = checks.lengths(c, "num_draft", num_draft, validate)
@@ -138,10 +153,16 @@ def verify_chain(
             checks.open_unit(c, "uniforms", uniforms)
         if noise is not None:
             checks.positive_finite(c, "noise", noise)
+        if final_uniforms is not None:
+            checks.open_unit(c, "final_uniforms", final_uniforms)
     total, width = _ragged_sizes(c.run(), stats, draft_tokens, target_probs, "target_probs", R)
 
     num_draft, draft_tokens = num_draft.long(), draft_tokens.long()
-    uniforms, noise = _chain_randomness(num_draft, total, vocab, uniforms, noise, generator, seeds, offsets, device)
+    uniforms = _chain_coins(num_draft, total, uniforms, generator, seeds, offsets, device)
+    if final_uniforms is None:
+        noise = _chain_noise(R, vocab, noise, generator, seeds, offsets, device)
+    else:
+        noise = final_uniforms.double()  # [R]: the reference draws the final token by inverse CDF
     return impl.chain(target_probs, draft_tokens, draft_probs, num_draft, uniforms, noise, total, width)
 
 
