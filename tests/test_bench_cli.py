@@ -211,10 +211,10 @@ def test_speedup_bound_prices_verification_against_plain_steps():
     """τ · plain-step cost / verify-step cost: from the cost table where given, else measured."""
     import dspec_cli.workflows.bench as bench
 
-    def reps(verify_seconds, rounds):
-        return [([], 1.0, RunStats(verify_seconds=verify_seconds, rounds=rounds))]
+    def reps(forward_seconds, rounds):
+        return [([], 1.0, RunStats(forward_seconds=forward_seconds, verify_seconds=2 * forward_seconds, rounds=rounds))]
 
-    measured = bench.speedup_bound(2.5, 8, 1, reps(3.0, 10), reps(1.0, 10))  # a verify costs 3 plain steps
+    measured = bench.speedup_bound(2.5, 8, 1, reps(3.0, 10), reps(1.0, 10))  # a verify forward costs 3 plain ones
     assert measured == {"speedup_bound": pytest.approx(2.5 / 3), "speedup_bound_source": "measured"}
     table = CostTable(device="cpu", device_name="x", dtype="float32", model="m", torch="t", grid=[1, 4, 8, 16],
                       contexts=[128], measured={"128": [100.0, 90.0, 50.0, 30.0]})
@@ -222,8 +222,10 @@ def test_speedup_bound_prices_verification_against_plain_steps():
     assert tabled["speedup_bound"] == pytest.approx(2.5 * table.sps(8) / table.sps(1))
     assert tabled["speedup_bound_source"] == "cost_table"
     assert bench.speedup_bound(2.5, 8, 1, reps(0.0, 0), reps(1.0, 10))["speedup_bound"] is None
-    phases = bench.phase_ms_per_round(RunStats(draft_seconds=0.2, verify_seconds=0.5, rounds=100))
-    assert phases == pytest.approx({"draft": 2.0, "verify": 5.0, "prefill": 0.0, "other": 0.0})
+    phases = bench.phase_ms_per_round(RunStats(draft_seconds=0.2, verify_seconds=0.5, forward_seconds=0.3,
+                                               accept_seconds=0.1, update_seconds=0.1, rounds=100))
+    assert phases == pytest.approx({"draft": 2.0, "verify": 5.0, "forward": 3.0, "accept": 1.0, "update": 1.0,
+                                    "prefill": 0.0, "other": 0.0})
 
 
 def test_ratio_interval_is_a_t_interval_on_log_ratios():

@@ -36,7 +36,7 @@ _SHUFFLE_SEED = 0
 class DatasetSpec:
     name: str
     repo_id: str
-    revision: str  # a commit sha where pinned; "main" where not yet pinned
+    revision: str  # a commit sha where pinned; else a release tag (livecodebench) or "main"
     split: str
     files: tuple[str, ...]  # glob patterns inside the repo (one split's data files)
     fields: tuple[str, ...]  # the row fields that make the prompt
@@ -58,11 +58,11 @@ REGISTRY: dict[str, DatasetSpec] = {s.name: s for s in [
                 ("test.jsonl",), ("problem",), "{problem}" + MATH_SUFFIX, "math", 500),
     DatasetSpec("aime25", "minyichen/AIME2025", "main", "test", ("data/test-*",), ("problem",),
                 "{problem}" + MATH_SUFFIX, "math", 30),
-    DatasetSpec("humaneval", "openai/openai_humaneval", "main", "test", ("openai_humaneval/test-*",), ("prompt",),
+    DatasetSpec("humaneval", "openai/openai_humaneval", "7dce6050a7d6d172f3cc5c32aa97f52fa1a2e544", "test", ("openai_humaneval/test-*",), ("prompt",),
                 HUMANEVAL_TEMPLATE, "code", 164),
     DatasetSpec("mbpp", "google-research-datasets/mbpp", "4bb6404fdc6cacfda99d4ac4205087b89d32030c", "test", ("sanitized/test-*",), ("prompt",),
                 "{prompt}", "code", 256),
-    DatasetSpec("livecodebench", "livecodebench/code_generation_lite", "main", "test",
+    DatasetSpec("livecodebench", "livecodebench/code_generation_lite", "release_v6", "test",
                 ("test.jsonl", "test2.jsonl", "test3.jsonl", "test4.jsonl", "test5.jsonl", "test6.jsonl"),
                 ("question_content",), "{question_content}", "code", 500),
     DatasetSpec("mt-bench", "HuggingFaceH4/mt_bench_prompts", "main", "train", ("data/train-*",), ("prompt",),

@@ -84,7 +84,10 @@ class RequestResult:
 @dataclass
 class RunStats:
     draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
+    verify_seconds: float = 0.0  # = forward + accept + update seconds
+    forward_seconds: float = 0.0  # target forward of the verified tokens
+    accept_seconds: float = 0.0  # target probabilities, rejection sampling / tree walk
+    update_seconds: float = 0.0  # target cache commit and drafter advance
     prefill_seconds: float = 0.0
     other_seconds: float = 0.0
     rounds: int = 0
@@ -199,12 +202,12 @@ class SpeculativeEngine:
         proposal, ell = self._draft(rows, results)
         t1 = time.perf_counter()
         if proposal is not None and proposal.tree is not None:
-            res, committed, keep, hidden = self._verify_tree(rows, proposal)
-            t2 = time.perf_counter()
-            nodes = proposal.tree.num_nodes.to(self.target.device)
-            self._book(rows, results, res, proposal, nodes, t0, t1, t2, int(nodes.sum()) + len(rows.active))
+            res, committed, keep, hidden, tf, ta = self._verify_tree(rows, proposal)
             if self.drafter is not None:
                 self.drafter.advance(rows.dstate, committed, keep, hidden)
+            nodes = proposal.tree.num_nodes.to(self.target.device)
+            self._book(rows, results, res, proposal, nodes, (t0, t1, tf, ta, time.perf_counter()),
+                       int(nodes.sum()) + len(rows.active))
             return
         # 2. verify: [anchor, x_1..x_ℓ] per row, flattened
         ell_list = ell.tolist()
@@ -215,7 +218,9 @@ class SpeculativeEngine:
             grid = torch.cat([grid, proposal.tokens[:, :width].to(grid.dtype)], dim=1)
         tokens = ragged(grid, n, [e + 1 for e in ell_list])
         out = self.target.verify(rows.batch, tokens, n)
+        tf = time.perf_counter()
         res = self._accept(rows, out, grid, proposal, ell, ell_list)
+        ta = time.perf_counter()
         # 3. commit: anchor + accepted drafts enter the caches; the last token is the new anchor
         keep = res.accepted + 1
         self.target.commit(rows.batch, keep)
@@ -227,8 +232,7 @@ class SpeculativeEngine:
             if hidden is not None:  # committed entries of the flat verify layout
                 hidden = hidden[ragged(prefix_mask(keep, grid.shape[1]), n, [e + 1 for e in ell_list])]
             self.drafter.advance(rows.dstate, ragged(grid, keep, keep.tolist()), keep, hidden)
-        t2 = time.perf_counter()
-        self._book(rows, results, res, proposal, ell, t0, t1, t2, tokens.numel())
+        self._book(rows, results, res, proposal, ell, (t0, t1, tf, ta, time.perf_counter()), tokens.numel())
 
     def _draft(self, rows: _Rows, results: list[RequestResult]) -> tuple[Proposal | None, torch.Tensor]:
         """1. draft: the drafter proposes, the scheduler picks ℓ [R] (zeros without a drafter)."""
@@ -295,20 +299,24 @@ class SpeculativeEngine:
         parents = torch.full_like(tokens, -1)
         parents[is_node] = tree.parents[flat_row[is_node], flat_pos[is_node] - 1].to(dev)
         out = self.target.verify_tree(rows.batch, tokens, parents, n)
+        tf = time.perf_counter()
         probs = sampling.logits_to_probs(out.logits, cfg.temperature, cfg.top_k, cfg.top_p)
         res = verify_tree(
             probs, tokens[is_node], parents[is_node], nodes, method="match",
             seeds=rows.seeds, offsets=rows.rounds * ROUND_STRIDE, validate=False,
         )  # fmt: skip
+        ta = time.perf_counter()
         self.target.commit_path(rows.batch, res.path)
         keep = res.accepted + 1  # root + accepted nodes
         on_path = res.path >= 0  # [R, D+1]
         idx = (starts[:, None] + res.path.clamp(min=0))[on_path]  # flat rows of the path, row-major
         hidden = out.hidden[idx] if out.hidden is not None else None
-        return res, tokens[idx], keep, hidden
+        return res, tokens[idx], keep, hidden, tf, ta
 
-    def _book(self, rows, results, res, proposal, ell, t0, t1, t2, verify_tokens: int) -> None:
-        """Per-request statistics and outputs of one round (one host sync)."""
+    def _book(self, rows, results, res, proposal, ell, times: tuple[float, ...], verify_tokens: int) -> None:
+        """Per-request statistics and outputs of one round (one host sync). ``times``: perf_counter
+        at the round's start, after drafting, the target forward, acceptance and the cache update."""
+        t0, t1, tf, ta, t2 = times
         R = len(rows.active)
         acc_list, ell_list = res.accepted.tolist(), ell.tolist()
         out_tokens = res.tokens.tolist()
@@ -329,6 +337,9 @@ class SpeculativeEngine:
         self.stats.verify_tokens += verify_tokens
         self.stats.draft_seconds += t1 - t0
         self.stats.verify_seconds += t2 - t1
+        self.stats.forward_seconds += tf - t1
+        self.stats.accept_seconds += ta - tf
+        self.stats.update_seconds += t2 - ta
         t3 = time.perf_counter()
         self.stats.other_seconds += t3 - t2
         self.scheduler.observe_round(R, t3 - t0, proposal is not None, R + sum(acc_list), rows.catch_up)

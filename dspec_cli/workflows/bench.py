@@ -116,26 +116,30 @@ def run_interleaved(engines, ids, repeats: int, conc: int, dset: str, progress) 
     return timed
 
 
+PHASES = ("draft", "verify", "forward", "accept", "update", "prefill", "other")
+
+
 def phase_ms_per_round(stats: RunStats) -> dict[str, float]:
-    """Milliseconds per round of each engine phase: draft (drafter, incl. catching up), verify
-    (target forward, acceptance, commit, drafter advance), prefill of joining requests, other
-    (bookkeeping, retiring)."""
+    """Milliseconds per round of each engine phase: draft (drafter, incl. catching up), verify =
+    forward (target forward of the verified tokens) + accept (target probabilities, rejection
+    sampling or tree walk) + update (target cache commit, drafter advance), prefill of joining
+    requests, other (bookkeeping, retiring)."""
     if not stats.rounds:
         return {}
-    return {k: 1e3 * getattr(stats, f"{k}_seconds") / stats.rounds for k in ("draft", "verify", "prefill", "other")}
+    return {k: 1e3 * getattr(stats, f"{k}_seconds") / stats.rounds for k in PHASES}
 
 
 def speedup_bound(tau: float, budget: float, rows: int, reps: list[tuple[list, float, RunStats]],
                   baseline: list[tuple[list, float, RunStats]], cost_table: CostTable | None = None) -> dict:
-    """What the measured τ allows if drafting and the rest of the round were free: τ times the cost
-    of a plain step over the cost of a verify step. From the cost table where one is given (padded
-    verify of ``rows`` rows at the mean ``budget`` ℓ + 1: τ · SPS(R·budget) / SPS(R)), else from
-    this run's measured verify phase against the baseline's plain steps."""
+    """What the measured τ allows if drafting and host work were free: τ times the cost of a plain
+    step over the cost of a verify step. From the cost table where one is given (padded verify of
+    ``rows`` rows at the mean ``budget`` ℓ + 1: τ · SPS(R·budget) / SPS(R)), else from this run's
+    target forwards against the baseline's (plain steps)."""
     if cost_table is not None:
         return {"speedup_bound": tau * cost_table.sps(rows * budget) / cost_table.sps(rows),
                 "speedup_bound_source": "cost_table"}
-    run = [sum(s.verify_seconds for _, _, s in reps), sum(s.rounds for _, _, s in reps)]
-    base = [sum(s.verify_seconds for _, _, s in baseline), sum(s.rounds for _, _, s in baseline)]
+    run = [sum(s.forward_seconds for _, _, s in reps), sum(s.rounds for _, _, s in reps)]
+    base = [sum(s.forward_seconds for _, _, s in baseline), sum(s.rounds for _, _, s in baseline)]
     if not all(run + base):
         return {"speedup_bound": None, "speedup_bound_source": None}
     return {"speedup_bound": tau * (base[0] / base[1]) / (run[0] / run[1]), "speedup_bound_source": "measured"}
