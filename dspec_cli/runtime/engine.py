@@ -27,6 +27,7 @@ from dspec_cli.core.sampling import (
     FIRST_TOKEN_SALT,
     NOISE_SALT,
     ROUND_STRIDE,
+    TREE_DRAFT_SALT,
 )
 from dspec_cli.core.types import Proposal, VerifyResult
 from dspec_cli.runtime.drafter import Drafter
@@ -107,6 +108,7 @@ class RoundSampler:
         self.base = rounds * ROUND_STRIDE  # [R] int64
         self.steps = steps  # draws per request this round (uniforms for all of them are made at once)
         self._uniforms: torch.Tensor | None = None  # [R, steps]
+        self.greedy = config.greedy
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R, V]
         c = self.config
@@ -124,6 +126,14 @@ class RoundSampler:
         if probs.dim() == 2:
             return sampling.sample_inverse_cdf(probs, u[:, 0])
         return sampling.sample_inverse_cdf(probs.flatten(0, 1), u.flatten()).view(u.shape)
+
+    def race_noise(self, depth: int, width: int, vocab: int) -> torch.Tensor:  # -> [R, width, V]
+        """Tree-draft noise of frontier node w at depth d: (seed, round base + d), salt TREE_DRAFT_SALT + w."""
+        R, dev = self.seeds.numel(), self.seeds.device
+        seeds = self.seeds.repeat_interleave(width)
+        offsets = (self.base + depth).repeat_interleave(width)
+        salt = TREE_DRAFT_SALT + torch.arange(width, device=dev).repeat(R)
+        return sampling.exponential(seeds, offsets, vocab, salt).view(R, width, vocab)
 
 
 class SpeculativeEngine:
@@ -196,9 +206,11 @@ class SpeculativeEngine:
         proposal, ell = self._draft(rows, results)
         t1 = time.perf_counter()
         if proposal is not None and proposal.tree is not None:
-            res, committed, keep, hidden = self._verify_tree(rows, proposal)
+            # a row verifying nothing (token budget spent) gets an empty tree: its token is then the
+            # root's sample, the one a plain step would give (so outputs do not depend on the batch)
+            nodes = torch.where(ell > 0, proposal.tree.num_nodes.to(self.target.device), 0)
+            res, committed, keep, hidden = self._verify_tree(rows, proposal, nodes)
             t2 = time.perf_counter()
-            nodes = proposal.tree.num_nodes.to(self.target.device)
             self._book(rows, results, res, proposal, nodes, t0, t1, t2, int(nodes.sum()) + len(rows.active))
             if self.drafter is not None:
                 self.drafter.advance(rows.dstate, committed, keep, hidden)
@@ -270,13 +282,14 @@ class SpeculativeEngine:
         noise = sampling.exponential(rows.seeds, base, probs.shape[-1], salt=NOISE_SALT)
         return verify_chain(probs, drafts, q, ell, uniforms=coins, noise=noise, validate=False)
 
-    def _verify_tree(self, rows: _Rows, proposal: Proposal):
-        """Verify one draft tree per row in one target pass (sample-and-match walk)."""
+    def _verify_tree(self, rows: _Rows, proposal: Proposal, nodes: torch.Tensor):
+        """Verify one draft tree per row in one target pass: recursive rejection over sampled
+        siblings ("sampled") when the tree carries draft probabilities and T > 0, else the
+        sample-and-match walk."""
         cfg, dev = self.config, self.target.device
         tree = proposal.tree
         R = len(rows.active)
-        nodes = tree.num_nodes.to(dev)
-        n = nodes + 1  # anchor (root) + nodes
+        n = nodes + 1  # anchor (root) + nodes [R]
         total = int(n.sum())
         starts = torch.cumsum(n, 0) - n
         flat_row = torch.repeat_interleave(torch.arange(R, device=dev), n, output_size=total)
@@ -288,9 +301,12 @@ class SpeculativeEngine:
         parents[is_node] = tree.parents[flat_row[is_node], flat_pos[is_node] - 1].to(dev)
         out = self.target.verify_tree(rows.batch, tokens, parents, n)
         probs = sampling.logits_to_probs(out.logits, cfg.temperature, cfg.top_k, cfg.top_p)
+        q = None
+        if tree.draft_probs is not None and not cfg.greedy:
+            q = tree.draft_probs.to(dev)[flat_row, flat_pos]  # [total, V], aligned with probs
         res = verify_tree(
-            probs, tokens[is_node], parents[is_node], nodes, method="match",
-            seeds=rows.seeds, offsets=rows.rounds * ROUND_STRIDE, validate=False,
+            probs, tokens[is_node], parents[is_node], nodes, method="match" if q is None else "sampled",
+            draft_probs=q, seeds=rows.seeds, offsets=rows.rounds * ROUND_STRIDE, validate=False,
         )  # fmt: skip
         self.target.commit_path(rows.batch, res.path)
         keep = res.accepted + 1  # root + accepted nodes
