@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import dspec_cli.runtime.verify.reference as reference
+import dspec_cli.runtime.verify.tree as tree_verify
 from dspec_cli import testing as T
 from dspec_cli.core.sampling import torch_uniform
 from dspec_cli.runtime.verify import verify_chain, verify_greedy
@@ -250,3 +251,89 @@ def test_appendix_a_retrospective_scheduler_is_caught():
     with pytest.raises(AssertionError, match="distribution mismatch"):
         T.assert_same_distribution(retro[:, 0], ex.target_first, name="appendix A, retrospective")
     T.assert_same_distribution(retro[:, 0], ex.retrospective_first, alpha=ALPHA, name="the paper's (0.85, 0.15)")
+
+
+# --------------------------------------------------------------------------------------
+# Sampled trees: siblings drawn without replacement from q, verified with q ("sampled").
+# --------------------------------------------------------------------------------------
+
+SAMPLED_CASES = {  # (target, drafter) Markov chains at T = 1 unless stated
+    "broad": lambda: (T.ToyLM.random(V, scale=0.5, generator=_gen(120)), T.ToyDrafter(T.ToyLM.random(V, scale=0.5, generator=_gen(121)))),
+    "peaked": lambda: (T.ToyLM.random(V, scale=4.0, generator=_gen(122)), T.ToyDrafter(T.ToyLM.random(V, scale=4.0, generator=_gen(123)))),
+    # q's support (top-k 2) is exhausted by 3 siblings: the third is verified as a one-hot draft
+    "draft_top_k": lambda: (T.ToyLM.random(V, generator=_gen(124)), T.ToyDrafter(T.ToyLM.random(V, generator=_gen(125), top_k=2))),
+    "target_top_p": lambda: (T.ToyLM.random(V, generator=_gen(126), top_p=0.8), T.ToyDrafter(T.ToyLM.random(V, generator=_gen(127)))),
+    "identical": lambda: (T.ToyLM.random(V, generator=_gen(128)), T.ToyDrafter(T.ToyLM.random(V, generator=_gen(128)))),
+}
+
+
+def _sampled_tree_tokens(case: str, shape, seed: int, num_tokens: int = 2, num_requests: int = R,
+                         **verify_kwargs) -> torch.Tensor:
+    target, drafter = SAMPLED_CASES[case]()
+    depth, branching = shape
+    return T.simulate_tree_speculative(
+        target, drafter, num_requests=num_requests, depth=depth, branching=branching, num_tokens=num_tokens, x0=1,
+        method="sampled", generator=_gen(seed), **verify_kwargs,
+    )
+
+
+@pytest.mark.parametrize("shape", [(3, 2), (2, 3)])
+@pytest.mark.parametrize("case", list(SAMPLED_CASES))
+def test_tree_sampled(case, shape):
+    seed = 130 + 10 * list(SAMPLED_CASES).index(case) + shape[1]
+    tokens = _sampled_tree_tokens(case, shape, seed)
+    _assert_first_two(tokens, SAMPLED_CASES[case]()[0], 1, f"tree sampled {case} {shape}")
+
+
+@pytest.mark.parametrize("method", ["match", "sampled"])
+def test_tree_target_draws_by_inverse_cdf(method):
+    """The engine's CPU path: one uniform per depth instead of a vocabulary-wide noise vector."""
+    if method == "sampled":
+        tokens, target = _sampled_tree_tokens("broad", (2, 3), 200, final_draw="inverse_cdf"), SAMPLED_CASES["broad"]()[0]
+    else:
+        target, drafter = _markov(201, dict(temperature=0.8), {}, vocab=V)
+        tokens = T.simulate_tree_speculative(target, drafter, num_requests=R, depth=2, branching=3, num_tokens=2, x0=1,
+                                             method="match", generator=_gen(201), final_draw="inverse_cdf")
+    _assert_first_two(tokens, target, 1, f"tree {method}, inverse CDF")
+
+
+def test_biased_tree_inverse_cdf_draw_is_caught(monkeypatch):
+    import dspec_cli.runtime.verify.tree as tree_module
+
+    assert _sampled_first_token_p_value("broad", 202, final_draw="inverse_cdf") > 1e-4  # control
+    bent = tree_module.sample_inverse_cdf
+    monkeypatch.setattr(tree_module, "sample_inverse_cdf", lambda w, u: bent(w, u.sqrt()))
+    assert _sampled_first_token_p_value("broad", 202, final_draw="inverse_cdf") < 1e-12
+
+
+def _sampled_first_token_p_value(case: str, seed: int, **verify_kwargs) -> float:
+    tokens = _sampled_tree_tokens(case, (2, 3), seed, num_tokens=1, **verify_kwargs)
+    return T.gof_test(tokens[:, 0], T.exact_target_joint(SAMPLED_CASES[case]()[0], 1, 1)).p_value
+
+
+_SIBLING_STEP = tree_verify.sibling_step
+
+
+def _step_keeping_rejected_in_q(p, q, x):
+    prob, new_p, _ = _SIBLING_STEP(p, q, x)
+    return prob, new_p, q  # q' not updated: later siblings are checked against the wrong q̂'
+
+
+def _step_unnormalised(p, q, x):
+    prob, new_p, new_q = _SIBLING_STEP(p, q, x)
+    p_x, q_x = p.gather(1, x[:, None]).squeeze(1), q.gather(1, x[:, None]).squeeze(1)
+    return reference.acceptance_prob(p_x, q_x), new_p, new_q  # min(1, p'/q') without the hats
+
+
+SAMPLED_BIASES = {
+    "residual_is_p": lambda mp: mp.setattr(reference, "residual", lambda p, q: p),
+    "rejected_kept_in_q": lambda mp: mp.setattr(tree_verify, "sibling_step", _step_keeping_rejected_in_q),
+    "unnormalised_ratio": lambda mp: mp.setattr(tree_verify, "sibling_step", _step_unnormalised),
+}
+
+
+@pytest.mark.parametrize("bias", list(SAMPLED_BIASES))
+def test_wrong_sampled_tree_verification_is_caught(bias, monkeypatch):
+    assert _sampled_first_token_p_value("broad", 190) > 1e-4  # control: the real verifier passes
+    SAMPLED_BIASES[bias](monkeypatch)
+    assert _sampled_first_token_p_value("broad", 190) < 1e-12

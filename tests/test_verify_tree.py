@@ -244,3 +244,166 @@ BAD_TREE = [
 def test_bad_input_names_argument(name, changes):
     with pytest.raises(ValueError, match=f"^{name}"):
         verify_tree(**_bad_tree(**changes))
+
+
+# -- "sampled": recursive rejection sampling over siblings drawn without replacement ------------
+
+
+def sampled_oracle(target_probs, draft_probs, tokens, parents, num_nodes, coins, noise):
+    """Per-request python walk of method "sampled" (float64); returns (tokens, path) lists."""
+    out, row, start = [], 0, 0
+    for r, n in enumerate(num_nodes.tolist()):
+        par = [None] + parents[start : start + n].tolist()
+        tok = [None] + tokens[start : start + n].tolist()
+        cur, toks, path, depth = 0, [], [0], 0
+        while True:
+            p = target_probs[row + cur].double()
+            res_p, res_q, nxt = p.clone(), draft_probs[row + cur].double().clone(), None
+            for i in (i for i in range(1, n + 1) if par[i] == cur):
+                p_hat = res_p / res_p.sum() if res_p.sum() > 0 else res_p * 0
+                q_hat = res_q / res_q.sum() if res_q.sum() > 0 else res_q * 0
+                x = tok[i]
+                if q_hat[x] > 0:
+                    prob, q_eff = min(1.0, float(p_hat[x] / q_hat[x])), q_hat
+                else:  # outside q's remaining support: a one-hot draft
+                    prob, q_eff = float(p_hat[x]), torch.zeros_like(q_hat).index_fill(0, torch.tensor([x]), 1.0)
+                if float(coins[start + i - 1]) < prob:
+                    nxt = i
+                    break
+                res_p, res_q = (p_hat - q_eff).clamp(min=0), q_hat.index_fill(0, torch.tensor([x]), 0.0)
+            if nxt is None:
+                toks.append(int(((res_p if (res_p > 0).any() else p).float() / noise[r, depth]).argmax()))
+                break
+            toks.append(tok[nxt])
+            cur, depth = nxt, depth + 1
+            path.append(cur)
+        out.append((toks, path))
+        row, start = row + n + 1, start + n
+    return out
+
+
+def sampled_case(sizes, V, seed):
+    """random_trees with siblings made distinct and a draft distribution per row (some rows with
+    zeros, so that siblings fall outside q's support)."""
+    probs, tokens, parents, num_nodes = random_trees(sizes, V, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.softmax(torch.randn(probs.shape, generator=g) * 2, -1)
+    q = q * (torch.rand(probs.shape, generator=g) > 0.3)
+    q[q.sum(-1) == 0, 0] = 1.0
+    start = 0
+    for n in sizes:  # distinct siblings: node i's token is a fresh one among its parent's children
+        seen = {}
+        for i in range(start, start + n):
+            used = seen.setdefault(int(parents[i]), set())
+            free = [t for t in range(V) if t not in used]
+            tokens[i] = free[int(torch.randint(len(free), (), generator=g))] if free else tokens[i]
+            used.add(int(tokens[i]))
+        start += n
+    return probs, q, tokens, parents, num_nodes
+
+
+@pytest.mark.parametrize("sizes,V", [([0], 5), ([6, 0, 12, 1], 7), ([30], 4), ([8] * 20, 3), ([40, 25], 11)])
+def test_sampled_matches_oracle(sizes, V):
+    probs, q, tokens, parents, num_nodes = sampled_case(sizes, V, seed=sum(sizes) + V)
+    g = torch.Generator().manual_seed(V)
+    D = tree_depth(parents, sizes)
+    coins, noise = torch_uniform((sum(sizes),), generator=g), torch_exponential((len(sizes), D + 1, V), generator=g)
+    result = verify_tree(probs, tokens, parents, num_nodes, method="sampled", draft_probs=q, uniforms=coins, noise=noise)
+    assert result.tokens.shape == result.path.shape == (len(sizes), D + 1)
+    assert torch.equal(result.num_tokens, result.accepted + 1)
+    assert as_lists(result) == sampled_oracle(probs, q, tokens, parents, num_nodes, coins, noise)
+    if sum(sizes) > 20:
+        assert 0 < int(result.accepted.sum()) < sum(sizes)
+
+
+def _sampled(probs, q, tokens, parents, coins, noise):
+    tokens, parents = torch.tensor(tokens), torch.tensor(parents)
+    return verify_tree(
+        torch.tensor(probs), tokens, parents, torch.tensor([len(tokens)]), method="sampled",
+        draft_probs=torch.tensor(q), uniforms=torch.tensor(coins, dtype=torch.float64), noise=noise,
+    )  # fmt: skip
+
+
+def test_sampled_root_without_children_samples_root():
+    probs, _, _, _, num_nodes = sampled_case([0, 0], 13, seed=1)
+    noise = torch_exponential((2, 1, 13), generator=torch.Generator().manual_seed(2))
+    result = verify_tree(probs, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), num_nodes,
+                         method="sampled", draft_probs=torch.zeros_like(probs), noise=noise)
+    assert result.accepted.tolist() == [0, 0] and result.path.tolist() == [[0], [0]]
+    assert torch.equal(result.tokens[:, 0], (probs / noise[:, 0]).argmax(-1))
+
+
+def test_sampled_p_equal_q_accepts_the_first_child_then_takes_the_leaf_bonus():
+    """p == q: min(1, p/q) = 1, accepted even by the largest coin; the leaf's bonus is drawn from
+    its own target row with the depth-1 noise (its draft row is ignored)."""
+    pq = [0.1, 0.6, 0.3]
+    noise = torch.tensor([[[1.0, 1.0, 1.0], [5.0, 1.0, 0.1]]])  # depth 1: argmax(p_leaf / noise) = 2
+    leaf = [0.4, 0.4, 0.2]
+    result = _sampled([pq, leaf], [pq, [0.0, 0.0, 0.0]], [2], [0], [1 - 2**-53], noise)
+    assert result.accepted.tolist() == [1] and result.path.tolist() == [[0, 1]]
+    assert result.tokens.tolist() == [[2, 2]]
+
+
+def test_sampled_all_children_rejected_samples_the_residual():
+    """p = (.5, .5, 0, 0) and q = (0, 0, .5, .5): both children (tokens 2, 3) have p = 0, so they
+    are rejected by any coin; the residual is p itself and the final token is one of 0, 1."""
+    p, q, rest = [0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 0.5, 0.5], [0.25] * 4
+    for seed in range(8):
+        noise = torch_exponential((1, 2, 4), generator=torch.Generator().manual_seed(seed))
+        result = _sampled([p, rest, rest], [q, rest, rest], [2, 3], [0, 0], [2**-53, 2**-53], noise)
+        assert result.accepted.tolist() == [0]
+        assert result.tokens[0, 0] == (torch.tensor(p) / noise[0, 0]).argmax() and result.tokens[0, 1] == -1
+
+
+def test_sampled_second_sibling_sees_the_normalised_residuals():
+    """p = (.5, .5, 0), q = (.8, .2, 0), children 0 then 1: child 0 is accepted with p/q = 5/8;
+    after its rejection p' ∝ max(p − q, 0) = (0, .3, 0) and q' ∝ (0, .2, 0), so child 1 is accepted
+    with min(1, 1/1) = 1."""
+    p, q, flat = [0.5, 0.5, 0.0], [0.8, 0.2, 0.0], [1 / 3] * 3
+    noise = torch.ones(1, 2, 3)
+    for coin, node in [(0.62, 1), (0.63, 2)]:
+        result = _sampled([p, flat, flat], [q, flat, flat], [0, 1], [0, 0], [coin, 1 - 2**-53], noise)
+        assert result.accepted.tolist() == [1] and result.path[0, 1] == node
+
+
+def test_sampled_counter_randomness_is_batch_independent():
+    sizes = [4, 0, 9, 3]
+    probs, q, tokens, parents, num_nodes = sampled_case(sizes, 6, seed=5)
+    seeds, offsets = torch.tensor([1, 2, 3, 4]), torch.tensor([10, 0, 33, 7])
+    kw = dict(method="sampled", seeds=seeds, offsets=offsets)
+    full = verify_tree(probs, tokens, parents, num_nodes, draft_probs=q, **kw)
+    alone = verify_tree(probs[6:16], tokens[4:13], parents[4:13], num_nodes[2:3], draft_probs=q[6:16],
+                        method="sampled", seeds=seeds[2:3], offsets=offsets[2:3])
+    assert as_lists(alone) == as_lists(full)[2:3]
+
+
+def test_sampled_first_token_distribution():
+    """Quick sanity check (the chi-square tests live with the harness): root children drawn
+    without replacement from q, first committed token ~ p."""
+    R, V = 30_000, 4
+    g = torch.Generator().manual_seed(6)
+    p_root, q_root = torch.tensor([0.1, 0.2, 0.3, 0.4]), torch.tensor([0.5, 0.3, 0.15, 0.05])
+    kids = (q_root / torch_exponential((R, V), generator=g)).topk(2, -1).indices  # [R, 2]
+    probs = torch.cat([p_root[None, None].expand(R, 1, V), torch.full((R, 2, V), 0.25)], 1).reshape(-1, V)
+    q = torch.cat([q_root[None, None].expand(R, 1, V), torch.zeros(R, 2, V)], 1).reshape(-1, V)
+    result = verify_tree(probs, kids.flatten(), torch.zeros(2 * R, dtype=torch.long), torch.full((R,), 2),
+                         method="sampled", draft_probs=q, generator=g)
+    freq = torch.bincount(result.tokens[:, 0], minlength=V).double() / R
+    assert torch.allclose(freq, p_root.double(), atol=0.012)
+    assert 0.5 < result.accepted.double().mean() < 0.9
+
+
+BAD_SAMPLED = [
+    ("draft_probs", dict(method="sampled")),  # required
+    ("draft_probs", dict(draft_probs=torch.full((7, 5), 0.2))),  # match takes none
+    ("draft_probs", dict(method="sampled", draft_probs=torch.full((6, 5), 0.2))),  # rows
+    ("draft_probs", dict(method="sampled", draft_probs=torch.full((7, 5), -0.2))),
+    ("draft_probs", dict(method="sampled", draft_probs=torch.full((7, 5), 1, dtype=torch.long))),
+    ("noise", dict(method="sampled", draft_probs=torch.full((7, 5), 0.2), noise=torch.ones(2, 5))),
+]
+
+
+@pytest.mark.parametrize("name,changes", BAD_SAMPLED, ids=[f"{n}-{i}" for i, (n, _) in enumerate(BAD_SAMPLED)])
+def test_sampled_bad_input_names_argument(name, changes):
+    with pytest.raises(ValueError, match=f"^{name}"):
+        verify_tree(**_bad_tree(**changes))

@@ -33,7 +33,7 @@ __all__ = [
 # -- the random streams: every draw is keyed by (request seed, offset, salt) -------------
 # Verification (runtime/verify): chain acceptance coin of draft k at (seed, offset + k); the
 # final token's Exp(1) noise at (seed, offset) (tree "match": offset + depth); tree "recursive"
-# coin of node i at (seed, offset) with salt NODE_SALT + i.
+# coin of node i at (seed, offset) with salt NODE_SALT + i (also tree "sampled").
 COIN_SALT = 1
 NOISE_SALT = 2
 NODE_SALT = 1 << 28
@@ -42,6 +42,9 @@ NODE_SALT = 1 << 28
 # whether its round is plain, a chain or a tree, whatever the rest of the batch does.
 FIRST_TOKEN_SALT = 11
 DRAFT_SALT = 23
+# Sampled draft trees (RoundSampler.sample_distinct): draw j of frontier node w at depth d at
+# (seed, round base + d) with salt TREE_DRAFT_SALT + 256·w + j.
+TREE_DRAFT_SALT = 2 << 28
 ENGINE_COIN_SALT = 37
 ROUND_STRIDE = 4096  # offsets per request round: round * stride + position
 
@@ -225,8 +228,11 @@ def uniform(seeds: torch.Tensor, offsets: torch.Tensor, salt=0) -> torch.Tensor:
 def exponential(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int, salt=0) -> torch.Tensor:
     """Counter-based Exp(1) noise [N, vocab] float32, keyed by (seed, offset, salt, token id).
 
-    seeds, offsets: [N] int64. Uses 23 random bits per entry; every value is finite and > 0.
+    seeds, offsets: [N] int64; salt: int or [N] int64. Uses 23 random bits per entry; every
+    value is finite and > 0.
     """
+    if isinstance(salt, torch.Tensor):
+        salt = salt.reshape(-1, 1)
     state = _lanes(seeds.reshape(-1, 1), offsets.reshape(-1, 1), salt)[0]  # [N, 1]
     h = _absorb_spread(state, _token_words(vocab, state.device))  # [N, V]
     u = (h >> 9).float().add_(0.5).mul_(_TWO_M23)  # (0, 1), exact in float32

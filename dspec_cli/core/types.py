@@ -35,6 +35,9 @@ class DraftTree:
     tokens: torch.Tensor  # [R, N] long, padded with -1
     parents: torch.Tensor  # [R, N] long: local parent index (0 = root), parents precede children
     num_nodes: torch.Tensor  # [R] long
+    # [R, N+1, V]: row 0 = the root's q, row i = node i's q (its children's distribution; children
+    # are a sample without replacement from it, in node order). Set: verified by "sampled" at T > 0.
+    draft_probs: torch.Tensor | None = None
 
 
 @dataclass
@@ -52,12 +55,19 @@ class Proposal:
 class Sampler(Protocol):
     """Sampling at the run's settings, with per-request counter-based randomness."""
 
+    greedy: bool  # temperature 0 (probs are one-hot; nothing is sampled)
+
     def probs(self, logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R, V]
         ...
 
     def sample(self, probs: torch.Tensor, step: int) -> torch.Tensor:
         """Draw of draft ``step``: probs [R, V] -> [R]; or of drafts step..step+n−1 at once:
         probs [R, n, V] -> [R, n] (the same tokens as n single calls)."""
+        ...
+
+    def sample_distinct(self, probs: torch.Tensor, n: int, step: int) -> torch.Tensor:
+        """n draws without replacement, in draw order, from each row of probs [R, W, V] -> [R, W, n]
+        (the children of W tree nodes at depth ``step``)."""
         ...
 
 

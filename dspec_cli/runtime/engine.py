@@ -27,6 +27,7 @@ from dspec_cli.core.sampling import (
     FIRST_TOKEN_SALT,
     NOISE_SALT,
     ROUND_STRIDE,
+    TREE_DRAFT_SALT,
 )
 from dspec_cli.core.types import Proposal, VerifyResult
 from dspec_cli.runtime.drafter import Drafter
@@ -110,6 +111,7 @@ class RoundSampler:
         self.base = rounds * ROUND_STRIDE  # [R] int64
         self.steps = steps  # draws per request this round (uniforms for all of them are made at once)
         self._uniforms: torch.Tensor | None = None  # [R, steps]
+        self.greedy = config.greedy
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R, V]
         c = self.config
@@ -127,6 +129,22 @@ class RoundSampler:
         if probs.dim() == 2:
             return sampling.sample_inverse_cdf(probs, u[:, 0])
         return sampling.sample_inverse_cdf(probs.flatten(0, 1), u.flatten()).view(u.shape)
+
+    def sample_distinct(self, probs: torch.Tensor, n: int, step: int) -> torch.Tensor:  # [R, W, V] -> [R, W, n]
+        """n draws without replacement from each of W distributions per request, in draw order
+        (successive inverse-CDF draws, the drawn token zeroed after each). Draw j of row w at tree
+        depth ``step`` uses the uniform at (seed, round base + step), salt TREE_DRAFT_SALT + 256·w + j."""
+        R, W, V = probs.shape
+        dev = probs.device
+        salt = TREE_DRAFT_SALT + (torch.arange(W, device=dev)[:, None] << 8) + torch.arange(n, device=dev)  # [W, n]
+        u = sampling.uniform(self.seeds[:, None, None], (self.base + step)[:, None, None], salt).view(R * W, n)
+        weights = probs.reshape(R * W, V).clone()
+        draws = []
+        for j in range(n):
+            x = sampling.sample_inverse_cdf(weights, u[:, j])  # [R·W]
+            weights.scatter_(1, x[:, None], 0.0)
+            draws.append(x)
+        return torch.stack(draws, 1).view(R, W, n) if draws else probs.new_zeros(R, W, 0, dtype=torch.long)
 
 
 class SpeculativeEngine:
@@ -202,10 +220,12 @@ class SpeculativeEngine:
         proposal, ell = self._draft(rows, results)
         t1 = time.perf_counter()
         if proposal is not None and proposal.tree is not None:
-            res, committed, keep, hidden, tf, ta = self._verify_tree(rows, proposal)
+            # a row verifying nothing (token budget spent) gets an empty tree: its token is then the
+            # root's sample, the one a plain step would give (so outputs do not depend on the batch)
+            nodes = torch.where(ell > 0, proposal.tree.num_nodes.to(self.target.device), 0)
+            res, committed, keep, hidden, tf, ta = self._verify_tree(rows, proposal, nodes)
             if self.drafter is not None:
                 self.drafter.advance(rows.dstate, committed, keep, hidden)
-            nodes = proposal.tree.num_nodes.to(self.target.device)
             self._book(rows, results, res, proposal, nodes, (t0, t1, tf, ta, time.perf_counter()),
                        int(nodes.sum()) + len(rows.active))
             return
@@ -282,13 +302,14 @@ class SpeculativeEngine:
         noise = sampling.exponential(rows.seeds, base, probs.shape[-1], salt=NOISE_SALT)
         return verify_chain(probs, drafts, q, ell, uniforms=coins, noise=noise, validate=False)
 
-    def _verify_tree(self, rows: _Rows, proposal: Proposal):
-        """Verify one draft tree per row in one target pass (sample-and-match walk)."""
+    def _verify_tree(self, rows: _Rows, proposal: Proposal, nodes: torch.Tensor):
+        """Verify one draft tree per row in one target pass: recursive rejection over sampled
+        siblings ("sampled") when the tree carries draft probabilities and T > 0, else the
+        sample-and-match walk."""
         cfg, dev = self.config, self.target.device
         tree = proposal.tree
         R = len(rows.active)
-        nodes = tree.num_nodes.to(dev)
-        n = nodes + 1  # anchor (root) + nodes
+        n = nodes + 1  # anchor (root) + nodes [R]
         total = int(n.sum())
         starts = torch.cumsum(n, 0) - n
         flat_row = torch.repeat_interleave(torch.arange(R, device=dev), n, output_size=total)
@@ -301,9 +322,13 @@ class SpeculativeEngine:
         out = self.target.verify_tree(rows.batch, tokens, parents, n)
         tf = time.perf_counter()
         probs = sampling.logits_to_probs(out.logits, cfg.temperature, cfg.top_k, cfg.top_p)
+        q = None
+        if tree.draft_probs is not None and not cfg.greedy:
+            q = tree.draft_probs.to(dev)[flat_row, flat_pos]  # [total, V], aligned with probs
         res = verify_tree(
-            probs, tokens[is_node], parents[is_node], nodes, method="match",
-            seeds=rows.seeds, offsets=rows.rounds * ROUND_STRIDE, validate=False,
+            probs, tokens[is_node], parents[is_node], nodes, method="match" if q is None else "sampled",
+            draft_probs=q, seeds=rows.seeds, offsets=rows.rounds * ROUND_STRIDE, validate=False,
+            final_draw="inverse_cdf" if self._inverse_cdf else "race",
         )  # fmt: skip
         ta = time.perf_counter()
         self.target.commit_path(rows.batch, res.path)

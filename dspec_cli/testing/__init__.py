@@ -583,7 +583,10 @@ def simulate_tree_speculative(
     generator: torch.Generator,
     **verify_kwargs,
 ) -> torch.Tensor:
-    """Tree speculative decoding (:func:`random_tree` + verify_tree): [num_requests, num_tokens]."""
+    """Tree speculative decoding (:func:`random_tree` + verify_tree): [num_requests, num_tokens].
+
+    With ``method="sampled"`` the drafter's q of every row (the distribution its children were
+    drawn from) is passed as ``draft_probs``."""
 
     def step(last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         tree = random_tree(drafter, last, depth=depth, branching=branching, generator=generator)
@@ -592,6 +595,9 @@ def simulate_tree_speculative(
         row_mask = torch.cat([torch.ones_like(node_mask[:, :1]), node_mask], 1)  # [Ra, N+1]
         context = torch.cat([last[:, None], tree.tokens], 1)
         target_probs = target.probs(context[row_mask])  # [Σ(N_r+1), V]
+        extra = dict(verify_kwargs)
+        if method == "sampled":
+            extra["draft_probs"] = drafter.model.probs(context[row_mask])
         res = verify_tree(
             target_probs,
             tree.tokens[node_mask],
@@ -599,7 +605,7 @@ def simulate_tree_speculative(
             tree.num_nodes,
             method=method,
             generator=generator,
-            **verify_kwargs,
+            **extra,
         )
         check_tree_result(res, tree, target.vocab_size)
         return res.tokens, res.num_tokens

@@ -6,8 +6,10 @@ head (if any) conditions each node's children on the node's own token (and, for 
 its path), and :func:`~dspec_ddtree.tree.grow_tree` keeps the ``tree_budget`` best prefixes.
 Scores use the base's own log-probs (T = 1, no top-k/top-p, as in DDTree): the engine's
 sample-and-match walk commits only target samples, so the tree's shape never affects the
-output distribution. State, checkpoints and ``advance`` are the base's: a ddtree checkpoint
-is the base drafter's checkpoint.
+output distribution. With ``tree_mode="sampled"`` (T > 0) the tree is instead sampled from the
+run's q (:func:`~dspec_ddtree.tree.grow_sampled_tree`) and carries q, so the engine verifies it
+by recursive rejection sampling. State, checkpoints and ``advance`` are the base's: a ddtree
+checkpoint is the base drafter's checkpoint.
 """
 
 from __future__ import annotations
@@ -35,19 +37,27 @@ from dspec_cli import (
     get_drafter_class,
     registry,
 )
-from dspec_ddtree.tree import grow_tree
+from dspec_ddtree.tree import grow_sampled_tree, grow_tree
+
+TREE_MODES = ("best", "sampled")
 
 
 @dataclass
 class DDTreeConfig(DrafterConfig):
     """DDTree options. ``block_size`` (the deepest node) is the base drafter's γ."""
 
-    base: str = "dflash"  # drafter whose per-position distributions grow the tree
+    base: str = "dspark-markov"  # drafter whose per-position distributions grow the tree
     tree_budget: int = 32  # draft nodes per tree (the root/anchor not counted)
     tree_topk: int = 0  # children considered per node; 0 = tree_budget (capped by the vocabulary)
+    # "best": the tree_budget best prefixes (DDTree; sample-and-match verification);
+    # "sampled": children sampled without replacement from the run's q, verified with q by
+    # recursive rejection sampling (at T = 0 the best-first tree is used).
+    tree_mode: str = "sampled"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.tree_mode not in TREE_MODES:
+            raise DspecError(f"tree_mode must be one of {', '.join(TREE_MODES)}, got {self.tree_mode!r}")
         for key, low in (("tree_budget", 1), ("tree_topk", 0)):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -135,8 +145,12 @@ class DDTreeDrafter(WrappedDrafter):
     @torch.no_grad()
     def propose(self, state: DraftState, anchors: torch.Tensor, max_len: int, sampler: Sampler) -> Proposal:
         """A tree of up to ``tree_budget`` nodes and depth min(max_len, γ); the chain fields hold
-        its best path (draft_probs None). ``sampler`` is unused: the walk samples the target."""
-        tree, scores = self.draft_tree(state, anchors, max_len)
+        its best path (draft_probs None). Best-first trees do not use ``sampler`` (the walk samples
+        the target); sampled trees (T > 0) draw with its distribution, without replacement."""
+        if self.config.tree_mode == "sampled" and sampler is not None and not sampler.greedy:
+            tree, scores = self.draft_sampled_tree(state, anchors, max_len, sampler)
+        else:
+            tree, scores = self.draft_tree(state, anchors, max_len)
         path, lengths = best_path(tree.tokens, tree.parents, scores, min(max_len, self.config.block_size))
         return Proposal(tokens=path, lengths=lengths, tree=tree)
 
@@ -157,6 +171,27 @@ class DDTreeDrafter(WrappedDrafter):
         R, N = tokens.shape
         num_nodes = torch.full((R,), N, dtype=torch.long, device=anchors.device)
         return DraftTree(tokens=tokens, parents=parents, num_nodes=num_nodes), scores
+
+    @torch.no_grad()
+    def draft_sampled_tree(
+        self, state: DraftState, anchors: torch.Tensor, max_len: int, sampler: Sampler
+    ) -> tuple[DraftTree, torch.Tensor]:
+        """A sampled tree after ``anchors`` [R] (:func:`~dspec_ddtree.tree.grow_sampled_tree`,
+        q = ``sampler.probs``) with its draft probabilities, and its node scores [R, N]."""
+        if max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        cfg = self.config
+        depth = min(max_len, cfg.block_size)
+        logits, h = self.base.block_marginals(state, anchors)  # [R, γ, V], [R, γ, d]
+
+        def expand(slot: int, tokens: torch.Tensor, head_state):
+            return self.base.head_logits(logits[:, slot, None], h[:, slot, None], tokens, head_state)
+
+        topk = min(cfg.tree_topk or cfg.tree_budget, logits.shape[-1])
+        tokens, parents, scores, num_nodes, q = grow_sampled_tree(
+            expand, sampler.probs, lambda slot, q, n: sampler.sample_distinct(q, n, slot), anchors, depth, cfg.tree_budget, topk
+        )
+        return DraftTree(tokens=tokens, parents=parents, num_nodes=num_nodes, draft_probs=q), scores
 
 
 def _base_overrides(overrides: dict[str, Any]) -> dict[str, Any]:

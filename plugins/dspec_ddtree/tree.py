@@ -23,7 +23,7 @@ import torch
 
 from dspec_cli import select_tree
 
-__all__ = ["Expand", "grow_tree"]
+__all__ = ["Expand", "grow_sampled_tree", "grow_tree"]
 
 # expand(slot, tokens [R, W], state) -> (logits [R, W or 1, V], state'): the distribution of the
 # children of the W frontier nodes of depth ``slot`` (their tokens; at slot 0 the anchors), given
@@ -71,3 +71,105 @@ def grow_tree(
                 state = state.gather(1, rows.expand(-1, -1, *state.shape[2:]))
         offset += cand.shape[1]
     return select_tree(torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1), budget)
+
+
+# probs(logits [n, V]) -> q [n, V]: the run's sampling distribution (temperature, top-k, top-p).
+Probs = Callable[[torch.Tensor], torch.Tensor]
+# draw(slot, q [R, W, V], n) -> [R, W, n]: n draws without replacement from each frontier node's q, in order.
+Draw = Callable[[int, torch.Tensor, int], torch.Tensor]
+
+
+def grow_sampled_tree(
+    expand: Expand,
+    probs: Probs,
+    draw: Draw,
+    anchors: torch.Tensor,  # [R] long: the roots
+    depth: int,
+    budget: int,
+    topk: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A sampled draft tree of at most ``budget`` nodes and ``depth`` levels, for lossless
+    verification with ``verify_tree(method="sampled")``.
+
+    Depth by depth, the frontier nodes' child distributions q = ``probs(expand(...))`` are
+    computed; then the depth's child slots are allocated across the frontier (m_v children of
+    node v) from what is already drafted only: candidate j of node v is worth
+    s_v + log q_(j)(v) (s_v: v's path log-prob under q, q_(j) the j-th largest probability of
+    q_v); a candidate is taken when it ranks among the remaining budget's best against the
+    candidates themselves and a forecast of the deeper levels (each candidate's chain of
+    descendants decaying by ρ per level, ρ = the frontier's mean top-1 probability). So m_v
+    never depends on v's children, as losslessness requires, and m_v never exceeds q_v's
+    support. Then v's m_v children are drawn without replacement from q_v by ``draw`` and
+    stored in draw order.
+
+    Returns tokens [R, N] (-1 padded), parents [R, N] (local, 0 = root, parents first; -1
+    padded), scores [R, N] (path log-probs under q; -inf padded), num_nodes [R] and
+    draft_probs [R, N + 1, V] (row 0: the root's q, row i: node i's q; zero for leaves of the
+    last level), N = budget.
+    """
+    if depth < 1 or budget < 1 or topk < 1:
+        raise ValueError(f"depth, budget and topk must be >= 1, got {depth}, {budget}, {topk}")
+    R, dev = anchors.shape[0], anchors.device
+    N = budget
+    tok = anchors[:, None]  # [R, W] frontier tokens
+    score = torch.zeros(R, 1, device=dev)  # [R, W] path log-probs
+    node = torch.zeros(R, 1, dtype=torch.long, device=dev)  # [R, W] local node index (0 = root)
+    alive = torch.ones(R, 1, dtype=torch.bool, device=dev)  # [R, W] real frontier entries
+    used = torch.zeros(R, dtype=torch.long, device=dev)
+    tokens = torch.full((R, N + 1), -1, dtype=torch.long, device=dev)  # column N: discarded writes
+    parents = torch.full_like(tokens, -1)
+    scores = torch.full((R, N + 1), float("-inf"), device=dev)
+    draft_probs = None
+    state = None
+    for slot in range(depth):
+        W = tok.shape[1]
+        logits, state = expand(slot, tok, state)  # [R, W or 1, V]
+        V = logits.shape[-1]
+        q = probs(logits.flatten(0, 1).float()).view(R, -1, V).expand(R, W, V)  # [R, W, V]
+        if draft_probs is None:
+            draft_probs = torch.zeros(R, N + 2, V, device=dev)  # row N + 1: discarded writes
+        rows = torch.where(alive, node, N + 1)
+        draft_probs.scatter_(1, rows[..., None].expand(R, W, V), q)
+        K = min(topk, V, N)
+        top_q = q.topk(K, dim=-1).values  # [R, W, K], descending
+        est = torch.where(alive[..., None], score[..., None] + top_q.log(), float("-inf")).flatten(1)  # [R, W·K]
+        remaining = (N - used)[:, None]  # [R, 1]
+        levels = depth - slot - 1  # deeper levels still to come
+        union = est
+        if levels:
+            live = alive.float()
+            rho = (top_q[..., 0] * live).sum(1) / live.sum(1).clamp(min=1)  # [R]
+            decay = rho.clamp(min=1e-6).log()[:, None, None] * torch.arange(1, levels + 1, device=dev)  # [R, 1, L]
+            union = torch.cat([est, (est[..., None] + decay).flatten(1)], 1)  # candidates first: they win ties
+        ranked = union.sort(dim=1, descending=True, stable=True)
+        top = torch.arange(union.shape[1], device=dev) < remaining
+        n = ((ranked.indices < est.shape[1]) & top & torch.isfinite(ranked.values)).sum(1)  # [R] slots this level
+        order = est.sort(dim=1, descending=True, stable=True).indices
+        chosen = torch.zeros_like(est, dtype=torch.bool).scatter_(
+            1, order, torch.arange(est.shape[1], device=dev) < n[:, None]
+        ) & torch.isfinite(est)
+        m = chosen.view(R, W, K).sum(-1)  # [R, W] children per frontier node (a prefix of its candidates)
+        kids = torch.zeros(R, W, K, dtype=torch.long, device=dev)  # [R, W, K]: draws without replacement, in order
+        n_draw = int(m.max())  # host sync: draw only as many siblings as some node takes
+        if n_draw:
+            kids[..., :n_draw] = draw(slot, q, n_draw)
+        valid = (torch.arange(K, device=dev) < m[..., None]).flatten(1)  # [R, W·K]
+        kid_score = (score[..., None] + q.gather(-1, kids).log()).flatten(1)
+        W2 = min(N, W * K)
+        pick = (~valid).long().argsort(dim=1, stable=True)[:, :W2]  # [R, W2] the valid children first, in order
+        count = valid.sum(1)
+        new_alive = torch.arange(W2, device=dev) < count[:, None]
+        new_node = used[:, None] + 1 + torch.arange(W2, device=dev)
+        tok = kids.flatten(1).gather(1, pick)
+        score = kid_score.gather(1, pick)
+        par = node.repeat_interleave(K, dim=1).gather(1, pick)
+        at = torch.where(new_alive, new_node - 1, N)
+        tokens.scatter_(1, at, tok)
+        parents.scatter_(1, at, par)
+        scores.scatter_(1, at, score)
+        node, alive, used = new_node, new_alive, used + count
+        if state is not None and slot + 1 < depth:
+            rows = (pick // K).view(R, -1, *([1] * (state.dim() - 2)))
+            state = state.gather(1, rows.expand(-1, -1, *state.shape[2:]))
+    tokens, parents, scores = tokens[:, :N], parents[:, :N], scores[:, :N]
+    return tokens, parents, scores, used, draft_probs[:, : N + 1]

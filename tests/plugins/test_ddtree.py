@@ -10,13 +10,15 @@ import math
 
 import pytest
 import torch
-from dspec_ddtree import DDTreeConfig, DDTreeDrafter, grow_tree
+from dspec_ddtree import DDTreeConfig, DDTreeDrafter, grow_sampled_tree, grow_tree
 from test_dflash import PROMPTS, SAMPLINGS, build, plain_greedy
 from test_dspark import ForcedSampler, _state_after_prompt, strong
 from tiny_models import assert_cli_error, run_cli, tiny_target
 
 from dspec_cli.core.errors import DspecError
+from dspec_cli.core.sampling import logits_to_probs, torch_exponential
 from dspec_cli.core.plugins import get_drafter_class
+from dspec_cli.runtime import engine as engine_module
 from dspec_cli.runtime.engine import GenerationConfig, SpeculativeEngine
 from dspec_cli.runtime.kv_cache import ancestor_visibility
 from dspec_cli.testing import check_engine_lossless, results_by_concurrency
@@ -131,6 +133,56 @@ def test_tree_equals_heap_oracle(path_sum, budget, topk):
         assert all(math.isclose(got[p], want[p], abs_tol=1e-4) for p in want)
 
 
+def _sampled_tree(logp, anchors, depth, budget, topk, seed, top_k=0, redraw_last=False):
+    """grow_sampled_tree over a Markov table; the draws of the last level are redrawn with
+    another seed when ``redraw_last``."""
+    V = logp.shape[1]
+
+    def probs(logits):
+        return logits_to_probs(logits, 1.0, top_k)
+
+    def draw(slot, q, n):  # the exponential race: the n largest q / E, in order
+        g = torch.Generator().manual_seed(1000 * seed + slot + (500 if redraw_last and slot == depth - 1 else 0))
+        return (q / torch_exponential(q.shape, generator=g)).topk(n, dim=-1).indices
+
+    assert V == logp.shape[2]
+    return grow_sampled_tree(table_expand(logp), probs, draw, anchors, depth, budget, topk)
+
+
+@pytest.mark.parametrize("budget, topk, top_k", [(1, 1, 0), (6, 6, 0), (20, 4, 0), (30, 30, 3)])
+def test_sampled_tree_structure(budget, topk, top_k):
+    """Distinct siblings inside q's support, parents first, at most ``budget`` nodes, q rows of
+    the nodes' own distributions; and the shape of a level does not depend on the level's
+    samples: redrawing the last level's noise keeps every node's number of children."""
+    D, V = 4, 12
+    logp = torch.log_softmax(2 * torch.randn(D, V, V, generator=torch.Generator().manual_seed(budget)), -1)
+    anchors = torch.tensor([0, 5, 11])
+    tokens, parents, scores, num_nodes, q = _sampled_tree(logp, anchors, D, budget, topk, seed=budget, top_k=top_k)
+    assert tokens.shape == parents.shape == (3, budget) and q.shape == (3, budget + 1, V)
+    assert (num_nodes <= budget).all() and (num_nodes > 0).all()
+    for r in range(3):
+        n = int(num_nodes[r])
+        par, tok = [0] + parents[r, :n].tolist(), [int(anchors[r])] + tokens[r, :n].tolist()
+        assert (tokens[r, n:] == -1).all() and (parents[r, n:] == -1).all()
+        depth = [0]
+        for i in range(1, n + 1):
+            assert 0 <= par[i] < i
+            depth.append(depth[par[i]] + 1)
+        assert max(depth) <= D
+        for v in range(n + 1):
+            kids = [tok[i] for i in range(1, n + 1) if par[i] == v]
+            assert len(kids) == len(set(kids)) <= topk
+            if kids:  # node v's row is the distribution its children were drawn from
+                want = logits_to_probs(logp[depth[v]][tok[v]][None], 1.0, top_k)[0]
+                torch.testing.assert_close(q[r, v], want)
+                assert all(want[k] > 0 for k in kids)
+    redrawn = _sampled_tree(logp, anchors, D, budget, topk, seed=budget, top_k=top_k, redraw_last=True)
+    for r in range(3):
+        counts = [torch.bincount(t[3][r].new_tensor(t[1][r, : int(t[3][r])].tolist()), minlength=budget + 1)
+                  for t in ((tokens, parents, scores, num_nodes), redrawn)]
+        assert torch.equal(counts[0], counts[1])
+
+
 def test_tree_compiles_to_ancestor_mask_and_positions(target):
     """The target verifies the tree with visibility = ancestors and self, position = committed
     length + depth: every node's logits equal a plain forward of the prompt and the node's path."""
@@ -224,7 +276,25 @@ def check_lossless(target, base: str, sampling: dict, R: int | None, per_prompt:
 @pytest.mark.parametrize("base", BASES)
 @pytest.mark.parametrize("sampling", SAMPLINGS)
 def test_lossless_quick(target, base, sampling):
-    check_lossless(target, base, sampling, None, 4000, tree_budget=8)
+    check_lossless(target, base, sampling, None, 4000, tree_budget=8, tree_mode="best")
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_sampled_tree_lossless(target, sampling, monkeypatch):
+    """The sampled tree over DSpark-Markov, verified with its q by recursive rejection sampling."""
+    methods = []
+    verify = engine_module.verify_tree
+    monkeypatch.setattr(engine_module, "verify_tree", lambda *a, **kw: methods.append(kw["method"]) or verify(*a, **kw))
+    check_lossless(target, "dspark-markov", sampling, None, 4000, tree_budget=8, tree_mode="sampled")
+    assert set(methods) == {"sampled"}
+
+
+def test_lossless_check_catches_sampled_siblings_chosen_by_value(target, monkeypatch):
+    """The same check fails when the siblings are the top-m of q but are verified as a sample
+    without replacement from q."""
+    monkeypatch.setattr(engine_module.RoundSampler, "sample_distinct", lambda self, q, n, step: q.topk(n, dim=-1).indices)
+    with pytest.raises(AssertionError, match="distribution mismatch"):
+        check_lossless(target, "dspark-markov", dict(temperature=1.0), None, 4000, tree_budget=8, tree_mode="sampled")
 
 
 @pytest.mark.slow
@@ -262,10 +332,11 @@ def test_registered_and_checkpoints(target, tmp_path, monkeypatch):
     with pytest.raises(DspecError, match="holds a 'dspark-markov' drafter, not 'dflash'"):
         DDTreeDrafter.from_pretrained(tmp_path / "ckpt", target, base="dflash")
     monkeypatch.setattr("dspec_cli.runtime.drafter.embedded_path", lambda name: tmp_path / name)
-    with pytest.raises(DspecError, match="no trained dflash drafter is embedded"):
-        DDTreeDrafter.load_default(target)
+    with pytest.raises(DspecError, match="no trained dspark-markov drafter is embedded"):
+        DDTreeDrafter.load_default(target)  # the default base
     drafter.save_pretrained(tmp_path / "drafters" / "dspark-markov")
-    assert DDTreeDrafter.load_default(target, base="dspark", block_size=3).base.config.block_size == 3
+    assert DDTreeDrafter.load_default(target, block_size=3).base.config.block_size == 3
+    assert DDTreeDrafter.load_default(target, base="dspark", block_size=3).base.name == "dspark-markov"
 
 
 @pytest.mark.parametrize(
@@ -274,6 +345,7 @@ def test_registered_and_checkpoints(target, tmp_path, monkeypatch):
         (dict(tree_budget=0), "tree_budget must be an integer >= 1, got 0"),
         (dict(tree_budget=256), "tree_budget 256 does not fit the target's context of 256 tokens"),
         (dict(tree_topk=-1), "tree_topk must be an integer >= 0"),
+        (dict(tree_mode="beam"), "tree_mode must be one of best, sampled, got 'beam'"),
         (dict(tree_topk=385), "tree_topk 385 exceeds the vocabulary (384)"),
         (dict(base="eagle3"), "base 'eagle3' has no per-position marginals (capability 'marginals'); ddtree bases: dflash, dspark-markov, dspark-rnn"),
         (dict(base="prompt-lookup"), "base 'prompt-lookup' has no per-position marginals"),
@@ -306,7 +378,7 @@ def test_cli_bench(target, model_dir, tmp_path, capsys):
     for spec, message in [
         ("ddtree:eagle3", "base 'eagle3' has no per-position marginals"),
         ("ddtree,tree_budget=0", "tree_budget must be an integer >= 1, got 0"),
-        ("ddtree,budget=8", "unknown option(s) budget; valid: target_layer_ids, base, tree_budget, tree_topk"),
+        ("ddtree,budget=8", "unknown option(s) budget; valid: target_layer_ids, base, tree_budget, tree_topk, tree_mode"),
         ("ddtree,tree_budget=lots", "tree_budget expects int, got 'lots'"),
         ("ddtree,block_size=3", "unknown option(s) block_size"),
     ]:

@@ -4,10 +4,11 @@ Request r has nodes 1..N_r (local indices; 0 is the root, i.e. the anchor row) w
 tokens and parents (parent 0 = child of the root; parents precede children). Its target rows
 are the root row, then one row per node in order: Σ(N_r + 1) rows in all.
 
-Two lossless walks, both starting at the root:
+Three lossless walks, all starting at the root:
 
 * ``"match"`` (sample-and-match, DDTree / JetSpec): at the current node draw y from the
-  target's p (exponential race, one noise vector per depth); move to the first child whose
+  target's p (exponential race with one noise vector per depth, or with ``final_draw=
+  "inverse_cdf"`` the inverse CDF with one uniform per depth); move to the first child whose
   token is y, else stop. The last draw is the bonus token. Every committed token is a target
   sample from the right conditional, so it is exact at any temperature and whatever the
   tree; at T = 0 it is greedy path matching.
@@ -17,6 +18,30 @@ Two lossless walks, both starting at the root:
   accepted, draw the final token from p'. One coin per node, one noise vector per request.
   Exact when the tree is chosen deterministically from the drafter (q one-hot); it gives the
   same distribution as "match" (both accept child x with probability p(x) overall).
+* ``"sampled"`` (recursive rejection sampling over siblings drawn without replacement; Jeon et
+  al. 2024, "Recursive Speculative Decoding", and SpecInfer's multi-step speculative
+  sampling): for trees whose children of node v are a sequential sample without replacement
+  from a draft distribution q_v (``draft_probs``, one row per target row). At the current node
+  p' = p_v, q' = q_v; for each child x in node order accept with probability
+  min(1, p̂'(x) / q̂'(x)) (hats: normalised) and move to it; on a rejection
+  p' ← max(p̂' − q̂', 0) and q' ← q̂' with x zeroed. If no child is accepted the final token is
+  drawn from p' (p_v if p' vanished numerically); at a node without children that is the
+  bonus token from p_v. One coin per node, final-token noise per depth (as "match").
+
+  Why it is exact: given the earlier siblings, child x_j is distributed as q with the earlier
+  tokens removed, renormalised, i.e. as q̂' (the coins are independent of the drafts), so each
+  child is one step of standard speculative sampling of p̂' from q̂': it accepts x with
+  probability min(1, p̂'/q̂')(x), and on a rejection the output must be a sample of the
+  residual r = norm(max(p̂' − q̂', 0)). The remaining siblings are a without-replacement sample
+  from q̂' without x, and r(x) = 0 after a rejection (rejection needs p̂'(x) < q̂'(x)), so the
+  rest of the walk is the same procedure with target r: by induction on the number of children
+  left (base case: no child, draw from p') it outputs exactly r, whatever x was. Hence the
+  node's output token is distributed as p_v. Given it is child x, the next token comes from
+  p_x and x's own children are a fresh without-replacement sample from q_x (their number may
+  depend on anything drafted before them, not on their values), so by induction over depth
+  every committed token has the target's conditional distribution. A child with q̂'(x) = 0
+  (outside q's remaining support, e.g. after it is exhausted) can only be a deterministic
+  choice; it is verified as a one-hot draft (q̂' := δ_x), which is exact too.
 """
 
 from __future__ import annotations
@@ -29,6 +54,7 @@ from dspec_cli.core.sampling import (
     NOISE_SALT,
     exponential,
     sample_from_probs,
+    sample_inverse_cdf,
     torch_exponential,
     torch_uniform,
     uniform,
@@ -36,7 +62,7 @@ from dspec_cli.core.sampling import (
 from dspec_cli.core.types import VerifyResult
 from dspec_cli.runtime.verify import checks, reference
 
-METHODS = ("match", "recursive")
+METHODS = ("match", "recursive", "sampled")
 
 
 class _Tree:
@@ -82,11 +108,13 @@ def verify_tree(
     num_nodes: torch.Tensor,  # [R]
     *,
     method: str = "match",
+    draft_probs: torch.Tensor | None = None,  # sampled: [Σ(N_r+1), V] q of each row's children
     generator: torch.Generator | None = None,
-    uniforms: torch.Tensor | None = None,  # recursive: [ΣN_r] float64 coin per node
-    noise: torch.Tensor | None = None,  # match: [R, D+1, V]; recursive: [R, V]
+    uniforms: torch.Tensor | None = None,  # recursive, sampled: [ΣN_r] float64 coin per node
+    noise: torch.Tensor | None = None,  # match, sampled: [R, D+1, V]; recursive: [R, V]
     seeds: torch.Tensor | None = None,  # [R] int64
     offsets: torch.Tensor | None = None,  # [R] int64, absolute position of the first draft
+    final_draw: str = "race",  # match, sampled: "race" (Exp(1) noise) or "inverse_cdf" (one uniform per depth)
     validate: bool = True,
 ) -> VerifyResult:
     """Verify one draft tree per request; returns the committed tokens and the accepted path.
@@ -94,9 +122,16 @@ def verify_tree(
     D is the deepest node's depth. Result: accepted [R] (depth reached), tokens [R, D+1]
     (path tokens then the bonus), num_tokens = accepted + 1, path [R, D+1] (root 0, then the
     accepted nodes; -1 padded). Randomness as in :func:`dspec_cli.runtime.verify.verify_chain`.
+    ``draft_probs`` (method "sampled" only, required there): row of node v = the distribution
+    v's children were drawn from (without replacement, in node order); rows of leaves are
+    ignored.
     """
     if method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    if final_draw not in ("race", "inverse_cdf"):
+        raise ValueError(f"final_draw: expected 'race' or 'inverse_cdf', got {final_draw!r}")
+    if final_draw == "inverse_cdf" and (method == "recursive" or noise is not None):
+        raise ValueError("final_draw: 'inverse_cdf' is for methods 'match' and 'sampled', without explicit noise")
     checks.tensor("target_probs", target_probs, dim=2, kind="float")
     device, vocab = target_probs.device, target_probs.shape[1]
     checks.tensor("num_nodes", num_nodes, dim=1, kind="int", device=device)
@@ -104,13 +139,19 @@ def verify_tree(
     checks.tensor("tree_parents", tree_parents, dim=1, kind="int", device=device)
     checks.shape("tree_parents", tree_parents, tuple(tree_tokens.shape))
     R = num_nodes.numel()
+    if (draft_probs is None) == (method == "sampled"):
+        raise ValueError("draft_probs: required by method='sampled' and only used by it")
+    if draft_probs is not None:
+        checks.tensor("draft_probs", draft_probs, dim=2, kind="float", device=device)
+        checks.shape("draft_probs", draft_probs, tuple(target_probs.shape))
+    per_depth_noise = method != "recursive"
     if uniforms is not None:
-        if method != "recursive":
-            raise ValueError("uniforms: per-node coins are only used by method='recursive'")
+        if method == "match":
+            raise ValueError("uniforms: per-node coins are only used by methods 'recursive' and 'sampled'")
         checks.tensor("uniforms", uniforms, dim=1, kind="float", device=device)
         checks.shape("uniforms", uniforms, tuple(tree_tokens.shape))
     if noise is not None:
-        checks.tensor("noise", noise, dim=3 if method == "match" else 2, kind="float", device=device)
+        checks.tensor("noise", noise, dim=3 if per_depth_noise else 2, kind="float", device=device)
     checks.rng_keys(seeds, offsets, R, device)
 
     c = checks.Checks(device)
@@ -122,6 +163,8 @@ def verify_tree(
             checks.open_unit(c, "uniforms", uniforms)
         if noise is not None:
             checks.positive_finite(c, "noise", noise)
+        if draft_probs is not None:
+            c.require("draft_probs", (torch.isfinite(draft_probs) & (draft_probs >= 0)).all(), "must be finite and >= 0")
     values = c.run()
     total, widest = int(values[total_i]), int(values[widest_i])
     if tree_tokens.numel() != total:
@@ -139,33 +182,46 @@ def verify_tree(
     values = c.run()
     depth, fanout = int(values[depth_i]), int(values[fanout_i])
     if noise is not None:
-        checks.shape("noise", noise, (R, depth + 1, vocab) if method == "match" else (R, vocab))
+        checks.shape("noise", noise, (R, depth + 1, vocab) if per_depth_noise else (R, vocab))
 
     if method == "match":
-        return _match(target_probs, tree, depth, _depth_noise(noise, seeds, offsets, generator, R, vocab, device))
+        return _match(target_probs, tree, depth, _depth_draw(final_draw, noise, seeds, offsets, generator, R, vocab, device))
+    if method == "sampled":
+        coins = _node_coins(tree, uniforms, seeds, offsets, generator, total)
+        draw = _depth_draw(final_draw, noise, seeds, offsets, generator, R, vocab, device)
+        return _sampled(target_probs, draft_probs, tree, depth, fanout, coins, draw)
     coins, final_noise = _recursive_randomness(tree, uniforms, noise, seeds, offsets, generator, total, vocab)
     return _recursive(target_probs, tree, depth, fanout, coins, final_noise)
 
 
-def _depth_noise(noise, seeds, offsets, generator, R: int, vocab: int, device):
-    """Noise [R, V] for depth d, drawn lazily."""
+def _depth_draw(final_draw: str, noise, seeds, offsets, generator, R: int, vocab: int, device):
+    """draw(d, weights [R, V]) -> tokens [R]: the target draw at depth d, by the exponential race
+    with noise [R, V] drawn lazily (or given), or by the inverse CDF with one uniform per row
+    (the same distribution without a vocabulary-wide noise vector: cheaper on a CPU)."""
+    if final_draw == "inverse_cdf":
+        if seeds is not None:
+            return lambda d, w: sample_inverse_cdf(w, uniform(seeds, offsets + d, NOISE_SALT))
+        return lambda d, w: sample_inverse_cdf(w, torch_uniform((R,), generator=generator, device=device))
     if noise is not None:
-        return lambda d: noise[:, d].float()
+        return lambda d, w: sample_from_probs(w, noise[:, d].float())
     if seeds is not None:
-        return lambda d: exponential(seeds, offsets + d, vocab, NOISE_SALT)
-    return lambda d: torch_exponential((R, vocab), generator=generator, device=device)
+        return lambda d, w: sample_from_probs(w, exponential(seeds, offsets + d, vocab, NOISE_SALT))
+    return lambda d, w: sample_from_probs(w, torch_exponential((R, vocab), generator=generator, device=device))
+
+
+def _node_coins(tree: _Tree, uniforms, seeds, offsets, generator, total: int) -> torch.Tensor:
+    """Coins [R, M] (one per node, padded): node i at (seed, offset) with salt NODE_SALT + i."""
+    if uniforms is not None:
+        return uniforms.double()[tree.flat] if total else torch.full_like(tree.valid, 0.5, dtype=torch.float64)
+    if seeds is not None:
+        return uniform(seeds[:, None], offsets[:, None], NODE_SALT + tree.local)
+    return torch_uniform(tree.valid.shape, generator=generator, device=tree.valid.device)
 
 
 def _recursive_randomness(tree: _Tree, uniforms, noise, seeds, offsets, generator, total: int, vocab: int):
     """Coins [R, M] (one per node, padded) and final-token noise [R, V]."""
     R, device = tree.valid.shape[0], tree.valid.device
-    if uniforms is None:
-        if seeds is not None:
-            coins = uniform(seeds[:, None], offsets[:, None], NODE_SALT + tree.local)
-        else:
-            coins = torch_uniform(tree.valid.shape, generator=generator, device=device)
-    else:
-        coins = uniforms.double()[tree.flat] if total else torch.full_like(tree.valid, 0.5, dtype=torch.float64)
+    coins = _node_coins(tree, uniforms, seeds, offsets, generator, total)
     if noise is None:
         if seeds is not None:
             noise = exponential(seeds, offsets, vocab, NOISE_SALT)
@@ -179,14 +235,14 @@ def _outputs(R: int, depth: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, torch.full_like(tokens, -1)
 
 
-def _match(target_probs, tree: _Tree, depth: int, noise_at) -> VerifyResult:
+def _match(target_probs, tree: _Tree, depth: int, draw) -> VerifyResult:
     R, device = tree.valid.shape[0], tree.valid.device
     tokens, path = _outputs(R, depth, device)
     cur = torch.zeros(R, dtype=torch.long, device=device)  # current node (local index)
     active = torch.ones(R, dtype=torch.bool, device=device)
     accepted = torch.zeros_like(cur)
     for d in range(depth + 1):
-        y = sample_from_probs(target_probs.index_select(0, tree.p_start + cur).float(), noise_at(d))  # [R]
+        y = draw(d, target_probs.index_select(0, tree.p_start + cur).float())  # [R]
         tokens[:, d] = torch.where(active, y, -1)
         path[:, d] = torch.where(active, cur, -1)
         hit = (tree.parents == cur[:, None]) & (tree.tokens == y[:, None])  # [R, M]
@@ -222,6 +278,62 @@ def _recursive(target_probs, tree: _Tree, depth: int, fanout: int, coins, noise)
             nxt = torch.where(ok, col.squeeze(1) + 1, nxt)
             res.scatter_(1, x, torch.where(tried & ~ok, 0.0, p_x)[:, None])
         final = sample_from_probs(torch.where((res > 0).any(-1, keepdim=True), res, p), noise)
+        node_tok = tree.tokens.gather(1, (nxt - 1).clamp(min=0)[:, None]).squeeze(1)
+        tokens[:, d] = torch.where(moved, node_tok, torch.where(active, final, -1))
+        path[:, d] = torch.where(active, cur, -1)
+        cur = nxt
+        accepted += moved
+        active = moved
+    return VerifyResult(accepted, tokens, accepted + 1, path)
+
+
+def _normalised(w: torch.Tensor) -> torch.Tensor:
+    """w [R, V] / Σw per row; all-zero rows stay zero."""
+    mass = w.sum(-1, keepdim=True)
+    return w / torch.where(mass > 0, mass, torch.ones_like(mass))
+
+
+def sibling_step(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor):
+    """One child x [R] of recursive rejection sampling against residuals p', q' [R, V]
+    (unnormalised): its acceptance probability [R] float64 and (p', q') after a rejection.
+    Module-level (looked up at call time) so tests can swap in biased versions."""
+    p_hat, q_hat = _normalised(p), _normalised(q)
+    p_x = p_hat.gather(1, x[:, None]).squeeze(1)
+    q_x = q_hat.gather(1, x[:, None]).squeeze(1)
+    outside = q_x <= 0  # not drawn from q̂' (its support is exhausted): a one-hot draft
+    one_hot = torch.zeros_like(q_hat).scatter_(1, x[:, None], 1.0)
+    q_eff = torch.where(outside[:, None], one_hot, q_hat)
+    prob = reference.acceptance_prob(p_x, torch.where(outside, 1.0, q_x))
+    return prob, reference.residual(p_hat, q_eff), q_hat.scatter(1, x[:, None], 0.0)
+
+
+def _sampled(target_probs, draft_probs, tree: _Tree, depth: int, fanout: int, coins, draw) -> VerifyResult:
+    R, device = tree.valid.shape[0], tree.valid.device
+    tokens, path = _outputs(R, depth, device)
+    cur = torch.zeros(R, dtype=torch.long, device=device)
+    active = torch.ones(R, dtype=torch.bool, device=device)
+    accepted = torch.zeros_like(cur)
+    for d in range(depth + 1):
+        rows = tree.p_start + cur
+        p = target_probs.index_select(0, rows).float()  # [R, V]
+        res_p, res_q = p, draft_probs.index_select(0, rows).float()  # residuals p', q'
+        kids = tree.parents == cur[:, None]  # [R, M]
+        rank = kids.long().cumsum(1) - 1
+        moved = torch.zeros_like(active)
+        nxt = cur.clone()
+        for j in range(fanout if d < depth else 0):  # the deepest nodes have no children
+            pick = kids & (rank == j)
+            tried = pick.any(1) & active & ~moved
+            col = pick.long().argmax(1, keepdim=True)  # [R, 1]
+            x = tree.tokens.gather(1, col).squeeze(1).clamp(min=0)
+            prob, new_p, new_q = sibling_step(res_p, res_q, x)
+            ok = tried & (coins.gather(1, col).squeeze(1) < prob)
+            moved |= ok
+            nxt = torch.where(ok, col.squeeze(1) + 1, nxt)
+            rejected = (tried & ~ok)[:, None]
+            res_p = torch.where(rejected, new_p, res_p)
+            res_q = torch.where(rejected, new_q, res_q)
+        final = draw(d, torch.where((res_p > 0).any(-1, keepdim=True), res_p, p))
         node_tok = tree.tokens.gather(1, (nxt - 1).clamp(min=0)[:, None]).squeeze(1)
         tokens[:, d] = torch.where(moved, node_tok, torch.where(active, final, -1))
         path[:, d] = torch.where(active, cur, -1)
