@@ -47,7 +47,7 @@ class DDTreeConfig(DrafterConfig):
     """DDTree options. ``block_size`` (the deepest node) is the base drafter's γ."""
 
     base: str = "dspark-markov"  # drafter whose per-position distributions grow the tree
-    tree_budget: int = 32  # draft nodes per tree (the root/anchor not counted)
+    tree_budget: int = 16  # draft nodes per tree (the root/anchor not counted)
     tree_topk: int = 0  # children considered per node; 0 = tree_budget (capped by the vocabulary)
     # "best": the tree_budget best prefixes (DDTree; sample-and-match verification);
     # "sampled": children sampled without replacement from the run's q, verified with q by

@@ -247,10 +247,10 @@ def test_greedy_equals_plain_greedy(target, base, R):
     prompts = [target.render_prompt(p) for p in PROMPTS] * 3
     greedy = {tuple(p): plain_greedy(target, p, 16) for p in prompts}
     cfg = GenerationConfig(max_new_tokens=16, temperature=0.0, block_size=4, max_batch=R)
-    results = SpeculativeEngine(target, ddtree(target, base), cfg, stop_ids=[]).generate(prompts)
+    results = SpeculativeEngine(target, ddtree(target, base, tree_budget=32), cfg, stop_ids=[]).generate(prompts)
     for prompt, res in zip(prompts, results):
         assert res.output_ids == greedy[tuple(prompt)]
-    assert {v for r in results for v in r.verified} == {0, 32}  # the default budget (0: the last token)
+    assert {v for r in results for v in r.verified} == {0, 32}  # the budget (0: the last token)
     assert sum(a for r in results for a in r.accepted) > 0
 
 

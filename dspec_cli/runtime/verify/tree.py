@@ -242,6 +242,8 @@ def _match(target_probs, tree: _Tree, depth: int, draw) -> VerifyResult:
     active = torch.ones(R, dtype=torch.bool, device=device)
     accepted = torch.zeros_like(cur)
     for d in range(depth + 1):
+        if d and not bool(active.any()):  # every walk has stopped (one host sync per depth)
+            break
         y = draw(d, target_probs.index_select(0, tree.p_start + cur).float())  # [R]
         tokens[:, d] = torch.where(active, y, -1)
         path[:, d] = torch.where(active, cur, -1)
@@ -260,13 +262,15 @@ def _recursive(target_probs, tree: _Tree, depth: int, fanout: int, coins, noise)
     active = torch.ones(R, dtype=torch.bool, device=device)
     accepted = torch.zeros_like(cur)
     for d in range(depth + 1):
+        if d and not bool(active.any()):
+            break
         p = target_probs.index_select(0, tree.p_start + cur).float()  # [R, V]
         res = p.clone()  # residual p' (unnormalised)
         kids = tree.parents == cur[:, None]  # [R, M]
         rank = kids.long().cumsum(1) - 1
         moved = torch.zeros_like(active)
         nxt = cur.clone()
-        for j in range(fanout):
+        for j in range(_children_to_try(kids, active, fanout)):
             pick = kids & (rank == j)
             tried = pick.any(1) & active & ~moved
             col = pick.long().argmax(1, keepdim=True)  # [R, 1]
@@ -285,6 +289,11 @@ def _recursive(target_probs, tree: _Tree, depth: int, fanout: int, coins, noise)
         accepted += moved
         active = moved
     return VerifyResult(accepted, tokens, accepted + 1, path)
+
+
+def _children_to_try(kids: torch.Tensor, active: torch.Tensor, fanout: int) -> int:
+    """Most children of any active row's current node (kids [R, M]; one host sync), <= fanout."""
+    return min(fanout, int((kids & active[:, None]).sum(1).max())) if kids.numel() else 0
 
 
 def _normalised(w: torch.Tensor) -> torch.Tensor:
@@ -314,6 +323,8 @@ def _sampled(target_probs, draft_probs, tree: _Tree, depth: int, fanout: int, co
     active = torch.ones(R, dtype=torch.bool, device=device)
     accepted = torch.zeros_like(cur)
     for d in range(depth + 1):
+        if d and not bool(active.any()):
+            break
         rows = tree.p_start + cur
         p = target_probs.index_select(0, rows).float()  # [R, V]
         res_p, res_q = p, draft_probs.index_select(0, rows).float()  # residuals p', q'
@@ -321,7 +332,7 @@ def _sampled(target_probs, draft_probs, tree: _Tree, depth: int, fanout: int, co
         rank = kids.long().cumsum(1) - 1
         moved = torch.zeros_like(active)
         nxt = cur.clone()
-        for j in range(fanout if d < depth else 0):  # the deepest nodes have no children
+        for j in range(_children_to_try(kids, active, fanout) if d < depth else 0):  # the deepest nodes have none
             pick = kids & (rank == j)
             tried = pick.any(1) & active & ~moved
             col = pick.long().argmax(1, keepdim=True)  # [R, 1]
