@@ -142,12 +142,22 @@ def grow_sampled_tree(
             decay = rho.clamp(min=1e-6).log()[:, None, None] * torch.arange(1, levels + 1, device=dev)  # [R, 1, L]
             union = torch.cat([est, (est[..., None] + decay).flatten(1)], 1)  # candidates first: they win ties
         ranked = union.sort(dim=1, descending=True, stable=True)
-        top = torch.arange(union.shape[1], device=dev) < remaining
+        # the spine (first child of the first child ... : a chain's drafts) always continues to the
+        # deepest level, so the tree never accepts less than the chain: its deeper levels are reserved
+        spine = alive[:, 0] & (remaining[:, 0] > 0)  # [R] frontier node 0 is the spine's end
+        reserve = torch.where(spine, (remaining[:, 0] - 1).clamp(min=0, max=levels), 0)  # [R] spine nodes below
+        free = remaining - reserve[:, None]  # [R, 1] slots this level may take
+        top = torch.arange(union.shape[1], device=dev) < free
         n = ((ranked.indices < est.shape[1]) & top & torch.isfinite(ranked.values)).sum(1)  # [R] slots this level
         order = est.sort(dim=1, descending=True, stable=True).indices
         chosen = torch.zeros_like(est, dtype=torch.bool).scatter_(
             1, order, torch.arange(est.shape[1], device=dev) < n[:, None]
         ) & torch.isfinite(est)
+        if chosen.shape[1] and n.numel():  # the spine's next node, in place of the level's last pick
+            last = order.gather(1, (n - 1).clamp(min=0)[:, None]).squeeze(1)  # [R]
+            swap = spine & ~chosen[:, 0] & (n > 0)
+            chosen[torch.arange(R, device=dev)[swap], last[swap]] = False
+            chosen[:, 0] |= spine
         m = chosen.view(R, W, K).sum(-1)  # [R, W] children per frontier node (a prefix of its candidates)
         kids = torch.zeros(R, W, K, dtype=torch.long, device=dev)  # [R, W, K]: draws without replacement, in order
         n_draw = int(m.max())  # host sync: draw only as many siblings as some node takes

@@ -152,7 +152,7 @@ def _sampled_tree(logp, anchors, depth, budget, topk, seed, top_k=0, redraw_last
 @pytest.mark.parametrize("budget, topk, top_k", [(1, 1, 0), (6, 6, 0), (20, 4, 0), (30, 30, 3)])
 def test_sampled_tree_structure(budget, topk, top_k):
     """Distinct siblings inside q's support, parents first, at most ``budget`` nodes, q rows of
-    the nodes' own distributions; and the shape of a level does not depend on the level's
+    the nodes' own distributions, a spine of first children as deep as the budget allows; and the shape of a level does not depend on the level's
     samples: redrawing the last level's noise keeps every node's number of children."""
     D, V = 4, 12
     logp = torch.log_softmax(2 * torch.randn(D, V, V, generator=torch.Generator().manual_seed(budget)), -1)
@@ -176,6 +176,10 @@ def test_sampled_tree_structure(budget, topk, top_k):
                 want = logits_to_probs(logp[depth[v]][tok[v]][None], 1.0, top_k)[0]
                 torch.testing.assert_close(q[r, v], want)
                 assert all(want[k] > 0 for k in kids)
+        spine, v = 0, 0  # first child of first child ...: a chain's drafts, as deep as the budget allows
+        while kid := [i for i in range(1, n + 1) if par[i] == v][:1]:
+            spine, v = spine + 1, kid[0]
+        assert spine == min(D, budget)
     redrawn = _sampled_tree(logp, anchors, D, budget, topk, seed=budget, top_k=top_k, redraw_last=True)
     for r in range(3):
         counts = [torch.bincount(t[3][r].new_tensor(t[1][r, : int(t[3][r])].tolist()), minlength=budget + 1)
