@@ -157,17 +157,8 @@ class DDTreeDrafter(WrappedDrafter):
     @torch.no_grad()
     def draft_tree(self, state: DraftState, anchors: torch.Tensor, max_len: int) -> tuple[DraftTree, torch.Tensor]:
         """The tree after ``anchors`` [R] and its node scores [R, N] (cumulative log-probs)."""
-        if max_len < 1:
-            raise ValueError(f"max_len must be >= 1, got {max_len}")
-        cfg = self.config
-        depth = min(max_len, cfg.block_size)
-        logits, h = self.base.block_marginals(state, anchors)  # [R, γ, V], [R, γ, d]
-
-        def expand(slot: int, tokens: torch.Tensor, head_state):
-            return self.base.head_logits(logits[:, slot, None], h[:, slot, None], tokens, head_state)
-
-        topk = min(cfg.tree_topk or cfg.tree_budget, logits.shape[-1])
-        tokens, parents, scores = grow_tree(expand, anchors, depth, cfg.tree_budget, topk)
+        expand, depth, topk = self._expansion(state, anchors, max_len)
+        tokens, parents, scores = grow_tree(expand, anchors, depth, self.config.tree_budget, topk)
         R, N = tokens.shape
         num_nodes = torch.full((R,), N, dtype=torch.long, device=anchors.device)
         return DraftTree(tokens=tokens, parents=parents, num_nodes=num_nodes), scores
@@ -178,20 +169,25 @@ class DDTreeDrafter(WrappedDrafter):
     ) -> tuple[DraftTree, torch.Tensor]:
         """A sampled tree after ``anchors`` [R] (:func:`~dspec_ddtree.tree.grow_sampled_tree`,
         q = ``sampler.probs``) with its draft probabilities, and its node scores [R, N]."""
+        expand, depth, topk = self._expansion(state, anchors, max_len)
+        tokens, parents, scores, num_nodes, q = grow_sampled_tree(
+            expand, sampler.probs, lambda slot, q, n: sampler.sample_distinct(q, n, slot), anchors, depth,
+            self.config.tree_budget, topk,
+        )
+        return DraftTree(tokens=tokens, parents=parents, num_nodes=num_nodes, draft_probs=q), scores
+
+    def _expansion(self, state: DraftState, anchors: torch.Tensor, max_len: int):
+        """One parallel forward of the base: the tree builders' ``expand`` (children logits of
+        frontier nodes at a slot), the tree depth and the children considered per node."""
         if max_len < 1:
             raise ValueError(f"max_len must be >= 1, got {max_len}")
         cfg = self.config
-        depth = min(max_len, cfg.block_size)
         logits, h = self.base.block_marginals(state, anchors)  # [R, γ, V], [R, γ, d]
 
         def expand(slot: int, tokens: torch.Tensor, head_state):
             return self.base.head_logits(logits[:, slot, None], h[:, slot, None], tokens, head_state)
 
-        topk = min(cfg.tree_topk or cfg.tree_budget, logits.shape[-1])
-        tokens, parents, scores, num_nodes, q = grow_sampled_tree(
-            expand, sampler.probs, lambda slot, q, n: sampler.sample_distinct(q, n, slot), anchors, depth, cfg.tree_budget, topk
-        )
-        return DraftTree(tokens=tokens, parents=parents, num_nodes=num_nodes, draft_probs=q), scores
+        return expand, min(max_len, cfg.block_size), min(cfg.tree_topk or cfg.tree_budget, logits.shape[-1])
 
 
 def _base_overrides(overrides: dict[str, Any]) -> dict[str, Any]:

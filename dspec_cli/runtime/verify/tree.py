@@ -256,16 +256,37 @@ def _match(target_probs, tree: _Tree, depth: int, draw) -> VerifyResult:
 
 
 def _recursive(target_probs, tree: _Tree, depth: int, fanout: int, coins, noise) -> VerifyResult:
+    def begin(rows):
+        p = target_probs.index_select(0, rows).float()  # [R, V]
+        return p, p  # (p, residual p' unnormalised)
+
+    def child(state, x):
+        p, res = state
+        p_x = res.gather(1, x[:, None]).squeeze(1)
+        return reference.acceptance_prob(p_x, res.sum(-1)), (p, res.scatter(1, x[:, None], 0.0))
+
+    def final(d, state):
+        p, res = state
+        return sample_from_probs(torch.where((res > 0).any(-1, keepdim=True), res, p), noise)
+
+    return _rejection_walk(tree, depth, fanout, coins, begin, child, final)
+
+
+def _rejection_walk(tree: _Tree, depth: int, fanout: int, coins, begin, child, final) -> VerifyResult:
+    """The walk of "recursive" and "sampled": at the current node try its children in node order,
+    one coin [R, M] each, and move to the first accepted; else draw the final token and stop.
+    ``begin(rows [R])`` -> residual state (a tuple of [R, ...] tensors) at the current nodes;
+    ``child(state, x [R])`` -> (acceptance probability [R], the state after rejecting x);
+    ``final(d, state)`` -> token [R] at depth d when no child is accepted."""
     R, device = tree.valid.shape[0], tree.valid.device
     tokens, path = _outputs(R, depth, device)
     cur = torch.zeros(R, dtype=torch.long, device=device)
     active = torch.ones(R, dtype=torch.bool, device=device)
     accepted = torch.zeros_like(cur)
     for d in range(depth + 1):
-        if d and not bool(active.any()):
+        if d and not bool(active.any()):  # every walk has stopped (one host sync per depth)
             break
-        p = target_probs.index_select(0, tree.p_start + cur).float()  # [R, V]
-        res = p.clone()  # residual p' (unnormalised)
+        state = begin(tree.p_start + cur)
         kids = tree.parents == cur[:, None]  # [R, M]
         rank = kids.long().cumsum(1) - 1
         moved = torch.zeros_like(active)
@@ -274,16 +295,14 @@ def _recursive(target_probs, tree: _Tree, depth: int, fanout: int, coins, noise)
             pick = kids & (rank == j)
             tried = pick.any(1) & active & ~moved
             col = pick.long().argmax(1, keepdim=True)  # [R, 1]
-            x = tree.tokens.gather(1, col).clamp(min=0)
-            p_x = res.gather(1, x).squeeze(1)
-            prob = reference.acceptance_prob(p_x, res.sum(-1))
+            prob, after = child(state, tree.tokens.gather(1, col).squeeze(1).clamp(min=0))
             ok = tried & (coins.gather(1, col).squeeze(1) < prob)
             moved |= ok
             nxt = torch.where(ok, col.squeeze(1) + 1, nxt)
-            res.scatter_(1, x, torch.where(tried & ~ok, 0.0, p_x)[:, None])
-        final = sample_from_probs(torch.where((res > 0).any(-1, keepdim=True), res, p), noise)
+            rejected = (tried & ~ok)[:, None]
+            state = tuple(torch.where(rejected, new, old) for new, old in zip(after, state))
         node_tok = tree.tokens.gather(1, (nxt - 1).clamp(min=0)[:, None]).squeeze(1)
-        tokens[:, d] = torch.where(moved, node_tok, torch.where(active, final, -1))
+        tokens[:, d] = torch.where(moved, node_tok, torch.where(active, final(d, state), -1))
         path[:, d] = torch.where(active, cur, -1)
         cur = nxt
         accepted += moved
@@ -317,38 +336,17 @@ def sibling_step(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor):
 
 
 def _sampled(target_probs, draft_probs, tree: _Tree, depth: int, fanout: int, coins, draw) -> VerifyResult:
-    R, device = tree.valid.shape[0], tree.valid.device
-    tokens, path = _outputs(R, depth, device)
-    cur = torch.zeros(R, dtype=torch.long, device=device)
-    active = torch.ones(R, dtype=torch.bool, device=device)
-    accepted = torch.zeros_like(cur)
-    for d in range(depth + 1):
-        if d and not bool(active.any()):
-            break
-        rows = tree.p_start + cur
+    def begin(rows):
         p = target_probs.index_select(0, rows).float()  # [R, V]
-        res_p, res_q = p, draft_probs.index_select(0, rows).float()  # residuals p', q'
-        kids = tree.parents == cur[:, None]  # [R, M]
-        rank = kids.long().cumsum(1) - 1
-        moved = torch.zeros_like(active)
-        nxt = cur.clone()
-        for j in range(_children_to_try(kids, active, fanout) if d < depth else 0):  # the deepest nodes have none
-            pick = kids & (rank == j)
-            tried = pick.any(1) & active & ~moved
-            col = pick.long().argmax(1, keepdim=True)  # [R, 1]
-            x = tree.tokens.gather(1, col).squeeze(1).clamp(min=0)
-            prob, new_p, new_q = sibling_step(res_p, res_q, x)
-            ok = tried & (coins.gather(1, col).squeeze(1) < prob)
-            moved |= ok
-            nxt = torch.where(ok, col.squeeze(1) + 1, nxt)
-            rejected = (tried & ~ok)[:, None]
-            res_p = torch.where(rejected, new_p, res_p)
-            res_q = torch.where(rejected, new_q, res_q)
-        final = draw(d, torch.where((res_p > 0).any(-1, keepdim=True), res_p, p))
-        node_tok = tree.tokens.gather(1, (nxt - 1).clamp(min=0)[:, None]).squeeze(1)
-        tokens[:, d] = torch.where(moved, node_tok, torch.where(active, final, -1))
-        path[:, d] = torch.where(active, cur, -1)
-        cur = nxt
-        accepted += moved
-        active = moved
-    return VerifyResult(accepted, tokens, accepted + 1, path)
+        return p, p, draft_probs.index_select(0, rows).float()  # (p, residuals p', q')
+
+    def child(state, x):
+        p, res_p, res_q = state
+        prob, new_p, new_q = sibling_step(res_p, res_q, x)
+        return prob, (p, new_p, new_q)
+
+    def final(d, state):
+        p, res_p, _ = state
+        return draw(d, torch.where((res_p > 0).any(-1, keepdim=True), res_p, p))
+
+    return _rejection_walk(tree, depth, fanout, coins, begin, child, final)
