@@ -228,11 +228,8 @@ def uniform(seeds: torch.Tensor, offsets: torch.Tensor, salt=0) -> torch.Tensor:
 def exponential(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int, salt=0) -> torch.Tensor:
     """Counter-based Exp(1) noise [N, vocab] float32, keyed by (seed, offset, salt, token id).
 
-    seeds, offsets: [N] int64; salt: int or [N] int64. Uses 23 random bits per entry; every
-    value is finite and > 0.
+    seeds, offsets: [N] int64. Uses 23 random bits per entry; every value is finite and > 0.
     """
-    if isinstance(salt, torch.Tensor):
-        salt = salt.reshape(-1, 1)
     state = _lanes(seeds.reshape(-1, 1), offsets.reshape(-1, 1), salt)[0]  # [N, 1]
     h = _absorb_spread(state, _token_words(vocab, state.device))  # [N, V]
     u = (h >> 9).float().add_(0.5).mul_(_TWO_M23)  # (0, 1), exact in float32

@@ -97,9 +97,11 @@ def grow_sampled_tree(
     s_v + log q_(j)(v) (s_v: v's path log-prob under q, q_(j) the j-th largest probability of
     q_v); a candidate is taken when it ranks among the remaining budget's best against the
     candidates themselves and a forecast of the deeper levels (each candidate's chain of
-    descendants decaying by ρ per level, ρ = the frontier's mean top-1 probability). So m_v
-    never depends on v's children, as losslessness requires, and m_v never exceeds q_v's
-    support. Then v's m_v children are drawn without replacement from q_v by ``draw`` and
+    descendants decaying by ρ per level, ρ = the frontier's mean top-1 probability). The spine
+    (frontier node 0: first child of first child ..., a chain's drafts) always gets a child,
+    its deeper levels' slots reserved first, so the tree holds the chain. So m_v never depends
+    on v's children, as losslessness requires, and m_v never exceeds q_v's support. Then v's
+    m_v children are drawn without replacement from q_v by ``draw`` and
     stored in draw order.
 
     Returns tokens [R, N] (-1 padded), parents [R, N] (local, 0 = root, parents first; -1
@@ -153,14 +155,15 @@ def grow_sampled_tree(
         chosen = torch.zeros_like(est, dtype=torch.bool).scatter_(
             1, order, torch.arange(est.shape[1], device=dev) < n[:, None]
         ) & torch.isfinite(est)
-        if chosen.shape[1] and n.numel():  # the spine's next node, in place of the level's last pick
-            last = order.gather(1, (n - 1).clamp(min=0)[:, None]).squeeze(1)  # [R]
-            swap = spine & ~chosen[:, 0] & (n > 0)
-            chosen[torch.arange(R, device=dev)[swap], last[swap]] = False
-            chosen[:, 0] |= spine
+        # the spine's next node takes the place of the level's last pick when it was not picked
+        last = order.gather(1, (n - 1).clamp(min=0)[:, None])  # [R, 1]
+        swap = spine & ~chosen[:, 0] & (n > 0)  # [R]
+        chosen &= ~torch.zeros_like(chosen).scatter_(1, last, swap[:, None])
+        chosen[:, 0] |= spine
         m = chosen.view(R, W, K).sum(-1)  # [R, W] children per frontier node (a prefix of its candidates)
         kids = torch.zeros(R, W, K, dtype=torch.long, device=dev)  # [R, W, K]: draws without replacement, in order
-        n_draw = int(m.max())  # host sync: draw only as many siblings as some node takes
+        # on a CPU draw only as many siblings as some node takes (a free read there); elsewhere K
+        n_draw = int(m.max()) if dev.type == "cpu" else K
         if n_draw:
             kids[..., :n_draw] = draw(slot, q, n_draw)
         valid = (torch.arange(K, device=dev) < m[..., None]).flatten(1)  # [R, W·K]

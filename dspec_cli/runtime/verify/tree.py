@@ -242,7 +242,7 @@ def _match(target_probs, tree: _Tree, depth: int, draw) -> VerifyResult:
     active = torch.ones(R, dtype=torch.bool, device=device)
     accepted = torch.zeros_like(cur)
     for d in range(depth + 1):
-        if d and not bool(active.any()):  # every walk has stopped (one host sync per depth)
+        if d and _all_stopped(active):
             break
         y = draw(d, target_probs.index_select(0, tree.p_start + cur).float())  # [R]
         tokens[:, d] = torch.where(active, y, -1)
@@ -284,7 +284,7 @@ def _rejection_walk(tree: _Tree, depth: int, fanout: int, coins, begin, child, f
     active = torch.ones(R, dtype=torch.bool, device=device)
     accepted = torch.zeros_like(cur)
     for d in range(depth + 1):
-        if d and not bool(active.any()):  # every walk has stopped (one host sync per depth)
+        if d and _all_stopped(active):
             break
         state = begin(tree.p_start + cur)
         kids = tree.parents == cur[:, None]  # [R, M]
@@ -310,8 +310,17 @@ def _rejection_walk(tree: _Tree, depth: int, fanout: int, coins, begin, child, f
     return VerifyResult(accepted, tokens, accepted + 1, path)
 
 
+def _all_stopped(active: torch.Tensor) -> bool:
+    """True when no walk is still active [R]: read on a CPU only (free there; a host sync per
+    depth elsewhere, where the remaining depths run on inactive rows instead)."""
+    return active.device.type == "cpu" and not bool(active.any())
+
+
 def _children_to_try(kids: torch.Tensor, active: torch.Tensor, fanout: int) -> int:
-    """Most children of any active row's current node (kids [R, M]; one host sync), <= fanout."""
+    """Children to try at the current nodes (kids [R, M]): on a CPU the most any active row's node
+    has, elsewhere ``fanout`` (no host sync)."""
+    if kids.device.type != "cpu":
+        return fanout
     return min(fanout, int((kids & active[:, None]).sum(1).max())) if kids.numel() else 0
 
 
