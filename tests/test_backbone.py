@@ -23,6 +23,8 @@ B = 4
 
 
 class GreedySampler:
+    greedy = True
+
     def probs(self, logits):
         return logits_to_probs(logits, 0.0)
 

@@ -119,6 +119,13 @@ def test_device_auto_picks_cuda_and_bfloat16_when_present(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     assert resolve_device("auto") == torch.device("cuda") and auto_dtype(torch.device("cuda")) == torch.bfloat16
+    from dspec_cli.core import hardware
+
+    monkeypatch.setattr(hardware, "cpu_native_half", lambda dtype: False)  # e.g. an AVX2-only EPYC
+    assert auto_dtype(torch.device("cpu")) == torch.float32
+    monkeypatch.setattr(hardware, "cpu_native_half", lambda dtype: dtype == torch.bfloat16)  # AVX512-BF16 / AMX
+    assert auto_dtype(torch.device("cpu")) == torch.bfloat16
+    monkeypatch.setattr(hardware, "cpu_native_half", lambda dtype: None)  # not x86 Linux: cannot tell
     assert auto_dtype(torch.device("cpu")) == torch.float32
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto") == torch.device("cpu")

@@ -174,6 +174,8 @@ def check_engine(target: Target, drafter, n: int = 8) -> None:
 
 
 class ArgmaxSampler:
+    greedy = False
+
     def probs(self, logits):
         return torch.softmax(logits.float(), -1)
 

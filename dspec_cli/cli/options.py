@@ -52,7 +52,8 @@ def device() -> Any:
 
 def dtype() -> Any:
     return typer.Option("auto", "--dtype", metavar="DTYPE",
-                        help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16.")
+                        help="auto (bfloat16 on CUDA and on CPUs with native bf16, else float32), float32, "
+                             "bfloat16 or float16.")
 
 
 def json_path(what: str) -> Any:

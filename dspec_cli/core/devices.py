@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from dspec_cli.core import hardware
 from dspec_cli.core.errors import DspecError
 
 DEVICES = "auto, cpu, cuda or cuda:N"
@@ -41,11 +42,13 @@ def parse_dtype(dtype: str | torch.dtype) -> str | torch.dtype:
 
 
 def auto_dtype(device: torch.device) -> torch.dtype | None:
-    """What ``--dtype auto`` means on ``device``: float32 on CPU (half-precision matmuls there give
-    logits that depend on how many tokens a forward holds), bfloat16 on a GPU that supports it,
-    None (the checkpoint's own dtype) elsewhere."""
+    """What ``--dtype auto`` means on ``device``: bfloat16 on a GPU that supports it and on a CPU
+    that multiplies bfloat16 natively (AVX512-BF16 or AMX), float32 on other CPUs (there the
+    bfloat16 fallback is two orders of magnitude slower), None (the checkpoint's own dtype)
+    elsewhere. In half precision a token's logits depend slightly on how many tokens share its
+    forward, on a CPU as on a GPU (docs/verification.md, "Precision")."""
     if device.type == "cpu":
-        return torch.float32
+        return torch.bfloat16 if hardware.cpu_native_half(torch.bfloat16) else torch.float32
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
         return torch.bfloat16
     return None

@@ -179,9 +179,8 @@ def _lanes(seeds: torch.Tensor, offsets: torch.Tensor, salt) -> torch.Tensor:
     """
     salt = torch.as_tensor(salt, dtype=torch.long, device=seeds.device)
     seeds, offsets, salt = torch.broadcast_tensors(seeds.long(), offsets.long(), salt)
-    if seeds.device.type == "cpu" and seeds.numel() <= _HOST_KEYS:
-        keys = zip(salt.flatten().tolist(), seeds.flatten().tolist(), offsets.flatten().tolist())
-        lanes = [_host_lanes(*key) for key in keys]  # [numel][2]
+    if _on_host(seeds):
+        lanes = [_host_lanes(*key) for key in _host_keys(seeds, offsets, salt)]  # [numel][2]
         return torch.tensor(lanes, dtype=torch.long).view(-1, 2).T.reshape(2, *seeds.shape)
     h = torch.tensor(_LANE_IV, dtype=torch.long, device=seeds.device).view((2,) + (1,) * seeds.dim())
     words = torch.stack([salt, seeds, seeds >> 32, offsets, offsets >> 32]) & _M32  # low / high halves
@@ -191,6 +190,16 @@ def _lanes(seeds: torch.Tensor, offsets: torch.Tensor, salt) -> torch.Tensor:
 
 
 _HOST_KEYS = 16  # keys hashed on the host (per key ~100 integer operations)
+
+
+def _on_host(seeds: torch.Tensor) -> bool:
+    """Hash these keys (broadcast already) on the host: a few, on a CPU."""
+    return seeds.device.type == "cpu" and seeds.numel() <= _HOST_KEYS
+
+
+def _host_keys(seeds: torch.Tensor, offsets: torch.Tensor, salt: torch.Tensor):
+    """(salt, seed, offset) python ints of every key, row-major (broadcast tensors)."""
+    return zip(salt.flatten().tolist(), seeds.flatten().tolist(), offsets.flatten().tolist())
 
 
 def _host_lanes(salt: int, seed: int, offset: int) -> list[int]:
@@ -205,9 +214,16 @@ def _host_prefix(salt: int, seed: int) -> tuple[int, ...]:
 
 
 def _host_absorb(h: int, *words: int) -> int:
-    """h with each 32-bit word absorbed in turn (python ints, the tensor path's functions)."""
+    """h with each 32-bit word absorbed in turn: :func:`_absorb_spread` of ``_mul32(word,
+    _GOLDEN)`` written out on python ints (unsigned constants give the same residues mod 2^32;
+    no calls per word keeps the host path a few µs per key)."""
     for w in words:
-        h = _absorb_spread(h, _mul32(w, _GOLDEN))
+        h = (h + w * _GOLDEN) & _M32
+        h ^= h >> 16
+        h = (h * 0x85EBCA6B) & _M32
+        h ^= h >> 13
+        h = (h * 0xC2B2AE35) & _M32
+        h ^= h >> 16
     return h
 
 
@@ -220,6 +236,13 @@ def uniform(seeds: torch.Tensor, offsets: torch.Tensor, salt=0) -> torch.Tensor:
     """
     if seeds.numel() == 0 or offsets.numel() == 0:
         return torch.empty(torch.broadcast_shapes(seeds.shape, offsets.shape), dtype=torch.float64, device=seeds.device)
+    if seeds.device.type == "cpu" and max(seeds.numel(), offsets.numel()) <= _HOST_KEYS:
+        salt = torch.as_tensor(salt, dtype=torch.long)
+        keys = torch.broadcast_tensors(seeds.long(), offsets.long(), salt)
+        if _on_host(keys[0]):  # the same numbers as below, as python floats (exact in float64)
+            lanes = (_host_lanes(*key) for key in _host_keys(*keys))
+            values = [(((a << 20) | (b >> 12)) + 0.5) * _TWO_M52 for a, b in lanes]
+            return torch.tensor(values, dtype=torch.float64).view(keys[0].shape)
     a, b = _lanes(seeds, offsets, salt)
     bits = (a << 20) | (b >> 12)  # 52 bits
     return (bits.double() + 0.5) * _TWO_M52

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspec_cli.core.errors import DspecError
+from dspec_cli.nn.linear import Linear
 
 __all__ = [
     "BackboneConfig",
@@ -184,8 +185,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        # float math, rounded to x's dtype, then the weight (Qwen3's order); torch's fused kernel
+        y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return self.weight * y.to(x.dtype)
 
 
@@ -212,7 +213,10 @@ def _norm(cfg: BackboneConfig, dim: int) -> nn.Module:
 
 
 class Rotary(nn.Module):
-    """RoPE cos/sin for absolute positions; ``inv_freq`` stays float32 under dtype casts."""
+    """RoPE cos/sin for absolute positions; ``inv_freq`` stays float32 under dtype casts.
+
+    Decoding on a CPU looks the values up in a table of every position so far (per dtype, grown
+    by doubling): the same numbers, two gathers instead of a dozen small ops per call."""
 
     def __init__(self, cfg: BackboneConfig):
         super().__init__()
@@ -235,15 +239,28 @@ class Rotary(nn.Module):
             )
             inv, self.scale = ROPE_INIT_FUNCTIONS[kind](conf, None)
         self.register_buffer("inv_freq", inv.float(), persistent=False)
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (device, dtype) -> cos, sin [P, hd]
 
     def _apply(self, fn, recurse=True):
         inv = self.inv_freq
         out = super()._apply(fn, recurse)
         self.inv_freq = inv.to(self.inv_freq.device)
+        self._tables = {}
         return out
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [...] long -> cos, sin [..., head_dim]."""
+        if torch.is_grad_enabled() or positions.device.type != "cpu":  # the table's size needs a host read
+            return self._compute(positions, dtype)
+        key = (positions.device, dtype)
+        cos, sin = self._tables.get(key, (None, None))
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if cos is None or need > cos.shape[0]:
+            size = max(need, 2 * cos.shape[0] if cos is not None else 256)
+            cos, sin = self._tables[key] = self._compute(torch.arange(size, device=positions.device), dtype)
+        return cos[positions], sin[positions]
+
+    def _compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)
         return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
@@ -264,10 +281,10 @@ class InjectedAttention(nn.Module):
         d, hd, bias = cfg.hidden_size, cfg.head_dim, bool(cfg.attention_bias)
         gemma = cfg.layer_style == "gemma4"
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
-        self.q_proj = nn.Linear(d, self.heads * hd, bias=bias)
-        self.k_proj = nn.Linear(d, self.kv_heads * hd, bias=bias)
-        self.v_proj = None if gemma and cfg.attention_k_eq_v else nn.Linear(d, self.kv_heads * hd, bias=bias)
-        self.o_proj = nn.Linear(self.heads * hd, d, bias=bias)
+        self.q_proj = Linear(d, self.heads * hd, bias=bias)
+        self.k_proj = Linear(d, self.kv_heads * hd, bias=bias)
+        self.v_proj = None if gemma and cfg.attention_k_eq_v else Linear(d, self.kv_heads * hd, bias=bias)
+        self.o_proj = Linear(self.heads * hd, d, bias=bias)
         self.q_norm = _norm(cfg, hd)
         self.k_norm = _norm(cfg, hd)
         self.v_norm = GemmaRMSNorm(hd, cfg.rms_norm_eps, scale=False) if gemma else None
@@ -282,8 +299,8 @@ class InjectedAttention(nn.Module):
         return k, (v if self.v_norm is None else self.v_norm(v))
 
     def forward(self, x, cos, sin, k_ctx, v_ctx, mask) -> torch.Tensor:
-        """x [b, Q, d], cos/sin [b, Q, hd], k_ctx/v_ctx [b, Hkv, C, hd], mask [b, 1, Q, C+Q] bool
-        or a FlexAttention BlockMask -> [b, Q, d]."""
+        """x [b, Q, d], cos/sin [b, Q, hd], k_ctx/v_ctx [b, Hkv, C, hd], mask [b, 1, Q, C+Q] bool,
+        None (every key visible) or a FlexAttention BlockMask -> [b, Q, d]."""
         b, q_len, _ = x.shape
         q = apply_rotary(self.q_norm(self.q_proj(x).view(b, q_len, self.heads, self.head_dim)), cos, sin)
         k, v = self.project_kv(x, cos, sin)
@@ -297,9 +314,9 @@ _FLEX = {}
 
 
 def attend(q, k, v, mask, gqa: bool, scale: float | None = None) -> torch.Tensor:
-    """Attention of q over k/v under a bool mask (SDPA) or a BlockMask (flex); ``scale`` None =
-    1/sqrt(head_dim)."""
-    if isinstance(mask, torch.Tensor):
+    """Attention of q over k/v under a bool mask (SDPA; None: every key visible) or a BlockMask
+    (flex); ``scale`` None = 1/sqrt(head_dim)."""
+    if mask is None or isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -314,9 +331,9 @@ class MLP(nn.Module):
         from transformers.activations import ACT2FN
 
         d, m = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(d, m, bias=False)
-        self.up_proj = nn.Linear(d, m, bias=False)
-        self.down_proj = nn.Linear(m, d, bias=False)
+        self.gate_proj = Linear(d, m, bias=False)
+        self.up_proj = Linear(d, m, bias=False)
+        self.down_proj = Linear(m, d, bias=False)
         self.act = ACT2FN[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -415,6 +432,18 @@ class ContextCache:
     def visible(self) -> torch.Tensor:
         """[R, S] bool: slots that hold committed context."""
         return torch.arange(self.capacity, device=self.lengths.device)[None, :] < self.lengths[:, None]
+
+    def context(self) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
+        """Per-layer K/V cut to the slots any row uses, [R, Hkv, S', hd] each, and the visibility
+        [R, S'] bool, None when every slot is visible (one row, on a CPU: its exact length is a
+        free host read, so attention needs no mask). Elsewhere S' is the host bound (no sync)."""
+        exact = self.lengths.device.type == "cpu"
+        width = min(int(self.lengths.max()) if exact and self.rows else self._bound, self.capacity)
+        keys = [t[:, :, :width] for t in self.keys]
+        values = [t[:, :, :width] for t in self.values]
+        if exact and self.rows == 1:
+            return keys, values, None
+        return keys, values, torch.arange(width, device=self.lengths.device)[None, :] < self.lengths[:, None]
 
     def _grow(self, capacity: int) -> None:
         def grow(t):
@@ -532,7 +561,7 @@ class ParallelBackbone(nn.Module):
         d = cfg.hidden_size
         if cfg.layer_style not in LAYER_STYLES:
             raise DspecError(f"layer_style must be one of {', '.join(LAYER_STYLES)}, got {cfg.layer_style!r}")
-        self.fc = nn.Linear(num_taps * d, d, bias=False)
+        self.fc = Linear(num_taps * d, d, bias=False)
         self.hidden_norm = _norm(cfg, d)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = _norm(cfg, d)
@@ -562,10 +591,10 @@ class ParallelBackbone(nn.Module):
         final-normed hidden states h [R, B, d]. The cache is not modified."""
         R, B, _ = embeds.shape
         cos, sin = self.rotary(positions, self.dtype)
-        ctx = cache.visible()
-        vis = torch.cat([ctx, ctx.new_ones(R, B)], dim=1)[:, None, None, :]  # [R, 1, 1, S+B]
+        keys, values, ctx = cache.context()
+        vis = None if ctx is None else torch.cat([ctx, ctx.new_ones(R, B)], dim=1)[:, None, None, :]  # [R, 1, 1, S+B]
         x = embeds.to(self.dtype)
-        for layer, k, v in zip(self.layers, cache.keys, cache.values):
+        for layer, k, v in zip(self.layers, keys, values):
             x = layer(x, cos, sin, k, v, vis)
         return self.norm(x)
 

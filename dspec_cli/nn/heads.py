@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dspec_cli.nn.linear import Linear
+
 __all__ = ["ConfidenceHead", "MarkovHead", "RNNHead", "SequentialHead", "build_head"]
 
 
@@ -36,7 +38,7 @@ class SequentialHead(nn.Module):
             raise ValueError(f"rank must be >= 1, got {rank}")
         self.rank = rank
         self.embed = nn.Embedding(vocab_size, rank)  # W1
-        self.proj = nn.Linear(rank, vocab_size, bias=False)  # W2
+        self.proj = Linear(rank, vocab_size, bias=False)  # W2
 
     def init_state(self, rows: int, like: torch.Tensor) -> torch.Tensor | None:
         return None
@@ -105,7 +107,7 @@ class RNNHead(SequentialHead):
 
     def __init__(self, vocab_size: int, rank: int, hidden_size: int):
         super().__init__(vocab_size, rank, hidden_size)
-        self.gates = nn.Linear(2 * rank + hidden_size, 3 * rank)  # [W_g; W_c; W_o] with bias
+        self.gates = Linear(2 * rank + hidden_size, 3 * rank)  # [W_g; W_c; W_o] with bias
 
     def init_state(self, rows, like):
         return like.new_zeros(rows, self.rank)
@@ -122,7 +124,7 @@ class ConfidenceHead(nn.Module):
 
     def __init__(self, hidden_size: int, rank: int):
         super().__init__()
-        self.linear = nn.Linear(hidden_size + rank, 1)
+        self.linear = Linear(hidden_size + rank, 1)
 
     def forward(self, h: torch.Tensor, prev_embed: torch.Tensor | None) -> torch.Tensor:
         """h [..., d], prev_embed [..., r] (None without a sequential head) -> logits [...]."""

@@ -81,7 +81,8 @@ class Target:
         """Load a local path or Hub id (None: the embedded default at ``DEFAULT_TARGET_PATH``).
 
         ``device="auto"``: cuda when available, else cpu. ``dtype="auto"``:
-        :func:`~dspec_cli.core.devices.auto_dtype` (float32 on CPU, bfloat16 on CUDA).
+        :func:`~dspec_cli.core.devices.auto_dtype` (bfloat16 on CUDA and on CPUs with native bf16,
+        else float32).
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -21,8 +21,11 @@ def select_tree(
     tokens: torch.Tensor,  # [R, C] candidate tokens
     parents: torch.Tensor,  # [R, C] candidate index of each parent (earlier), -1 = root
     budget: int,
+    first: torch.Tensor | None = None,  # [R, C] bool: candidates kept before any other
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The ``budget`` best candidates (all of them if fewer) as a tree in candidate order.
+    """The ``budget`` best candidates (all of them if fewer) as a tree in candidate order;
+    candidates marked ``first`` (a prefix-closed set, e.g. a chain from the root) rank above
+    every other, in candidate order.
 
     Returns tokens [R, N], parents [R, N] (local index: 0 = root, node i is i + 1, parents
     first) and scores [R, N], N = min(budget, C).
@@ -31,7 +34,8 @@ def select_tree(
         raise ValueError(f"budget must be >= 1, got {budget}")
     R, C = scores.shape
     n = min(budget, C)
-    best = scores.sort(dim=1, descending=True, stable=True).indices[:, :n]
+    rank = scores if first is None else torch.where(first, float("inf"), scores)
+    best = rank.sort(dim=1, descending=True, stable=True).indices[:, :n]
     keep = best.sort(dim=1).values  # [R, N] candidate ids, depth-major, so parents come first
     local = torch.zeros(R, C, dtype=torch.long, device=scores.device)
     local.scatter_(1, keep, torch.arange(1, n + 1, device=scores.device).expand(R, n))

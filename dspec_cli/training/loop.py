@@ -291,7 +291,10 @@ class _Run:
     def _load_target(self):
 
         spec = self.recipe.target
-        target = Target.load(None if spec.name == EMBEDDED else spec.name, dtype=spec.dtype, device=self.device)
+        # CPU training runs in float32 (the drafter is built in the target's dtype), so "auto"
+        # there is float32 even on CPUs whose inference default is bfloat16
+        dtype = "float32" if spec.dtype == "auto" and self.device.type == "cpu" else spec.dtype
+        target = Target.load(None if spec.name == EMBEDDED else spec.name, dtype=dtype, device=self.device)
         actual = {"vocab_size": target.vocab_size, "hidden_size": target.hidden_size, "num_layers": target.num_layers}
         for key, value in actual.items():
             want = getattr(spec, key)

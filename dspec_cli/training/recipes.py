@@ -31,7 +31,7 @@ except ModuleNotFoundError:  # Python 3.10
 @dataclass
 class TargetSpec:
     name: str = EMBEDDED  # Hub id or local path; "embedded" = the embedded tiny target
-    dtype: str = "auto"  # weights of the frozen target: auto | bfloat16 | float16 | float32
+    dtype: str = "auto"  # weights of the frozen target: auto (CUDA bfloat16, CPU float32) | bfloat16 | float16 | float32
     vocab_size: int = 0  # expected sizes, checked after loading (0 = not checked)
     hidden_size: int = 0
     num_layers: int = 0

@@ -12,7 +12,10 @@ keeping the B best candidates of each depth as that depth's frontier loses none 
 depth therefore needs one batched expansion of at most B frontier nodes (instead of one
 expansion per popped node), and the B best of all candidates are kept by
 :func:`dspec_cli.runtime.tree_select.select_tree` (stable: at equal scores the shallower, earlier
-candidate wins, so parents always come first).
+candidate wins, so parents always come first). Unlike the reference, the greedy chain (the
+spine: best child of best child ...) is always kept, so a tree never accepts less than the
+chain at T = 0; with the chain's deeper nodes less probable than shallow siblings, a pure
+best-first tree of 16 nodes can stop above the chain's depth.
 """
 
 from __future__ import annotations
@@ -40,7 +43,10 @@ def grow_tree(
     topk: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ``budget`` best prefixes of at most ``depth`` tokens, each node's children taken from
-    the ``topk`` most probable tokens of its distribution (log-softmax of ``expand``'s logits).
+    the ``topk`` most probable tokens of its distribution (log-softmax of ``expand``'s logits),
+    plus the spine: the most probable child of the root, its most probable child, and so on to
+    ``depth`` (a greedy chain's drafts), kept first, so at T = 0 the tree accepts at least what
+    the chain does. The spine's nodes count against the budget.
 
     Returns tokens [R, N], parents [R, N] (local: 0 = root, node i is i + 1, parents first) and
     scores [R, N] (cumulative log-probs), N = min(budget, candidates), depth-major order.
@@ -52,7 +58,7 @@ def grow_tree(
     score = torch.zeros(R, 1, device=dev)  # [R, W] their cumulative log-probs
     index = torch.full((R, 1), -1, dtype=torch.long, device=dev)  # [R, W] their candidate index (-1 = root)
     state = None
-    scores, tokens, parents = [], [], []
+    scores, tokens, parents, spine = [], [], [], []
     offset = 0
     for slot in range(depth):
         logits, state = expand(slot, tok, state)  # [R, W or 1, V]
@@ -60,17 +66,22 @@ def grow_tree(
         logp = top.values - logits.logsumexp(-1, keepdim=True)  # [R, W or 1, K]
         cand = (score[..., None] + logp).flatten(1)  # [R, W·K]
         kids = top.indices.expand(R, tok.shape[1], topk).flatten(1)  # [R, W·K]
+        # frontier node 0 is the spine's end (it ranks first below), candidate 0 its best child
+        on_spine = torch.zeros_like(cand, dtype=torch.bool)
+        on_spine[:, 0] = True
         scores.append(cand)
         tokens.append(kids)
         parents.append(index.repeat_interleave(topk, dim=1))
+        spine.append(on_spine)
         if slot + 1 < depth:
-            pick = cand.topk(min(budget, cand.shape[1]), dim=1).indices  # [R, W'] next frontier
+            rank = torch.where(on_spine, float("inf"), cand)
+            pick = rank.topk(min(budget, cand.shape[1]), dim=1).indices  # [R, W'] next frontier, spine first
             tok, score, index = kids.gather(1, pick), cand.gather(1, pick), offset + pick
             if state is not None:
                 rows = (pick // topk).view(R, -1, *([1] * (state.dim() - 2)))
                 state = state.gather(1, rows.expand(-1, -1, *state.shape[2:]))
         offset += cand.shape[1]
-    return select_tree(torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1), budget)
+    return select_tree(torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1), budget, torch.cat(spine, 1))
 
 
 # probs(logits [n, V]) -> q [n, V]: the run's sampling distribution (temperature, top-k, top-p).

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dspec_cli import (
@@ -46,6 +45,7 @@ from dspec_cli.nn import (
     BackboneConfig,
     ConfidenceHead,
     ContextCache,
+    PackedWeight,
     ParallelBackbone,
     build_blocks,
     build_head,
@@ -194,6 +194,7 @@ class DFlashDrafter(TrainableDrafter):
         super().__init__(resolve_config(config, target), target)
         self.embed = target.model.get_input_embeddings()  # shared, frozen, not in self.net
         self.lm_head = target.model.get_output_embeddings()
+        self._lm_pack = PackedWeight()  # the LM head's packed copy for CPU decoding (dspec_cli.nn.linear)
         self.softcap = getattr(target.config, "final_logit_softcapping", None)
         self.net = BlockDrafterNet(self.config).to(device=target.device, dtype=target.dtype)
 
@@ -257,12 +258,16 @@ class DFlashDrafter(TrainableDrafter):
     def propose(self, state: BlockDraftState, anchors: torch.Tensor, max_len: int, sampler: Sampler) -> Proposal:
         """One parallel forward, then min(max_len, γ) draws with the run's sampler: q_k =
         sampler.probs(U_k [+ head bias]) is what x_k is drawn from (all slots at once without a
-        sequential head, left to right with one); the confidence uses h_k and x_{k−1} only."""
+        sequential head, left to right with one); the confidence uses h_k and x_{k−1} only.
+        Greedy runs draft the argmax and carry no distribution (deterministic drafts)."""
         R, gamma = anchors.shape[0], min(max_len, self.config.block_size)
         h = self._block_hidden(state, anchors)[:, :gamma]  # [R, γ, d]
         base = self._lm_logits(h)  # [R, γ, V]: one LM-head matmul for the whole block
         head, conf_head = self.net.head, self.net.confidence
-        if head is None:  # independent slots: every draw at once
+        probs = None
+        if head is None and sampler.greedy:
+            drafts = base.argmax(-1)  # [R, γ]
+        elif head is None:  # independent slots: every draw at once
             probs = sampler.probs(base.flatten(0, 1)).view_as(base)  # [R, γ, V]
             drafts = sampler.sample(probs, 0)  # [R, γ]
         else:
@@ -270,11 +275,15 @@ class DFlashDrafter(TrainableDrafter):
             tokens, qs = [], []
             for k in range(gamma):
                 logits, hstate = self.head_logits(base[:, k], h[:, k], prev, hstate)  # [R, V]
-                q = sampler.probs(logits)  # [R, V]
-                prev = sampler.sample(q, k)
+                if sampler.greedy:
+                    prev = logits.argmax(-1)
+                else:
+                    q = sampler.probs(logits)  # [R, V]
+                    prev = sampler.sample(q, k)
+                    qs.append(q)
                 tokens.append(prev)
-                qs.append(q)
-            drafts, probs = torch.stack(tokens, 1), torch.stack(qs, 1)  # [R, γ], [R, γ, V]
+            drafts = torch.stack(tokens, 1)  # [R, γ]
+            probs = torch.stack(qs, 1) if qs else None  # [R, γ, V]
         conf = None
         if conf_head is not None:  # one pass over the block: slot k sees h_k and x_{k−1} only
             prevs = torch.cat([anchors[:, None], drafts[:, :-1]], 1)  # [R, γ]: x_{k−1}
@@ -304,7 +313,7 @@ class DFlashDrafter(TrainableDrafter):
         w, b = self.lm_head.weight.detach(), self.lm_head.bias
         # one [N, d] x [d, V] matmul: a strided 3-D input would make linear broadcast the
         # weight to [R, d, V] and copy it (bf16 CPU: 40 ms at R = 16)
-        z = F.linear(h.to(w.dtype).reshape(-1, h.shape[-1]), w, None if b is None else b.detach())
+        z = self._lm_pack.linear(h.to(w.dtype).reshape(-1, h.shape[-1]), w, None if b is None else b.detach())
         z = z.view(*h.shape[:-1], -1).float()
         return z if not self.softcap else self.softcap * torch.tanh(z / self.softcap)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dspec_cli.nn import MLP, BackboneConfig, RMSNorm, Rotary, apply_rotary, attend
+from dspec_cli.nn import MLP, BackboneConfig, Linear, RMSNorm, Rotary, apply_rotary, attend
 
 __all__ = ["Eagle3Net", "build_vocab_mapping", "ttt_attention_mask"]
 
@@ -84,10 +84,10 @@ class FusedAttention(nn.Module):
         super().__init__()
         d, hd, bias = cfg.hidden_size, cfg.head_dim, bool(cfg.attention_bias)
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
-        self.q_proj = nn.Linear(2 * d, self.heads * hd, bias=bias)
-        self.k_proj = nn.Linear(2 * d, self.kv_heads * hd, bias=bias)
-        self.v_proj = nn.Linear(2 * d, self.kv_heads * hd, bias=bias)
-        self.o_proj = nn.Linear(self.heads * hd, d, bias=bias)
+        self.q_proj = Linear(2 * d, self.heads * hd, bias=bias)
+        self.k_proj = Linear(2 * d, self.kv_heads * hd, bias=bias)
+        self.v_proj = Linear(2 * d, self.kv_heads * hd, bias=bias)
+        self.o_proj = Linear(self.heads * hd, d, bias=bias)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if qk_norm else nn.Identity()
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if qk_norm else nn.Identity()
 
@@ -111,14 +111,14 @@ class Eagle3Net(nn.Module):
     def __init__(self, cfg: BackboneConfig, num_taps: int, draft_vocab: int, reduced: bool, qk_norm: bool = True):
         super().__init__()
         d = cfg.hidden_size
-        self.fc = nn.Linear(num_taps * d, d, bias=False)
+        self.fc = Linear(num_taps * d, d, bias=False)
         self.embed_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.self_attn = FusedAttention(cfg, qk_norm)
         self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(d, draft_vocab, bias=False)
+        self.lm_head = Linear(d, draft_vocab, bias=False)
         self.rotary = Rotary(cfg)
         if reduced:
             self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))

@@ -78,6 +78,18 @@ def heap_oracle(child_logp, anchor: int, depth: int, budget: int, topk: int) -> 
     return popped
 
 
+def spine_oracle(child_logp, anchor: int, depth: int, budget: int, topk: int) -> dict:
+    """grow_tree's set: the spine (best child of best child ..., cut to the budget) and the
+    heap's best other prefixes for the rest of the budget (all within its first ``budget`` pops)."""
+    spine, path, score = {}, (anchor,), 0.0
+    for _ in range(min(depth, budget)):
+        lp, tok = child_logp(path).topk(1)
+        path, score = path + (int(tok[0]),), score + float(lp[0])
+        spine[path] = score
+    rest = [(p, s) for p, s in heap_oracle(child_logp, anchor, depth, budget, topk).items() if p not in spine]
+    return {**spine, **dict(rest[: budget - len(spine)])}
+
+
 def tree_paths(anchor: int, tokens, parents, scores) -> dict:
     """{path (anchor first): score} of one row of a tree."""
     paths, out = {0: (anchor,)}, {}
@@ -118,7 +130,8 @@ def test_hand_made_tree_follows_the_heap():
 @pytest.mark.parametrize("budget, topk", [(1, 3), (7, 3), (20, 4), (40, 12)])
 def test_tree_equals_heap_oracle(path_sum, budget, topk):
     """Children that depend on the parent's token (Markov) or on the whole path (a state, like the
-    RNN head): the depth-batched tree is the heap's set of prefixes, with the same scores."""
+    RNN head): the depth-batched tree is the spine plus the heap's best other prefixes, with the
+    same scores."""
     D, V = 4, 12
     logp = torch.log_softmax(2 * torch.randn(D, V, V, generator=torch.Generator().manual_seed(budget)), -1)
     anchors = torch.tensor([0, 5, 11])
@@ -127,7 +140,7 @@ def test_tree_equals_heap_oracle(path_sum, budget, topk):
     assert ((parents >= 0) & (parents <= torch.arange(budget))).all()  # node i+1's parent precedes it
     key = (lambda path: sum(path) % V) if path_sum else (lambda path: path[-1])
     for r, a in enumerate(anchors.tolist()):
-        want = heap_oracle(lambda path: logp[len(path) - 1, key(path)], a, D, budget, topk)
+        want = spine_oracle(lambda path: logp[len(path) - 1, key(path)], a, D, budget, topk)
         got = tree_paths(a, tokens[r], parents[r], scores[r])
         assert got.keys() == want.keys()
         assert all(math.isclose(got[p], want[p], abs_tol=1e-4) for p in want)
@@ -240,6 +253,32 @@ def test_children_are_the_sequential_heads_conditionals(target, name):
         head_matters |= not math.isclose(float(q[x].log()), float(uncorrected[k, x]), abs_tol=1e-2)
         paths[i + 1], score[i + 1] = paths[p] + [x], float(scores[0, i])
     assert head_matters and max(map(len, paths.values())) >= 2
+
+
+@pytest.mark.parametrize("name", ["dflash", "dspark-markov", "dspark-rnn"])
+def test_best_tree_holds_the_greedy_chain(target, name):
+    """A small budget keeps the base drafter's greedy chain as a path from the root (the spine),
+    so at T = 0 the tree accepts at least what the chain does; the remaining nodes are the best
+    other prefixes."""
+    base = strong(build(name, target)) if name != "dflash" else build(name, target)
+    state = _state_after_prompt(target, base, "The quick brown fox")
+    anchors = torch.tensor([17])
+    chain = base.propose(state, anchors, 4, GreedyArgmax()).tokens[0].tolist()
+    for budget in (2, 4, 6):
+        drafter = DDTreeDrafter(DDTreeConfig(tree_budget=budget, tree_topk=4), target, base)
+        tree, _ = drafter.draft_tree(state, anchors, 4)
+        paths = set(tree_paths(17, tree.tokens[0], tree.parents[0], tree.parents[0].float()))
+        assert tuple([17] + chain[: min(budget, 4)]) in paths
+
+
+class GreedyArgmax:
+    greedy = True
+
+    def probs(self, logits):
+        return logits_to_probs(logits, 0.0)
+
+    def sample(self, probs, step):
+        return probs.argmax(-1)
 
 
 # -- the engine --------------------------------------------------------------------------------

@@ -66,6 +66,7 @@ class SeededSampler:
 
     def __init__(self, seed: int, **sampling):
         self.sampling, self.gen = sampling, torch.Generator().manual_seed(seed)
+        self.greedy = sampling.get("temperature", 1.0) == 0
 
     def probs(self, logits):
         return logits_to_probs(logits, **self.sampling)

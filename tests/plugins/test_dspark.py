@@ -26,6 +26,8 @@ NAMES = ["dspark-markov", "dspark-rnn"]
 class ForcedSampler:
     """q = softmax(logits) (T = 1); the drawn tokens are fixed in advance: tokens [R, γ]."""
 
+    greedy = False
+
     def __init__(self, tokens: torch.Tensor):
         self.tokens = tokens
 
