@@ -205,3 +205,72 @@ class TestTorchRandomness:
 
     def test_unseeded_on_device(self):
         assert torch_uniform((3,), device="cpu").device.type == "cpu"
+
+
+# -- draws without replacement (sampled draft trees) ---------------------------------------------
+
+
+def _sequential_joint(w: torch.Tensor, n: int) -> dict:
+    """Exact P(x_1, ..., x_n) of successive draws without replacement from weights w [V]."""
+    out = {}
+    for seq in itertools.permutations(range(w.numel()), n):
+        p, left = 1.0, float(w.sum())
+        for x in seq:
+            p *= float(w[x]) / left
+            left -= float(w[x])
+        out[seq] = p
+    return out
+
+
+def _draws_gof(draw, w: torch.Tensor, n: int, samples: int = 200_000) -> float:
+    from dspec_cli.testing import chi_square_gof
+
+    gen = torch.Generator().manual_seed(3)
+    u = torch_uniform((samples, n), generator=gen)
+    x = draw(w.expand(samples, -1), u)
+    joint = _sequential_joint(w, n)
+    keys = list(joint)
+    index = {k: i for i, k in enumerate(keys)}
+    counts = torch.zeros(len(keys) + 1)
+    for row in x.tolist():
+        counts[index.get(tuple(row), len(keys))] += 1  # last bin: duplicates (probability 0)
+    return chi_square_gof(counts.numpy(), [joint[k] for k in keys] + [0.0])[2]
+
+
+@pytest.mark.parametrize("weights", [[0.05, 0.5, 0.0, 0.2, 0.15, 0.1], [3.0, 1e-3, 2.0, 0.5, 0.0, 0.25]])
+def test_sample_without_replacement_matches_sequential_draws(weights):
+    """The joint of 3 draws (one cumulative sum, removed weight added back) is that of successive
+    draws each from the remaining weights; zero-weight tokens and repeats never occur, and a draw
+    that ignores the removed tokens (plain inverse CDF per draw) fails the same test."""
+    from dspec_cli.core.sampling import sample_without_replacement
+
+    w = torch.tensor(weights, dtype=torch.float64)
+    assert _draws_gof(sample_without_replacement, w, 3) > 1e-4
+
+    def ignores_removed(weights, u):  # biased: the remaining total, but removed tokens still in the CDF
+        cdf = weights.cumsum(-1)
+        left = cdf[:, -1].clone()
+        out = []
+        for j in range(u.shape[1]):
+            x = torch.searchsorted(cdf, (u[:, j] * left)[:, None]).squeeze(1).clamp(max=weights.shape[1] - 1)
+            out.append(x)
+            left = left - weights.gather(1, x[:, None]).squeeze(1)
+        return torch.stack(out, 1)
+
+    assert _draws_gof(ignores_removed, w, 3) < 1e-12
+
+
+def test_sample_without_replacement_equals_repeated_inverse_cdf():
+    """The same tokens as drawing by inverse CDF from the weights with earlier draws zeroed (the
+    direct way: one cumulative sum per draw), up to float64 rounding at a CDF boundary."""
+    from dspec_cli.core.sampling import sample_without_replacement
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.rand(64, 300, generator=gen) ** 4
+    u = torch_uniform((64, 12), generator=gen)
+    direct, left = [], w.clone()
+    for j in range(12):
+        x = sample_inverse_cdf(left, u[:, j])
+        left.scatter_(1, x[:, None], 0.0)
+        direct.append(x)
+    assert torch.equal(sample_without_replacement(w, u), torch.stack(direct, 1))

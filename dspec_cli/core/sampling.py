@@ -25,6 +25,7 @@ __all__ = [
     "logits_to_probs",
     "sample_from_probs",
     "sample_inverse_cdf",
+    "sample_without_replacement",
     "torch_exponential",
     "torch_uniform",
     "uniform",
@@ -277,6 +278,36 @@ def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     cdf = probs.double().cumsum(-1)  # [N, V]
     where = (u.double() * cdf[:, -1])[:, None]  # [N, 1]
     return torch.searchsorted(cdf, where).squeeze(1).clamp(max=probs.shape[-1] - 1)
+
+
+def sample_without_replacement(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """n successive draws without replacement [N, n] from unnormalised weights [N, V], draw j by
+    the inverse CDF with uniform u [N, n] (float64 in (0, 1)) over the weights with the earlier
+    draws removed: the first v whose remaining cumulative weight reaches u_j × the remaining
+    total. One float64 cumulative sum serves every draw: removing tokens lowers the cumulative
+    weight at v by the removed weight at or below v, c(v), so draw j is the fixed point of
+    v ← searchsorted(cdf, target + c(v)), reached from c = 0 in at most j steps (c only grows,
+    one removed token at a time). Zero-weight tokens are never drawn while weight remains."""
+    N, V = weights.shape
+    n = u.shape[1]
+    w = weights.double()
+    cdf = w.cumsum(-1)  # [N, V]
+    remaining = cdf[:, -1].clone()  # [N]
+    drawn = torch.zeros(N, n, dtype=torch.long, device=weights.device)
+    taken = torch.zeros(N, n, dtype=torch.float64, device=weights.device)  # weight of each draw
+    for j in range(n):
+        target = (u[:, j].double() * remaining)[:, None]  # [N, 1]
+        x = torch.searchsorted(cdf, target).clamp(max=V - 1)  # [N, 1]
+        for _ in range(j):
+            below = (taken[:, :j] * (drawn[:, :j] <= x)).sum(1, keepdim=True)  # c(x) [N, 1]
+            nxt = torch.searchsorted(cdf, target + below).clamp(max=V - 1)
+            if nxt.device.type == "cpu" and torch.equal(nxt, x):  # converged (a free read on a CPU)
+                break
+            x = nxt
+        drawn[:, j : j + 1] = x
+        taken[:, j : j + 1] = w.gather(1, x)
+        remaining = remaining - taken[:, j]
+    return drawn
 
 
 # --------------------------------------------------------------------------------------

@@ -85,7 +85,7 @@ class MarkovHead(SequentialHead):
         table = self.transition_table()
         if table is None:
             return super().step_bias(state, prev, h)
-        return table[prev.reshape(-1)].view(*prev.shape, -1), None
+        return table.index_select(0, prev.reshape(-1)).view(*prev.shape, -1), None
 
     def transition_table(self) -> torch.Tensor | None:
         """The bias of every previous token [V, V] (row x = W2·W1[x]) when decoding on a CPU with

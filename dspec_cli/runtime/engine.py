@@ -132,19 +132,15 @@ class RoundSampler:
 
     def sample_distinct(self, probs: torch.Tensor, n: int, step: int) -> torch.Tensor:  # [R, W, V] -> [R, W, n]
         """n draws without replacement from each of W distributions per request, in draw order
-        (successive inverse-CDF draws, the drawn token zeroed after each). Draw j of row w at tree
+        (successive inverse-CDF draws, each without the tokens drawn before). Draw j of row w at tree
         depth ``step`` uses the uniform at (seed, round base + step), salt TREE_DRAFT_SALT + 256·w + j."""
         R, W, V = probs.shape
         dev = probs.device
+        if n == 0:
+            return probs.new_zeros(R, W, 0, dtype=torch.long)
         salt = TREE_DRAFT_SALT + (torch.arange(W, device=dev)[:, None] << 8) + torch.arange(n, device=dev)  # [W, n]
         u = sampling.uniform(self.seeds[:, None, None], (self.base + step)[:, None, None], salt).view(R * W, n)
-        weights = probs.reshape(R * W, V).clone()
-        draws = []
-        for j in range(n):
-            x = sampling.sample_inverse_cdf(weights, u[:, j])  # [R·W]
-            weights.scatter_(1, x[:, None], 0.0)
-            draws.append(x)
-        return torch.stack(draws, 1).view(R, W, n) if draws else probs.new_zeros(R, W, 0, dtype=torch.long)
+        return sampling.sample_without_replacement(probs.reshape(R * W, V), u).view(R, W, n)
 
 
 class SpeculativeEngine:

@@ -179,9 +179,11 @@ def grow_sampled_tree(
             kids[..., :n_draw] = draw(slot, q, n_draw)
         valid = (torch.arange(K, device=dev) < m[..., None]).flatten(1)  # [R, W·K]
         kid_score = (score[..., None] + q.gather(-1, kids).log()).flatten(1)
-        W2 = min(N, W * K)
-        pick = (~valid).long().argsort(dim=1, stable=True)[:, :W2]  # [R, W2] the valid children first, in order
         count = valid.sum(1)
+        W2 = min(N, W * K)
+        if dev.type == "cpu":  # only real children go on (a free read there): later levels expand fewer rows
+            W2 = max(min(W2, int(count.max())), 1)
+        pick = (~valid).long().argsort(dim=1, stable=True)[:, :W2]  # [R, W2] the valid children first, in order
         new_alive = torch.arange(W2, device=dev) < count[:, None]
         new_node = used[:, None] + 1 + torch.arange(W2, device=dev)
         tok = kids.flatten(1).gather(1, pick)

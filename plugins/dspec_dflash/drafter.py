@@ -252,7 +252,7 @@ class DFlashDrafter(TrainableDrafter):
             if head_state is not None:
                 head_state = head_state.view(*prev.shape, -1)
         bias, head_state = head.step_bias(head_state, prev, h)
-        return logits + bias.float(), head_state
+        return logits + bias, head_state  # float logits + a half-precision bias: float (exact promotion)
 
     @torch.no_grad()
     def propose(self, state: BlockDraftState, anchors: torch.Tensor, max_len: int, sampler: Sampler) -> Proposal:
