@@ -390,3 +390,29 @@ def test_kv_cache_benchmark_runs_both_layer_kinds():
         batch = target.new_batch((), kv_layer=layer)
         target.prefill(batch, [[1, 2, 3]])
         assert {type(x) for x in batch.cache.layers} == {layer}
+
+
+def test_grouped_query_attention_stacks_query_heads_instead_of_copying_the_cache():
+    """Target switches sdpa models to dspec_sdpa: for several query tokens under a bool mask the
+    query heads of a KV head are stacked along the query axis (no K/V copy); the output equals
+    transformers' sdpa (which repeats K/V per head), and every other call is transformers' own."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from dspec_cli.runtime import attention
+
+    t = Target(tiny_qwen3())
+    assert t.model.config._attn_implementation == attention.NAME
+    module = t.model.model.layers[0].self_attn
+    gen = torch.Generator().manual_seed(0)
+    for q_len, mask in [(5, True), (1, True), (5, False)]:
+        query = torch.randn(2, 4, q_len, 16, generator=gen)
+        key, value = torch.randn(2, 2, 9, 16, generator=gen), torch.randn(2, 2, 9, 16, generator=gen)
+        m = torch.rand(2, 1, q_len, 9, generator=gen) < 0.7 if mask else None
+        if m is not None:
+            m[..., 0] = True  # no empty rows
+        got, _ = attention._attention(module, query, key, value, m, scaling=0.25)
+        want, _ = sdpa_attention_forward(module, query, key, value, m, scaling=0.25)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    eager = tiny_qwen3()
+    eager.set_attn_implementation("eager")
+    assert not attention.use_for(eager) and eager.config._attn_implementation == "eager"

@@ -28,6 +28,7 @@ from dspec_cli.core.files import ASSETS_DIR, DEFAULT_TARGET_PATH, embedded_path
 from dspec_cli.core.hardware import warn_if_slow_half
 from dspec_cli.core.ragged import flatten, to_grid
 from dspec_cli.core.types import StepOutput
+from dspec_cli.runtime import attention
 from dspec_cli.runtime.kv_cache import (
     PendingStep,
     TargetBatch,
@@ -38,7 +39,7 @@ from dspec_cli.runtime.kv_cache import (
 
 __all__ = ["ASSETS_DIR", "DEFAULT_TARGET_PATH", "StepOutput", "Target", "TargetBatch", "embedded_path"]
 
-_MASKABLE = ("sdpa", "eager")
+_MASKABLE = ("sdpa", attention.NAME, "eager")
 _PAD_RATIO, _PAD_SLACK = 1.25, 64  # prefill groups: padded tokens <= ratio × real tokens + slack
 _GROUP_TOKENS = 4096  # padded tokens per prefill forward
 
@@ -53,6 +54,7 @@ class Target:
         impl = getattr(model.config, "_attn_implementation", None)
         if impl not in _MASKABLE:
             raise ValueError(f"model attn_implementation must be one of {_MASKABLE}, got {impl!r}")
+        attention.use_for(model)  # sdpa -> dspec_sdpa: no K/V copy for grouped-query heads under a mask
         self._float_mask = impl == "eager"
         self._layers = getattr(model.get_decoder(), "layers", None)
         if self._layers is None:

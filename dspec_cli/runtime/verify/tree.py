@@ -300,7 +300,7 @@ def _rejection_walk(tree: _Tree, depth: int, fanout: int, coins, begin, child, f
             moved |= ok
             nxt = torch.where(ok, col.squeeze(1) + 1, nxt)
             rejected = (tried & ~ok)[:, None]
-            state = tuple(torch.where(rejected, new, old) for new, old in zip(after, state))
+            state = tuple(new if new is old else torch.where(rejected, new, old) for new, old in zip(after, state))
         node_tok = tree.tokens.gather(1, (nxt - 1).clamp(min=0)[:, None]).squeeze(1)
         tokens[:, d] = torch.where(moved, node_tok, torch.where(active, final(d, state), -1))
         path[:, d] = torch.where(active, cur, -1)
@@ -338,8 +338,10 @@ def sibling_step(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor):
     p_x = p_hat.gather(1, x[:, None]).squeeze(1)
     q_x = q_hat.gather(1, x[:, None]).squeeze(1)
     outside = q_x <= 0  # not drawn from q̂' (its support is exhausted): a one-hot draft
-    one_hot = torch.zeros_like(q_hat).scatter_(1, x[:, None], 1.0)
-    q_eff = torch.where(outside[:, None], one_hot, q_hat)
+    q_eff = q_hat
+    if outside.device.type != "cpu" or bool(outside.any()):  # rare; the check is a free read on a CPU
+        one_hot = torch.zeros_like(q_hat).scatter_(1, x[:, None], 1.0)
+        q_eff = torch.where(outside[:, None], one_hot, q_hat)
     prob = reference.acceptance_prob(p_x, torch.where(outside, 1.0, q_x))
     return prob, reference.residual(p_hat, q_eff), q_hat.scatter(1, x[:, None], 0.0)
 

@@ -1,0 +1,60 @@
+"""The target's attention: transformers' SDPA, with grouped-query attention over a mask done
+without copying the cache.
+
+transformers' ``sdpa`` attention passes a mask to SDPA for several query tokens after a cache
+(every verify step), and then repeats each KV head for its query heads: a copy of the whole
+K/V cache per layer and step. ``dspec_sdpa`` instead stacks the query heads that share a KV head
+along the query axis, [B, H, q, d] -> [B, H_kv, n·q, d], repeats the mask rows to match, and
+calls SDPA once per KV head: the same attention over the same keys, with no copy of the cache.
+Every other call (one query token, no mask, float masks, position biases) goes to transformers'
+``sdpa_attention_forward`` unchanged. :func:`use_for` switches a model loaded with ``sdpa``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["NAME", "use_for"]
+
+NAME = "dspec_sdpa"
+
+
+def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs):
+    """query [B, H, q, d], key/value [B, H_kv, S, d], attention_mask [B or 1, 1, q, S] bool or
+    None -> (output [B, q, H, d], None), as transformers' attention functions return."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    batch, heads, q_len, dim = query.shape
+    stack = (
+        groups > 1 and q_len > 1 and isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
+        and attention_mask.dim() == 4 and attention_mask.shape[1] == 1 and kwargs.get("position_bias") is None
+        and kwargs.get("softcap") is None and key.shape[1] * groups == heads
+    )  # fmt: skip
+    if not stack:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    kv_heads, slots = key.shape[1], key.shape[2]
+    q = query.reshape(batch, kv_heads, groups * q_len, dim)  # query heads of one KV head, one after another
+    mask = attention_mask.expand(batch, 1, q_len, slots)[:, :, None].expand(batch, 1, groups, q_len, slots)
+    out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask.reshape(batch, 1, groups * q_len, slots),
+                                         dropout_p=dropout if module.training else 0.0, scale=scaling)
+    return out.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
+
+
+def use_for(model) -> bool:
+    """Switch ``model`` from ``sdpa`` to ``dspec_sdpa`` (registered with transformers on first
+    use); False, and the model unchanged, where transformers or the model does not take it."""
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return False
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        AttentionInterface.register(NAME, _attention)
+        AttentionMaskInterface.register(NAME, sdpa_mask)
+        model.set_attn_implementation(NAME)
+    except (ImportError, AttributeError, ValueError, TypeError):
+        return False
+    return getattr(model.config, "_attn_implementation", None) == NAME
