@@ -311,24 +311,22 @@ def _sampled_first_token_p_value(case: str, seed: int, **verify_kwargs) -> float
     return T.gof_test(tokens[:, 0], T.exact_target_joint(SAMPLED_CASES[case]()[0], 1, 1)).p_value
 
 
-_SIBLING_STEP = tree_verify.sibling_step
+_SIBLING_REJECT = tree_verify.sibling_reject
 
 
-def _step_keeping_rejected_in_q(p, q, x):
-    prob, new_p, _ = _SIBLING_STEP(p, q, x)
-    return prob, new_p, q  # q' not updated: later siblings are checked against the wrong q̂'
+def _reject_keeping_rejected_in_q(p, q, x):
+    return _SIBLING_REJECT(p, q, x)[0], q  # q' not updated: later siblings are checked against the wrong q̂'
 
 
-def _step_unnormalised(p, q, x):
-    prob, new_p, new_q = _SIBLING_STEP(p, q, x)
+def _accept_unnormalised(p, q, x):
     p_x, q_x = p.gather(1, x[:, None]).squeeze(1), q.gather(1, x[:, None]).squeeze(1)
-    return reference.acceptance_prob(p_x, q_x), new_p, new_q  # min(1, p'/q') without the hats
+    return reference.acceptance_prob(p_x, q_x)  # min(1, p'/q') without the hats
 
 
 SAMPLED_BIASES = {
     "residual_is_p": lambda mp: mp.setattr(reference, "residual", lambda p, q: p),
-    "rejected_kept_in_q": lambda mp: mp.setattr(tree_verify, "sibling_step", _step_keeping_rejected_in_q),
-    "unnormalised_ratio": lambda mp: mp.setattr(tree_verify, "sibling_step", _step_unnormalised),
+    "rejected_kept_in_q": lambda mp: mp.setattr(tree_verify, "sibling_reject", _reject_keeping_rejected_in_q),
+    "unnormalised_ratio": lambda mp: mp.setattr(tree_verify, "sibling_accept", _accept_unnormalised),
 }
 
 

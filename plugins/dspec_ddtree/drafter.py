@@ -7,7 +7,8 @@ its path), and :func:`~dspec_ddtree.tree.grow_tree` keeps the ``tree_budget`` be
 Scores use the base's own log-probs (T = 1, no top-k/top-p, as in DDTree): the engine's
 sample-and-match walk commits only target samples, so the tree's shape never affects the
 output distribution. With ``tree_mode="sampled"`` (T > 0) the tree is instead sampled from the
-run's q (:func:`~dspec_ddtree.tree.grow_sampled_tree`) and carries q, so the engine verifies it
+run's q in a static shape (:func:`~dspec_ddtree.tree.sampled_shape`,
+:func:`~dspec_ddtree.tree.grow_sampled_tree`) and carries q, so the engine verifies it
 by recursive rejection sampling. State, checkpoints and ``advance`` are the base's: a ddtree
 checkpoint is the base drafter's checkpoint.
 """
@@ -37,7 +38,7 @@ from dspec_cli import (
     get_drafter_class,
     registry,
 )
-from dspec_ddtree.tree import grow_sampled_tree, grow_tree
+from dspec_ddtree.tree import grow_sampled_tree, grow_tree, sampled_shape
 
 TREE_MODES = ("best", "sampled")
 
@@ -47,12 +48,16 @@ class DDTreeConfig(DrafterConfig):
     """DDTree options. ``block_size`` (the deepest node) is the base drafter's γ."""
 
     base: str = "dspark-markov"  # drafter whose per-position distributions grow the tree
-    tree_budget: int = 16  # draft nodes per tree (the root/anchor not counted)
+    tree_budget: int = 32  # draft nodes per tree (the root/anchor not counted)
     tree_topk: int = 0  # children considered per node; 0 = tree_budget (capped by the vocabulary)
     # "best": the tree_budget best prefixes (DDTree; sample-and-match verification);
     # "sampled": children sampled without replacement from the run's q, verified with q by
     # recursive rejection sampling (at T = 0 the best-first tree is used).
     tree_mode: str = "sampled"
+    # sampled trees have a static shape (sampled_shape) from two rates: the chance that a node's
+    # first child is accepted, and that a later sibling is once the siblings before it were rejected
+    tree_accept: float = 0.7
+    tree_rescue: float = 0.3
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -62,6 +67,10 @@ class DDTreeConfig(DrafterConfig):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise DspecError(f"{key} must be an integer >= {low}, got {value!r}")
+        for key in ("tree_accept", "tree_rescue"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+                raise DspecError(f"{key} must be a number in (0, 1), got {value!r}")
 
 
 def base_class(name: str) -> type[Drafter]:
@@ -114,6 +123,7 @@ class DDTreeDrafter(WrappedDrafter):
             raise DspecError(f"tree_topk {config.tree_topk} exceeds the vocabulary ({target.vocab_size})")
         super().__init__(dataclasses.replace(config, base=base.name, block_size=base.config.block_size), target)
         self.base = base
+        self._shape: tuple[tuple, torch.Tensor] | None = None  # (its options, sampled_shape(...))
 
     # -- construction: everything but the tree options comes from the base -----------------
     @classmethod
@@ -170,9 +180,12 @@ class DDTreeDrafter(WrappedDrafter):
         """A sampled tree after ``anchors`` [R] (:func:`~dspec_ddtree.tree.grow_sampled_tree`,
         q = ``sampler.probs``) with its draft probabilities, and its node scores [R, N]."""
         expand, depth, topk = self._expansion(state, anchors, max_len)
+        cfg = self.config
+        key = (cfg.tree_budget, cfg.block_size, topk, cfg.tree_accept, cfg.tree_rescue)
+        if self._shape is None or self._shape[0] != key:
+            self._shape = key, sampled_shape(*key)
         tokens, parents, scores, num_nodes, q = grow_sampled_tree(
-            expand, sampler.probs, lambda slot, q, n: sampler.sample_distinct(q, n, slot), anchors, depth,
-            self.config.tree_budget, topk,
+            expand, sampler.probs, lambda slot, q, n: sampler.sample_distinct(q, n, slot), anchors, depth, self._shape[1]
         )
         return DraftTree(tokens=tokens, parents=parents, num_nodes=num_nodes, draft_probs=q), scores
 

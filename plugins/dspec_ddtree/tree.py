@@ -1,4 +1,4 @@
-"""DDTree's best-first draft tree, with the expansions batched depth by depth.
+"""DDTree's best-first draft tree, with the expansions batched depth by depth, and sampled trees.
 
 The DDTree reference pops prefixes from a heap in order of their score (the sum of the draft
 log-probs along the path: the product of the per-position distributions), pushing each popped
@@ -16,17 +16,22 @@ candidate wins, so parents always come first). Unlike the reference, the greedy 
 spine: best child of best child ...) is always kept, so a tree never accepts less than the
 chain at T = 0; with the chain's deeper nodes less probable than shallow siblings, a pure
 best-first tree of 16 nodes can stop above the chain's depth.
+
+Sampled trees (T > 0, verified by recursive rejection) draw each node's children without
+replacement from the run's q into a static shape, :func:`sampled_shape`: the nodes of largest
+worth under per-rank acceptance rates, the spine first, chosen once per option set.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 
 import torch
 
 from dspec_cli import select_tree
 
-__all__ = ["Expand", "grow_sampled_tree", "grow_tree"]
+__all__ = ["Expand", "grow_sampled_tree", "grow_tree", "sampled_shape"]
 
 # expand(slot, tokens [R, W], state) -> (logits [R, W or 1, V], state'): the distribution of the
 # children of the W frontier nodes of depth ``slot`` (their tokens; at slot 0 the anchors), given
@@ -90,44 +95,101 @@ Probs = Callable[[torch.Tensor], torch.Tensor]
 Draw = Callable[[int, torch.Tensor, int], torch.Tensor]
 
 
+def _grow_shape(budget: int, depth: int, topk: int, accept: float, rescue: float) -> list[tuple[int, float]]:
+    """The nodes of :func:`sampled_shape` in the order they are chosen, as (parent, worth); the
+    root (-1, 1.0) first."""
+    if depth < 1 or budget < 1 or topk < 1:
+        raise ValueError(f"depth, budget and topk must be >= 1, got {depth}, {budget}, {topk}")
+    rank_rate = [accept] + [(1 - accept) * (1 - rescue) ** (j - 2) * rescue for j in range(2, topk + 1)]
+    nodes = [(-1, 1.0)]  # (parent, worth)
+    level = [0]
+    kids: list[int] = [0]  # children so far, per node
+
+    def add(parent: int) -> None:
+        nodes.append((parent, nodes[parent][1] * rank_rate[kids[parent]]))
+        level.append(level[parent] + 1)
+        kids[parent] += 1
+        kids.append(0)
+
+    for _ in range(min(depth, budget)):  # the spine
+        add(len(nodes) - 1)
+    heap: list[tuple[float, int, int]] = []  # (-worth of the parent's next child, tie order, parent)
+
+    def offer(parent: int) -> None:
+        if level[parent] < depth and kids[parent] < topk:
+            heapq.heappush(heap, (-nodes[parent][1] * rank_rate[kids[parent]], len(nodes), parent))
+
+    for v in range(len(nodes)):
+        offer(v)
+    while len(nodes) - 1 < budget and heap:
+        _, _, parent = heapq.heappop(heap)
+        add(parent)
+        offer(parent)
+        offer(len(nodes) - 1)
+    return nodes
+
+
+def sampled_shape(budget: int, depth: int, topk: int, accept: float, rescue: float) -> torch.Tensor:
+    """The static shape of a sampled tree: children [S + 1, K] long, row s the shape ids of node
+    s's children in draw order (-1 padded; row 0 the root; ids depth-major, a node's children
+    after those of the nodes before it at its depth, as :func:`grow_sampled_tree` numbers them).
+
+    Recursive rejection accepts a node's first child with probability ≈ ``accept`` and, when
+    the j − 1 siblings before it were rejected, its j-th child with probability ≈ ``rescue``:
+    the j-th child is reached and accepted with a_1 = accept, a_j = (1 − accept)(1 −
+    rescue)^(j−2)·rescue. A node's worth is the product of a along its path (the chance that
+    the target accepts the path); the spine (first child of first child ..., a chain's drafts)
+    is kept to the full depth, then the most valuable other nodes, at most ``topk`` children
+    per node, until ``budget`` nodes (Sequoia-style static trees from per-rank rates)."""
+    nodes = _grow_shape(budget, depth, topk, accept, rescue)
+    kids: list[list[int]] = [[] for _ in nodes]
+    for v, (parent, _) in enumerate(nodes[1:], 1):
+        kids[parent].append(v)
+    # renumber depth-major, each depth in (parent's new id, rank) order
+    order, frontier = [0], [0]
+    while frontier:
+        frontier = [c for v in frontier for c in kids[v]]
+        order += frontier
+    new_id = {old: i for i, old in enumerate(order)}
+    children = torch.full((len(order), max(map(len, kids))), -1, dtype=torch.long)
+    for old, i in new_id.items():
+        for j, c in enumerate(kids[old]):
+            children[i, j] = new_id[c]
+    return children
+
+
 def grow_sampled_tree(
     expand: Expand,
     probs: Probs,
     draw: Draw,
     anchors: torch.Tensor,  # [R] long: the roots
     depth: int,
-    budget: int,
-    topk: int,
+    shape: torch.Tensor,  # [S + 1, K] long: :func:`sampled_shape`
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A sampled draft tree of at most ``budget`` nodes and ``depth`` levels, for lossless
-    verification with ``verify_tree(method="sampled")``.
+    """A sampled draft tree of the static ``shape`` cut at ``depth``, for lossless verification
+    with ``verify_tree(method="sampled")``.
 
     Depth by depth, the frontier nodes' child distributions q = ``probs(expand(...))`` are
-    computed; then the depth's child slots are allocated across the frontier (m_v children of
-    node v) from what is already drafted only: candidate j of node v is worth
-    s_v + log q_(j)(v) (s_v: v's path log-prob under q, q_(j) the j-th largest probability of
-    q_v); a candidate is taken when it ranks among the remaining budget's best against the
-    candidates themselves and a forecast of the deeper levels (each candidate's chain of
-    descendants decaying by ρ per level, ρ = the frontier's mean top-1 probability). The spine
-    (frontier node 0: first child of first child ..., a chain's drafts) always gets a child,
-    its deeper levels' slots reserved first, so the tree holds the chain. So m_v never depends
-    on v's children, as losslessness requires, and m_v never exceeds q_v's support. Then v's
-    m_v children are drawn without replacement from q_v by ``draw`` and
-    stored in draw order.
+    computed and node v's m_v children (its children in ``shape``, at most the size of q_v's
+    support, so m_v never depends on v's children, as losslessness requires) are drawn without
+    replacement from q_v by ``draw`` and stored in draw order. A node missing because its
+    parent's support was smaller takes its subtree with it.
 
     Returns tokens [R, N] (-1 padded), parents [R, N] (local, 0 = root, parents first; -1
     padded), scores [R, N] (path log-probs under q; -inf padded), num_nodes [R] and
     draft_probs [R, N + 1, V] (row 0: the root's q, row i: node i's q; zero for leaves of the
-    last level), N = budget.
+    last level), N = S (the shape's nodes).
     """
-    if depth < 1 or budget < 1 or topk < 1:
-        raise ValueError(f"depth, budget and topk must be >= 1, got {depth}, {budget}, {topk}")
+    if depth < 1:
+        raise ValueError(f"depth must be >= 1, got {depth}")
     R, dev = anchors.shape[0], anchors.device
-    N = budget
+    shape = shape.to(dev)
+    N, K = shape.shape[0] - 1, shape.shape[1]
+    num_kids = (shape >= 0).sum(1)  # [S + 1]
     tok = anchors[:, None]  # [R, W] frontier tokens
     score = torch.zeros(R, 1, device=dev)  # [R, W] path log-probs
     node = torch.zeros(R, 1, dtype=torch.long, device=dev)  # [R, W] local node index (0 = root)
-    alive = torch.ones(R, 1, dtype=torch.bool, device=dev)  # [R, W] real frontier entries
+    sid = torch.zeros(R, 1, dtype=torch.long, device=dev)  # [R, W] shape id (-1: not a node)
     used = torch.zeros(R, dtype=torch.long, device=dev)
     tokens = torch.full((R, N + 1), -1, dtype=torch.long, device=dev)  # column N: discarded writes
     parents = torch.full_like(tokens, -1)
@@ -136,6 +198,7 @@ def grow_sampled_tree(
     state = None
     for slot in range(depth):
         W = tok.shape[1]
+        alive = sid >= 0
         logits, state = expand(slot, tok, state)  # [R, W or 1, V]
         V = logits.shape[-1]
         q = probs(logits.flatten(0, 1).float()).view(R, -1, V).expand(R, W, V)  # [R, W, V]
@@ -143,42 +206,17 @@ def grow_sampled_tree(
             draft_probs = torch.zeros(R, N + 2, V, device=dev)  # row N + 1: discarded writes
         rows = torch.where(alive, node, N + 1)
         draft_probs.scatter_(1, rows[..., None].expand(R, W, V), q)
-        K = min(topk, V, N)
-        top_q = q.topk(K, dim=-1).values  # [R, W, K], descending
-        est = torch.where(alive[..., None], score[..., None] + top_q.log(), float("-inf")).flatten(1)  # [R, W·K]
-        remaining = (N - used)[:, None]  # [R, 1]
-        levels = depth - slot - 1  # deeper levels still to come
-        union = est
-        if levels:
-            live = alive.float()
-            rho = (top_q[..., 0] * live).sum(1) / live.sum(1).clamp(min=1)  # [R]
-            decay = rho.clamp(min=1e-6).log()[:, None, None] * torch.arange(1, levels + 1, device=dev)  # [R, 1, L]
-            union = torch.cat([est, (est[..., None] + decay).flatten(1)], 1)  # candidates first: they win ties
-        ranked = union.sort(dim=1, descending=True, stable=True)
-        # the spine (first child of the first child ... : a chain's drafts) always continues to the
-        # deepest level, so the tree never accepts less than the chain: its deeper levels are reserved
-        spine = alive[:, 0] & (remaining[:, 0] > 0)  # [R] frontier node 0 is the spine's end
-        reserve = torch.where(spine, (remaining[:, 0] - 1).clamp(min=0, max=levels), 0)  # [R] spine nodes below
-        free = remaining - reserve[:, None]  # [R, 1] slots this level may take
-        top = torch.arange(union.shape[1], device=dev) < free
-        n = ((ranked.indices < est.shape[1]) & top & torch.isfinite(ranked.values)).sum(1)  # [R] slots this level
-        order = est.sort(dim=1, descending=True, stable=True).indices
-        chosen = torch.zeros_like(est, dtype=torch.bool).scatter_(
-            1, order, torch.arange(est.shape[1], device=dev) < n[:, None]
-        ) & torch.isfinite(est)
-        # the spine's next node takes the place of the level's last pick when it was not picked
-        last = order.gather(1, (n - 1).clamp(min=0)[:, None])  # [R, 1]
-        swap = spine & ~chosen[:, 0] & (n > 0)  # [R]
-        chosen &= ~torch.zeros_like(chosen).scatter_(1, last, swap[:, None])
-        chosen[:, 0] |= spine
-        m = chosen.view(R, W, K).sum(-1)  # [R, W] children per frontier node (a prefix of its candidates)
+        planned = torch.where(alive, num_kids[sid.clamp(min=0)], 0)  # [R, W]
+        m = torch.minimum(planned, (q > 0).sum(-1))  # [R, W] children per node
         kids = torch.zeros(R, W, K, dtype=torch.long, device=dev)  # [R, W, K]: draws without replacement, in order
         # on a CPU draw only as many siblings as some node takes (a free read there); elsewhere K
         n_draw = int(m.max()) if dev.type == "cpu" else K
-        if n_draw:
-            kids[..., :n_draw] = draw(slot, q, n_draw)
+        if n_draw == 0:
+            break
+        kids[..., :n_draw] = draw(slot, q, n_draw)
         valid = (torch.arange(K, device=dev) < m[..., None]).flatten(1)  # [R, W·K]
         kid_score = (score[..., None] + q.gather(-1, kids).log()).flatten(1)
+        kid_sid = shape[sid.clamp(min=0)].flatten(1)  # [R, W·K]
         count = valid.sum(1)
         W2 = min(N, W * K)
         if dev.type == "cpu":  # only real children go on (a free read there): later levels expand fewer rows
@@ -193,7 +231,8 @@ def grow_sampled_tree(
         tokens.scatter_(1, at, tok)
         parents.scatter_(1, at, par)
         scores.scatter_(1, at, score)
-        node, alive, used = new_node, new_alive, used + count
+        node, used = new_node, used + count
+        sid = torch.where(new_alive, kid_sid.gather(1, pick), -1)
         if state is not None and slot + 1 < depth:
             rows = (pick // K).view(R, -1, *([1] * (state.dim() - 2)))
             state = state.gather(1, rows.expand(-1, -1, *state.shape[2:]))

@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from dspec_ddtree import DDTreeConfig, DDTreeDrafter, grow_sampled_tree, grow_tree
+from dspec_ddtree import DDTreeConfig, DDTreeDrafter, grow_sampled_tree, grow_tree, sampled_shape
 from test_dflash import PROMPTS, SAMPLINGS, build, plain_greedy
 from test_dspark import ForcedSampler, _state_after_prompt, strong
 from tiny_models import assert_cli_error, run_cli, tiny_target
@@ -159,7 +159,66 @@ def _sampled_tree(logp, anchors, depth, budget, topk, seed, top_k=0, redraw_last
         return (q / torch_exponential(q.shape, generator=g)).topk(n, dim=-1).indices
 
     assert V == logp.shape[2]
-    return grow_sampled_tree(table_expand(logp), probs, draw, anchors, depth, budget, topk)
+    return grow_sampled_tree(table_expand(logp), probs, draw, anchors, depth, sampled_shape(budget, depth, topk, 0.7, 0.3))
+
+
+def _shape_paths(children: torch.Tensor) -> list[tuple[int, ...]]:
+    """The rank paths (1-based) of a sampled_shape's nodes, in id order; checks the numbering."""
+    paths: dict[int, tuple[int, ...]] = {0: ()}
+    for v in range(children.shape[0]):
+        kids = [k for k in children[v].tolist() if k >= 0]
+        assert children[v, len(kids):].eq(-1).all()  # padding only after the children
+        for j, k in enumerate(kids):
+            assert k > v and k not in paths  # parents first, every node once
+            paths[k] = paths[v] + (j + 1,)
+    assert sorted(paths) == list(range(children.shape[0]))
+    order = [paths[i] for i in range(children.shape[0])]
+    assert [len(p) for p in order] == sorted(len(p) for p in order)  # depth-major
+    return order[1:]
+
+
+def _rates(topk: int, accept: float, rescue: float) -> list[float]:
+    return [accept] + [(1 - accept) * (1 - rescue) ** (j - 2) * rescue for j in range(2, topk + 1)]
+
+
+def _best_worth(n: int, depth: int, topk: int, rate: list[float]) -> float:
+    """Brute force: the largest total worth (product of per-rank rates along each path) of a
+    tree of n nodes holding the spine, siblings in draw order."""
+    worth = lambda path: math.prod(rate[r - 1] for r in path)  # noqa: E731
+    best, seen = 0.0, set()
+
+    def grow(tree: frozenset) -> None:
+        nonlocal best
+        if tree in seen:
+            return
+        seen.add(tree)
+        if len(tree) == n:
+            best = max(best, sum(map(worth, tree)))
+            return
+        for v in [(), *tree]:
+            k = 1 + max((p[-1] for p in tree if len(p) == len(v) + 1 and p[:-1] == v), default=0)
+            if len(v) < depth and k <= topk:
+                grow(tree | {v + (k,)})
+
+    grow(frozenset((1,) * d for d in range(1, min(depth, n) + 1)))
+    return best
+
+
+@pytest.mark.parametrize("budget, depth, topk, accept, rescue", [
+    (1, 3, 3, 0.7, 0.3), (5, 3, 3, 0.7, 0.3), (8, 3, 4, 0.5, 0.5), (8, 4, 3, 0.85, 0.1), (9, 3, 3, 0.6, 0.4)])
+def test_sampled_shape_is_the_most_valuable_tree_holding_the_spine(budget, depth, topk, accept, rescue):
+    """sampled_shape keeps the spine and, among trees with it whose siblings come in draw order,
+    reaches the largest total worth: brute force; a shape built for other rates falls short."""
+    rate = _rates(topk, accept, rescue)
+    worth = lambda paths: sum(math.prod(rate[r - 1] for r in p) for p in paths)  # noqa: E731
+    paths = _shape_paths(sampled_shape(budget, depth, topk, accept, rescue))
+    assert len(paths) == min(budget, sum(topk ** d for d in range(1, depth + 1)))
+    assert {(1,) * d for d in range(1, min(depth, budget) + 1)} <= set(paths)
+    assert max(map(len, paths)) <= depth and max(max(p) for p in paths) <= topk
+    best = _best_worth(len(paths), depth, topk, rate)
+    assert math.isclose(worth(paths), best, rel_tol=1e-9)
+    if budget > 5:  # control: the check tells a shape built for a much higher rescue rate apart
+        assert worth(_shape_paths(sampled_shape(budget, depth, topk, accept, 0.9))) < best - 1e-9
 
 
 @pytest.mark.parametrize("budget, topk, top_k", [(1, 1, 0), (6, 6, 0), (20, 4, 0), (30, 30, 3)])
@@ -393,6 +452,8 @@ def test_registered_and_checkpoints(target, tmp_path, monkeypatch):
         (dict(tree_budget=256), "tree_budget 256 does not fit the target's context of 256 tokens"),
         (dict(tree_topk=-1), "tree_topk must be an integer >= 0"),
         (dict(tree_mode="beam"), "tree_mode must be one of best, sampled, got 'beam'"),
+        (dict(tree_accept=1.0), "tree_accept must be a number in (0, 1), got 1.0"),
+        (dict(tree_rescue=0), "tree_rescue must be a number in (0, 1), got 0"),
         (dict(tree_topk=385), "tree_topk 385 exceeds the vocabulary (384)"),
         (dict(base="eagle3"), "base 'eagle3' has no per-position marginals (capability 'marginals'); ddtree bases: dflash, dspark-markov, dspark-rnn"),
         (dict(base="prompt-lookup"), "base 'prompt-lookup' has no per-position marginals"),

@@ -263,7 +263,7 @@ def _recursive(target_probs, tree: _Tree, depth: int, fanout: int, coins, noise)
     def child(state, x):
         p, res = state
         p_x = res.gather(1, x[:, None]).squeeze(1)
-        return reference.acceptance_prob(p_x, res.sum(-1)), (p, res.scatter(1, x[:, None], 0.0))
+        return reference.acceptance_prob(p_x, res.sum(-1)), lambda: (p, res.scatter(1, x[:, None], 0.0))
 
     def final(d, state):
         p, res = state
@@ -276,7 +276,8 @@ def _rejection_walk(tree: _Tree, depth: int, fanout: int, coins, begin, child, f
     """The walk of "recursive" and "sampled": at the current node try its children in node order,
     one coin [R, M] each, and move to the first accepted; else draw the final token and stop.
     ``begin(rows [R])`` -> residual state (a tuple of [R, ...] tensors) at the current nodes;
-    ``child(state, x [R])`` -> (acceptance probability [R], the state after rejecting x);
+    ``child(state, x [R])`` -> (acceptance probability [R], a function giving the state after
+    rejecting x: called only when some row rejects, which on a CPU is a free read);
     ``final(d, state)`` -> token [R] at depth d when no child is accepted."""
     R, device = tree.valid.shape[0], tree.valid.device
     tokens, path = _outputs(R, depth, device)
@@ -299,8 +300,10 @@ def _rejection_walk(tree: _Tree, depth: int, fanout: int, coins, begin, child, f
             ok = tried & (coins.gather(1, col).squeeze(1) < prob)
             moved |= ok
             nxt = torch.where(ok, col.squeeze(1) + 1, nxt)
-            rejected = (tried & ~ok)[:, None]
-            state = tuple(new if new is old else torch.where(rejected, new, old) for new, old in zip(after, state))
+            rejected = tried & ~ok
+            if rejected.device.type != "cpu" or bool(rejected.any()):
+                rows = rejected[:, None]
+                state = tuple(new if new is old else torch.where(rows, new, old) for new, old in zip(after(), state))
         node_tok = tree.tokens.gather(1, (nxt - 1).clamp(min=0)[:, None]).squeeze(1)
         tokens[:, d] = torch.where(moved, node_tok, torch.where(active, final(d, state), -1))
         path[:, d] = torch.where(active, cur, -1)
@@ -330,20 +333,32 @@ def _normalised(w: torch.Tensor) -> torch.Tensor:
     return w / torch.where(mass > 0, mass, torch.ones_like(mass))
 
 
-def sibling_step(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor):
-    """One child x [R] of recursive rejection sampling against residuals p', q' [R, V]
-    (unnormalised): its acceptance probability [R] float64 and (p', q') after a rejection.
-    Module-level (looked up at call time) so tests can swap in biased versions."""
+def sibling_accept(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The acceptance probability [R] float64 of child x [R] under recursive rejection sampling
+    against residuals p', q' [R, V] (unnormalised): min(1, p̂'(x) / q̂'(x)), or p̂'(x) for a child
+    outside q̂''s support (verified as a one-hot draft). Module-level (looked up at call time),
+    as :func:`sibling_reject`, so tests can swap in biased versions."""
+    p_x = p.gather(1, x[:, None]).squeeze(1).double() / _mass(p)
+    q_x = q.gather(1, x[:, None]).squeeze(1).double() / _mass(q)
+    return reference.acceptance_prob(p_x, torch.where(q_x > 0, q_x, 1.0))
+
+
+def sibling_reject(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(p', q') [R, V] after child x [R] was rejected: p' ← max(p̂' − q̂', 0), with q̂' := δ_x for
+    a child outside q̂''s support; q' ← q̂' with x zeroed."""
     p_hat, q_hat = _normalised(p), _normalised(q)
-    p_x = p_hat.gather(1, x[:, None]).squeeze(1)
-    q_x = q_hat.gather(1, x[:, None]).squeeze(1)
-    outside = q_x <= 0  # not drawn from q̂' (its support is exhausted): a one-hot draft
     q_eff = q_hat
+    outside = q_hat.gather(1, x[:, None]).squeeze(1) <= 0
     if outside.device.type != "cpu" or bool(outside.any()):  # rare; the check is a free read on a CPU
         one_hot = torch.zeros_like(q_hat).scatter_(1, x[:, None], 1.0)
         q_eff = torch.where(outside[:, None], one_hot, q_hat)
-    prob = reference.acceptance_prob(p_x, torch.where(outside, 1.0, q_x))
-    return prob, reference.residual(p_hat, q_eff), q_hat.scatter(1, x[:, None], 0.0)
+    return reference.residual(p_hat, q_eff), q_hat.scatter(1, x[:, None], 0.0)
+
+
+def _mass(w: torch.Tensor) -> torch.Tensor:
+    """Σw per row [R] float64; 1 where it is 0 (all-zero rows stay zero after dividing)."""
+    mass = w.sum(-1).double()
+    return torch.where(mass > 0, mass, 1.0)
 
 
 def _sampled(target_probs, draft_probs, tree: _Tree, depth: int, fanout: int, coins, draw) -> VerifyResult:
@@ -353,8 +368,7 @@ def _sampled(target_probs, draft_probs, tree: _Tree, depth: int, fanout: int, co
 
     def child(state, x):
         p, res_p, res_q = state
-        prob, new_p, new_q = sibling_step(res_p, res_q, x)
-        return prob, (p, new_p, new_q)
+        return sibling_accept(res_p, res_q, x), lambda: (p, *sibling_reject(res_p, res_q, x))
 
     def final(d, state):
         p, res_p, _ = state
