@@ -6,10 +6,9 @@ import warnings
 
 import pytest
 import torch
-from tiny_models import tiny_target
+from tiny_models import GreedySampler, tiny_target
 
 from dspec_cli.core.plugins import get_drafter_class
-from dspec_cli.core.sampling import logits_to_probs
 from dspec_cli.nn.backbone import (
     build_blocks,
     build_target_layer_ids,
@@ -20,16 +19,6 @@ from dspec_cli.runtime.engine import GenerationConfig, SpeculativeEngine
 from dspec_cli.runtime.verify import verify_greedy
 
 B = 4
-
-
-class GreedySampler:
-    greedy = True
-
-    def probs(self, logits):
-        return logits_to_probs(logits, 0.0)
-
-    def sample(self, probs, step):
-        return probs.argmax(-1)
 
 
 @pytest.fixture(scope="module")

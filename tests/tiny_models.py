@@ -20,6 +20,8 @@ from transformers import (
     Qwen3Config,
 )
 
+from dspec_cli.core.sampling import logits_to_probs
+
 VOCAB_SIZE = 384
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = (
@@ -194,3 +196,15 @@ def assert_cli_error(args, capsys, match: str) -> None:
     lines = [ln for ln in err.strip().splitlines() if ln.strip()]
     assert code != 0 and len(lines) == 1 and "Traceback" not in err, err
     assert match in lines[0], lines[0]
+
+
+class GreedySampler:
+    """The engine's sampler interface at T = 0 (argmax drafts), for calling ``propose`` directly."""
+
+    greedy = True
+
+    def probs(self, logits):
+        return logits_to_probs(logits, 0.0)
+
+    def sample(self, probs, step):
+        return probs.argmax(-1)

@@ -13,7 +13,7 @@ import torch
 from dspec_ddtree import DDTreeConfig, DDTreeDrafter, grow_sampled_tree, grow_tree, sampled_shape
 from test_dflash import PROMPTS, SAMPLINGS, build, plain_greedy
 from test_dspark import ForcedSampler, _state_after_prompt, strong
-from tiny_models import assert_cli_error, run_cli, tiny_target
+from tiny_models import GreedySampler, assert_cli_error, run_cli, tiny_target
 
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.sampling import logits_to_probs, torch_exponential
@@ -322,22 +322,12 @@ def test_best_tree_holds_the_greedy_chain(target, name):
     base = strong(build(name, target)) if name != "dflash" else build(name, target)
     state = _state_after_prompt(target, base, "The quick brown fox")
     anchors = torch.tensor([17])
-    chain = base.propose(state, anchors, 4, GreedyArgmax()).tokens[0].tolist()
+    chain = base.propose(state, anchors, 4, GreedySampler()).tokens[0].tolist()
     for budget in (2, 4, 6):
         drafter = DDTreeDrafter(DDTreeConfig(tree_budget=budget, tree_topk=4), target, base)
         tree, _ = drafter.draft_tree(state, anchors, 4)
         paths = set(tree_paths(17, tree.tokens[0], tree.parents[0], tree.parents[0].float()))
         assert tuple([17] + chain[: min(budget, 4)]) in paths
-
-
-class GreedyArgmax:
-    greedy = True
-
-    def probs(self, logits):
-        return logits_to_probs(logits, 0.0)
-
-    def sample(self, probs, step):
-        return probs.argmax(-1)
 
 
 # -- the engine --------------------------------------------------------------------------------
