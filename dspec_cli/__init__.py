@@ -24,6 +24,7 @@ _API = {
     "CostTable": "dspec_cli.core.hardware",
     "Converted": "dspec_cli.checkpoints.layouts",
     "embedded_path": "dspec_cli.core.files",
+    "reads_free": "dspec_cli.core.host",
     "get_drafter_class": "dspec_cli.core.plugins",
     "get_scheduler_class": "dspec_cli.core.plugins",
     "registry": "dspec_cli.core.plugins",

@@ -187,7 +187,8 @@ class DDTreeDrafter(WrappedDrafter):
         tokens, parents, scores, num_nodes, q = grow_sampled_tree(
             expand, sampler.probs, lambda slot, q, n: sampler.sample_distinct(q, n, slot), anchors, depth, self._shape[1]
         )
-        return DraftTree(tokens=tokens, parents=parents, num_nodes=num_nodes, draft_probs=q), scores
+        return DraftTree(tokens=tokens, parents=parents, num_nodes=num_nodes, draft_probs=q,
+                         fanout=self._shape[1].shape[1]), scores
 
     def _expansion(self, state: DraftState, anchors: torch.Tensor, max_len: int):
         """One parallel forward of the base: the tree builders' ``expand`` (children logits of

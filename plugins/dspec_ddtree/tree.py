@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from dspec_cli import select_tree
+from dspec_cli import reads_free, select_tree
 
 __all__ = ["Expand", "grow_sampled_tree", "grow_tree", "sampled_shape"]
 
@@ -210,7 +210,7 @@ def grow_sampled_tree(
         m = torch.minimum(planned, (q > 0).sum(-1))  # [R, W] children per node
         kids = torch.zeros(R, W, K, dtype=torch.long, device=dev)  # [R, W, K]: draws without replacement, in order
         # on a CPU draw only as many siblings as some node takes (a free read there); elsewhere K
-        n_draw = int(m.max()) if dev.type == "cpu" else K
+        n_draw = int(m.max()) if reads_free(m) else K
         if n_draw == 0:
             break
         kids[..., :n_draw] = draw(slot, q, n_draw)
@@ -219,7 +219,7 @@ def grow_sampled_tree(
         kid_sid = shape[sid.clamp(min=0)].flatten(1)  # [R, W·K]
         count = valid.sum(1)
         W2 = min(N, W * K)
-        if dev.type == "cpu":  # only real children go on (a free read there): later levels expand fewer rows
+        if reads_free(count):  # only real children go on (a free read there): later levels expand fewer rows
             W2 = max(min(W2, int(count.max())), 1)
         pick = (~valid).long().argsort(dim=1, stable=True)[:, :W2]  # [R, W2] the valid children first, in order
         new_alive = torch.arange(W2, device=dev) < count[:, None]

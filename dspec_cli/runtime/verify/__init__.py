@@ -11,7 +11,9 @@ across steps), else ``generator`` (torch randomness). Coins are never exactly 0.
 Backends: ``"torch"`` (reference, any device), ``"triton"`` (CUDA, or CPU under
 TRITON_INTERPRET=1), ``"auto"`` (Triton on CUDA tensors when it imports, else torch).
 Chain and greedy calls synchronise with the host once (ragged lengths and, with ``validate=True``, the
-value checks); ``validate=False`` skips the value checks on hot paths.
+value checks); ``validate=False`` skips the value checks on hot paths. The ``*_grid`` variants take
+padded rows instead ([R, W + 1] target rows, [R, W] drafts, lengths on the device), check shapes
+only and never read the device: what the engine's captured round runs (torch backend).
 """
 
 from __future__ import annotations
@@ -30,9 +32,18 @@ from dspec_cli.core.sampling import (
 )
 from dspec_cli.core.types import VerifyResult
 from dspec_cli.runtime.verify import checks, reference
-from dspec_cli.runtime.verify.tree import verify_tree
+from dspec_cli.runtime.verify.tree import verify_tree, verify_tree_grid
 
-__all__ = ["VerifyResult", "triton_available", "verify_chain", "verify_greedy", "verify_tree"]
+__all__ = [
+    "VerifyResult",
+    "triton_available",
+    "verify_chain",
+    "verify_chain_grid",
+    "verify_greedy",
+    "verify_greedy_grid",
+    "verify_tree",
+    "verify_tree_grid",
+]
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -190,3 +201,52 @@ def verify_greedy(
     R = num_draft.numel()
     total, width = _ragged_sizes(c.run(), stats, draft_tokens, target_logits, "target_logits", R)
     return impl.greedy(target_logits, draft_tokens.long(), num_draft.long(), total, width)
+
+
+def _grid_shapes(target: torch.Tensor, name: str, draft_tokens: torch.Tensor, num_draft: torch.Tensor) -> tuple[int, int]:
+    """(R, W) of a padded chain verification, shapes checked on the host."""
+    checks.tensor(name, target, dim=3, kind="float")
+    device = target.device
+    checks.tensor("draft_tokens", draft_tokens, dim=2, kind="int", device=device)
+    R, W = draft_tokens.shape
+    checks.shape(name, target, (R, W + 1, None))
+    checks.tensor("num_draft", num_draft, dim=1, kind="int", device=device)
+    checks.shape("num_draft", num_draft, (R,))
+    return R, W
+
+
+def verify_chain_grid(
+    target_probs: torch.Tensor,  # [R, W+1, V]
+    draft_tokens: torch.Tensor,  # [R, W]
+    draft_probs: torch.Tensor | None,  # [R, W, V] or None (one-hot drafts)
+    num_draft: torch.Tensor,  # [R], each <= W
+    *,
+    uniforms: torch.Tensor,  # [R, W] float64 in (0, 1): draft k's coin
+    noise: torch.Tensor | None = None,  # [R, V] Exp(1): final token by the exponential race
+    final_uniforms: torch.Tensor | None = None,  # [R] float64: final token by the inverse CDF
+) -> VerifyResult:
+    """:func:`verify_chain` over padded rows: row r verifies its first ``num_draft[r]`` drafts
+    against target rows [r, 0..num_draft[r]]; the padding is never read. No host reads."""
+    R, W = _grid_shapes(target_probs, "target_probs", draft_tokens, num_draft)
+    vocab = target_probs.shape[2]
+    if draft_probs is not None:
+        checks.shape("draft_probs", draft_probs, (R, W, vocab))
+    checks.shape("uniforms", uniforms, (R, W))
+    if (noise is None) == (final_uniforms is None):
+        raise ValueError("verify_chain_grid: give exactly one of noise and final_uniforms for the final token")
+    final = noise.float() if noise is not None else final_uniforms.double()
+    return reference.chain(
+        target_probs.flatten(0, 1), draft_tokens.flatten().long(), None if draft_probs is None else draft_probs.flatten(0, 1),
+        num_draft.long(), uniforms.flatten().double(), final, R * W, W, grid=True,
+    )  # fmt: skip
+
+
+def verify_greedy_grid(
+    target_logits: torch.Tensor,  # [R, W+1, V]
+    draft_tokens: torch.Tensor,  # [R, W]
+    num_draft: torch.Tensor,  # [R], each <= W
+) -> VerifyResult:
+    """:func:`verify_greedy` over padded rows (see :func:`verify_chain_grid`). No host reads."""
+    R, W = _grid_shapes(target_logits, "target_logits", draft_tokens, num_draft)
+    return reference.greedy(target_logits.flatten(0, 1), draft_tokens.flatten().long(), num_draft.long(), R * W, W,
+                            grid=True)

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import torch
 
+from dspec_cli.core.host import reads_free
 from dspec_cli.core.ragged import prefix_sums
 from dspec_cli.core.sampling import (
     NODE_SALT,
@@ -81,6 +82,22 @@ class _Tree:
         else:
             self.tokens = self.parents = torch.full_like(self.flat, -1)
         self.local = j + 1  # [M] local index of padded column j
+
+    @classmethod
+    def grid(cls, tokens: torch.Tensor, parents: torch.Tensor) -> _Tree:
+        """Padded rows: tokens, parents [R, N]; a column with parent -1 is not a node. Target rows
+        are [R, N + 1] flattened (the root, then one row per column)."""
+        tree = cls.__new__(cls)
+        R, N = tokens.shape
+        rows = torch.arange(R, device=tokens.device)
+        j = torch.arange(N, device=tokens.device)
+        tree.n_start, tree.p_start = rows * N, rows * (N + 1)
+        tree.valid = parents >= 0
+        tree.flat = tree.n_start[:, None] + j
+        tree.tokens = torch.where(tree.valid, tokens, -1)
+        tree.parents = torch.where(tree.valid, parents, -1)
+        tree.local = j + 1
+        return tree
 
     def depths(self) -> torch.Tensor:
         """Depth of every node [R, M+1] (root = 0) by pointer jumping; invalid columns -> 0."""
@@ -194,6 +211,50 @@ def verify_tree(
     return _recursive(target_probs, tree, depth, fanout, coins, final_noise)
 
 
+def verify_tree_grid(
+    target_probs: torch.Tensor,  # [R, N+1, V]: the root's row, then one per column
+    tree_tokens: torch.Tensor,  # [R, N]
+    tree_parents: torch.Tensor,  # [R, N] local parent index (0 = root), -1: not a node
+    *,
+    depth: int,  # >= the deepest node's depth
+    fanout: int = 0,  # >= the most children of any node (methods "recursive" and "sampled")
+    method: str = "match",
+    draft_probs: torch.Tensor | None = None,  # sampled: [R, N+1, V]
+    seeds: torch.Tensor,  # [R] int64
+    offsets: torch.Tensor,  # [R] int64
+    final_draw: str = "race",
+) -> VerifyResult:
+    """:func:`verify_tree` over padded rows with host-known bounds on depth and fan-out: no host
+    reads (shapes are checked on the host, values are not). Counter-based randomness only."""
+    if method not in METHODS:
+        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    if final_draw not in ("race", "inverse_cdf") or (final_draw == "inverse_cdf" and method == "recursive"):
+        raise ValueError(f"final_draw: expected 'race' or 'inverse_cdf' (not with 'recursive'), got {final_draw!r}")
+    checks.tensor("target_probs", target_probs, dim=3, kind="float")
+    device = target_probs.device
+    checks.tensor("tree_tokens", tree_tokens, dim=2, kind="int", device=device)
+    checks.tensor("tree_parents", tree_parents, dim=2, kind="int", device=device)
+    R, N = tree_tokens.shape
+    vocab = target_probs.shape[2]
+    checks.shape("tree_parents", tree_parents, (R, N))
+    checks.shape("target_probs", target_probs, (R, N + 1, vocab))
+    if (draft_probs is None) == (method == "sampled"):
+        raise ValueError("draft_probs: required by method='sampled' and only used by it")
+    if draft_probs is not None:
+        checks.shape("draft_probs", draft_probs, (R, N + 1, vocab))
+        draft_probs = draft_probs.flatten(0, 1)
+    checks.rng_keys(seeds, offsets, R, device)
+    tree = _Tree.grid(tree_tokens.long(), tree_parents.long())
+    probs = target_probs.flatten(0, 1)
+    if method == "match":
+        return _match(probs, tree, depth, _depth_draw(final_draw, None, seeds, offsets, None, R, vocab, device))
+    coins = _node_coins(tree, None, seeds, offsets, None, R * N)
+    if method == "sampled":
+        draw = _depth_draw(final_draw, None, seeds, offsets, None, R, vocab, device)
+        return _sampled(probs, draft_probs, tree, depth, fanout, coins, draw)
+    return _recursive(probs, tree, depth, fanout, coins, exponential(seeds, offsets, vocab, NOISE_SALT))
+
+
 def _depth_draw(final_draw: str, noise, seeds, offsets, generator, R: int, vocab: int, device):
     """draw(d, weights [R, V]) -> tokens [R]: the target draw at depth d, by the exponential race
     with noise [R, V] drawn lazily (or given), or by the inverse CDF with one uniform per row
@@ -301,7 +362,7 @@ def _rejection_walk(tree: _Tree, depth: int, fanout: int, coins, begin, child, f
             moved |= ok
             nxt = torch.where(ok, col.squeeze(1) + 1, nxt)
             rejected = tried & ~ok
-            if rejected.device.type != "cpu" or bool(rejected.any()):
+            if not reads_free(rejected) or bool(rejected.any()):
                 rows = rejected[:, None]
                 state = tuple(new if new is old else torch.where(rows, new, old) for new, old in zip(after(), state))
         node_tok = tree.tokens.gather(1, (nxt - 1).clamp(min=0)[:, None]).squeeze(1)
@@ -316,13 +377,13 @@ def _rejection_walk(tree: _Tree, depth: int, fanout: int, coins, begin, child, f
 def _all_stopped(active: torch.Tensor) -> bool:
     """True when no walk is still active [R]: read on a CPU only (free there; a host sync per
     depth elsewhere, where the remaining depths run on inactive rows instead)."""
-    return active.device.type == "cpu" and not bool(active.any())
+    return reads_free(active) and not bool(active.any())
 
 
 def _children_to_try(kids: torch.Tensor, active: torch.Tensor, fanout: int) -> int:
     """Children to try at the current nodes (kids [R, M]): on a CPU the most any active row's node
     has, elsewhere ``fanout`` (no host sync)."""
-    if kids.device.type != "cpu":
+    if not reads_free(kids):
         return fanout
     return min(fanout, int((kids & active[:, None]).sum(1).max())) if kids.numel() else 0
 
@@ -349,7 +410,7 @@ def sibling_reject(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> tuple[t
     p_hat, q_hat = _normalised(p), _normalised(q)
     q_eff = q_hat
     outside = q_hat.gather(1, x[:, None]).squeeze(1) <= 0
-    if outside.device.type != "cpu" or bool(outside.any()):  # rare; the check is a free read on a CPU
+    if not reads_free(outside) or bool(outside.any()):  # rare; the check is a free read on a CPU
         one_hot = torch.zeros_like(q_hat).scatter_(1, x[:, None], 1.0)
         q_eff = torch.where(outside[:, None], one_hot, q_hat)
     return reference.residual(p_hat, q_eff), q_hat.scatter(1, x[:, None], 0.0)
