@@ -199,11 +199,16 @@ def _lanes(seeds: torch.Tensor, offsets: torch.Tensor, salt) -> torch.Tensor:
     return h
 
 
-@functools.lru_cache(maxsize=8)
 def _lane_iv(device: torch.device) -> torch.Tensor:
     """The lanes' start states [2] on ``device`` (made once: no host-to-device copy per call)."""
-    return torch.tensor(_LANE_IV, dtype=torch.long, device=device)
+    iv = _DEVICE_CONSTANTS.get(("iv", device))
+    if iv is None:
+        iv = _DEVICE_CONSTANTS[("iv", device)] = torch.tensor(_LANE_IV, dtype=torch.long, device=device)
+    return iv
 
+
+# tensors made once per device (and vocabulary): a plain dict, which torch.compile reads as constants
+_DEVICE_CONSTANTS: dict[tuple, torch.Tensor] = {}
 
 _HOST_KEYS = 16  # keys hashed on the host (per key ~100 integer operations)
 
@@ -277,10 +282,12 @@ def exponential(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int, salt=0) 
     return u.log_().neg_()
 
 
-@functools.lru_cache(maxsize=8)
 def _token_words(vocab: int, device: torch.device) -> torch.Tensor:
     """Token ids [V] spread for :func:`_absorb_spread` (cached per vocabulary and device)."""
-    return _mul32(torch.arange(vocab, device=device, dtype=torch.long), _GOLDEN)
+    words = _DEVICE_CONSTANTS.get((vocab, device))
+    if words is None:
+        words = _DEVICE_CONSTANTS[(vocab, device)] = _mul32(torch.arange(vocab, device=device, dtype=torch.long), _GOLDEN)
+    return words
 
 
 def sample_from_probs(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

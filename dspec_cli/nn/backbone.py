@@ -381,7 +381,7 @@ class ContextCache:
     context is ever written (the block's K/V are not). Capacity grows geometrically when needed
     (a new ``generation``: graphs captured before would read stale memory); :meth:`reserve` sizes
     it up front. ``bound`` >= the longest row is kept on the host, so writes and attention windows
-    need no device read; windows are rounded up to ``bucket`` slots.
+    need no device read.
     """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, device, dtype):
@@ -391,8 +391,8 @@ class ContextCache:
         self._lengths = torch.zeros(0, dtype=torch.long, device=device)  # [row capacity]
         self.rows = 0
         self.bound = 0  # >= lengths.max()
-        self.bucket = 1
         self.generation = 0
+        self._fixed: int | None = None  # window fixed for the next forwards (fix_window)
 
     @property
     def keys(self) -> list[torch.Tensor]:
@@ -424,6 +424,7 @@ class ContextCache:
             return out
 
         self._keys, self._values = [grow(t) for t in self._keys], [grow(t) for t in self._values]
+        self._fixed = None
         lengths = self._lengths.new_zeros(rows)
         lengths[: self._lengths.shape[0]] = self._lengths
         self._lengths = lengths
@@ -434,6 +435,7 @@ class ContextCache:
         self.reserve(self.rows + n, self.capacity)
         self._lengths[self.rows : self.rows + n] = 0
         self.rows += n
+        self._fixed = None
 
     def keep_rows(self, index: Sequence[int] | torch.Tensor) -> None:
         """Keep rows ``index`` [R'] (in that order); only rows that change place are copied."""
@@ -449,6 +451,9 @@ class ContextCache:
             self._lengths.index_copy_(0, dst, self._lengths.index_select(0, src))
         self._lengths[len(index) : self.rows] = 0  # rows that left: zero length (padding rows)
         self.rows = len(index)
+        self._fixed = None
+        if not self.rows:
+            self.bound = 0
 
     def settle(self, bound: int) -> None:
         """The host bound of the longest row, from the caller (after writes it did not count)."""
@@ -475,6 +480,7 @@ class ContextCache:
             keys[rows, :, pos] = k.to(keys.dtype)
             values[rows, :, pos] = v.to(values.dtype)
         self._lengths[: counts.shape[0]] += counts
+        self._fixed = None
 
     def lengths_rows(self, rows: int) -> torch.Tensor:
         """[rows] lengths of rows [0, rows): R rows, then padding rows (length 0)."""
@@ -490,17 +496,31 @@ class ContextCache:
                 part = buf[:n]
                 part.scatter_(2, index.expand(n, part.shape[1], width, part.shape[3]), new.transpose(1, 2).to(buf.dtype))
         self._lengths[:n] += counts
+        self._fixed = None
 
     def visible(self) -> torch.Tensor:
         """[R, S] bool: slots that hold committed context."""
         return torch.arange(self.capacity, device=self._lengths.device)[None, :] < self.lengths[:, None]
 
     def window(self) -> int:
-        """Slots attention reads: the longest row (exact where reading it is free), else the host
-        bound rounded up to ``bucket``; never past the capacity."""
+        """Slots attention reads: as :meth:`fix_window` fixed it, else the longest row (exact where
+        reading it is free, else the host bound)."""
+        if self._fixed is not None:
+            return self._fixed
         if reads_free(self._lengths):
             return int(self.lengths.max()) if self.rows else 0
-        return min(-(-self.bound // self.bucket) * self.bucket, self.capacity)
+        return min(self.bound, self.capacity)
+
+    def fix_window(self, bucket: int) -> int:
+        """Fix the window of the next forwards (until a write): the longest row (exact where
+        reading it is free, else the host bound rounded up to ``bucket``), so a captured or
+        compiled forward reads no host state that changes from round to round."""
+        self._fixed = None
+        window = self.window()
+        if not reads_free(self._lengths):
+            window = min(-(-window // bucket) * bucket, self.capacity)
+        self._fixed = window
+        return window
 
     def context(self, rows: int | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
         """Per-layer K/V of rows [0, rows) (default R; more: padding rows) cut to :meth:`window`,

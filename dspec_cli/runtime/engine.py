@@ -272,8 +272,8 @@ class SpeculativeEngine:
         else:
             res, committed, keep, hidden, width = self._verify_chain(rows, proposal, ell, max(budget), padded)
         tf, ta = self._phase_marks(t1)
-        if self.drafter is not None and proposal is None:
-            # a plain step (one token per row): the drafter catches up later
+        if self.drafter is not None and proposal is None and self.scheduler.gate is not None:
+            # a plain step the draft gate chose (one token per row): the drafter catches up later
             rows.lag.skip(committed[:R, 0], keep[:R], None if hidden is None else hidden[:R, 0].clone())
         elif self.drafter is not None:
             self._advance(rows, committed, keep, hidden, padded)
@@ -445,7 +445,8 @@ class SpeculativeEngine:
 
     def _mark(self) -> None:
         """A phase boundary inside a verify step (recorded when the step runs eagerly)."""
-        self._marks.append(time.perf_counter())
+        if not torch.compiler.is_compiling():
+            self._marks.append(time.perf_counter())
 
     def _phase_marks(self, t1: float) -> tuple[float, float]:
         """(end of the target forward, end of acceptance): measured when the step ran eagerly; a

@@ -11,9 +11,12 @@ writes besides its inputs (KV caches, lengths) must keep its storage: it is upda
 
 :class:`GraphRunner` modes: ``"cuda"`` captures on first use of a key (that call runs eagerly;
 capture itself executes nothing) and replays after; ``"eager"`` just calls the function (CPUs,
-``--no-cuda-graphs``); ``"check"`` runs eagerly through the same static input buffers and checks
-on every replay that the function touched exactly the tensors its first call did, the property a
-CUDA graph relies on (CPU tests, and plugin authors checking that a drafter is capturable).
+``--no-cuda-graphs``); ``"compile"`` hands each key's function to ``torch.compile(fullgraph=True)``
+(on CUDA ``mode="reduce-overhead"``: fused kernels replayed as CUDA graphs; elsewhere only traced,
+``backend="eager"``, which proves the function has no graph break, i.e. no host read);
+``"check"`` runs eagerly through the same static input buffers and checks on every replay that the
+function touched exactly the tensors its first call did, the property a CUDA graph relies on (CPU
+tests, and plugin authors checking that a drafter is capturable).
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["MODES", "GraphRunner", "GraphSettings", "row_bucket"]
 
-MODES = ("eager", "cuda", "check")
+MODES = ("eager", "cuda", "compile", "check")
+_COMPILED_KEYS = 512  # specialisations torch.compile may keep per function ("compile" mode)
 
 
 def row_bucket(rows: int) -> int:
@@ -85,12 +89,14 @@ class GraphRunner:
             raise ValueError(f"graph mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.mode = mode
         self._entries: dict[Hashable, _Entry] = {}
+        self._compiled: dict[Hashable, Callable[..., Any]] = {}
         self._pool = None
         self.captures = 0  # graphs captured so far
 
     def clear(self) -> None:
         """Forget every graph (buffers they read were reallocated)."""
         self._entries.clear()
+        self._compiled.clear()
 
     def __call__(self, key: Hashable, fn: Callable[..., Any], inputs: Sequence[torch.Tensor], rows: int) -> Any:
         """``fn`` of ``inputs`` zero-padded along dimension 0 to ``rows`` (a bucket); returns what
@@ -98,6 +104,16 @@ class GraphRunner:
         time: use them before the next call with the same key."""
         if self.mode == "eager":
             return fn(*(_pad(x, rows) for x in inputs))
+        if self.mode == "compile":
+            compiled = self._compiled.get(key)
+            if compiled is None:
+                # every key compiles the same code object anew: allow a specialisation per key
+                torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _COMPILED_KEYS)
+                on_cuda = inputs[0].device.type == "cuda"
+                options = {"mode": "reduce-overhead"} if on_cuda else {"backend": "eager"}
+                compiled = self._compiled[key] = torch.compile(fn, fullgraph=True, dynamic=False, **options)
+                self.captures += 1
+            return compiled(*(_pad(x, rows) for x in inputs))
         entry = self._entries.get(key)
         if entry is None:
             static = [_pad(x, rows).clone() for x in inputs]

@@ -74,7 +74,7 @@ class Target:
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._keep_kw = "logits_to_keep" in params
-        self._hooks: dict[int, torch.utils.hooks.RemovableHandle] = {}  # tapped module -> its hook
+        self._hooked: set[int] = set()  # tapped modules with a hook (kept for the target's life)
         self._store: dict[int, torch.Tensor] = {}  # tapped module -> output of the last forward
         if chat_template and (tokenizer is None or tokenizer.chat_template is None):
             raise ValueError("chat_template=True but the tokenizer has no chat template")
@@ -464,14 +464,15 @@ class Target:
         """Forward hooks storing the raw output of each tapped module (installed once, kept)."""
         for lid in layer_ids:
             lid = int(lid)
-            if lid in self._hooks:
+            if lid in self._hooked:
                 continue
             module = self._embed if lid == -1 else self._layers[lid]
 
             def hook(_mod, _inp, out, lid=lid):
                 self._store[lid] = out[0] if isinstance(out, tuple) else out
 
-            self._hooks[lid] = module.register_forward_hook(hook)
+            module.register_forward_hook(hook)
+            self._hooked.add(lid)
 
     def _collect(self, layer_ids: Sequence[int], shape) -> torch.Tensor:
         """The taps of the forward just run [n, q, n·d], in ``layer_ids`` order."""

@@ -183,7 +183,7 @@ class DDTreeDrafter(WrappedDrafter):
         cfg = self.config
         key = (cfg.tree_budget, cfg.block_size, topk, cfg.tree_accept, cfg.tree_rescue)
         if self._shape is None or self._shape[0] != key:
-            self._shape = key, sampled_shape(*key)
+            self._shape = key, sampled_shape(*key).to(anchors.device)  # on the device once
         tokens, parents, scores, num_nodes, q = grow_sampled_tree(
             expand, sampler.probs, lambda slot, q, n: sampler.sample_distinct(q, n, slot), anchors, depth, self._shape[1]
         )

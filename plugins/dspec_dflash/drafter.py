@@ -237,9 +237,9 @@ class DFlashDrafter(TrainableDrafter):
         state.cache.reserve(rows, slots)
 
     def capture_key(self, state: BlockDraftState, bucket: int):
-        """The context window (rounded up to ``bucket``) and the cache's storage generation."""
-        state.cache.bucket = bucket
-        return state.cache.window(), state.cache.generation
+        """The context window (fixed for this round, rounded up to ``bucket``) and the cache's
+        storage generation."""
+        return state.cache.fix_window(bucket), state.cache.generation
 
     def settle(self, state: BlockDraftState, lengths: list[int]) -> None:
         state.cache.settle(max(lengths, default=0))
