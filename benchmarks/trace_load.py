@@ -41,7 +41,8 @@ import torch
 from benchmarks.drafter_latency import build_target
 from benchmarks.table import load_table
 from dspec_cli.core.calibration import Calibration
-from dspec_cli.core.hardware import CostTable, profile_sps
+from dspec_cli.core.hardware import CostTable
+from dspec_cli.workflows.target_profile import profile_target
 from dspec_cli.core.plugins import get_drafter_class
 from dspec_cli.core.specs import parse_scheduler_spec
 from dspec_cli.core.types import Proposal, Sampler, StepOutput
@@ -170,8 +171,8 @@ def main(argv=None) -> None:
     else:
         grid = [int(b) for b in args.profile_grid.split(",")]
         contexts = [int(c) for c in args.profile_contexts.split(",")]
-        table = profile_sps(target.model, grid=grid, contexts=contexts, repeats=10, warmup=3,
-                            model_name=f"random-init {args.shape}")
+        table = profile_target(target, grid=grid, contexts=contexts, repeats=10, warmup=3,
+                               model_name=f"random-init {args.shape}")
         print(f"profiled SPS(B) in {time.perf_counter() - t0:.1f} s", flush=True)
         if args.cost_table_out:
             from dspec_cli.workflows.plots import sps_plot

@@ -268,9 +268,10 @@ class SpeculativeEngine:
         proposal, ell = self._draft(rows, results, budget, padded)
         t1 = time.perf_counter()
         if proposal is not None and proposal.tree is not None:
-            res, committed, keep, hidden, width = self._verify_tree(rows, proposal, ell, padded)
+            res, committed, keep, hidden, verified = self._verify_tree(rows, proposal, ell, padded)
         else:
-            res, committed, keep, hidden, width = self._verify_chain(rows, proposal, ell, max(budget), padded)
+            res, committed, keep, hidden = self._verify_chain(rows, proposal, ell, max(budget), padded)
+            verified = ell
         tf, ta = self._phase_marks(t1)
         if self.drafter is not None and proposal is None and self.scheduler.gate is not None:
             # a plain step the draft gate chose (one token per row): the drafter catches up later
@@ -280,7 +281,7 @@ class SpeculativeEngine:
         rows.anchors = res.tokens[:R].gather(1, res.accepted[:R, None]).squeeze(1)
         rows.produced = rows.produced + keep[:R]
         rows.rounds = rows.rounds + 1
-        self._book(rows, results, res, proposal, ell, (t0, t1, tf, ta, time.perf_counter()), R * width)
+        self._book(rows, results, res, proposal, verified, (t0, t1, tf, ta, time.perf_counter()))
 
     def _draft(self, rows: _Rows, results, budget: list[int], padded: int) -> tuple[Proposal | None, torch.Tensor]:
         """1. draft: the drafter proposes, the scheduler picks ℓ [R] (zeros without a drafter)."""
@@ -357,7 +358,7 @@ class SpeculativeEngine:
         batch.bound(width + 1)
         res = VerifyResult(accepted=accepted, tokens=tokens, num_tokens=accepted + 1)
         hidden = taps if batch.layer_ids else None
-        return res, grid, keep, hidden, width + 1
+        return res, grid, keep, hidden
 
     def _accept(self, logits, grid, ell, q, seeds, rounds) -> VerifyResult:
         """Accept a prefix of each row's drafts: logits [n, 1 + W, V] float of grid [n, 1 + W]
@@ -388,11 +389,9 @@ class SpeculativeEngine:
         one a plain step would give (so outputs do not depend on the batch)."""
         cfg, R = self.config, len(rows.active)
         tree = proposal.tree
-        nodes = tree.parents >= 0
-        if tree.parents.shape[1] and (tree.num_nodes.shape[0]):
-            col = torch.arange(tree.parents.shape[1], device=nodes.device)
-            nodes &= (col < tree.num_nodes[:, None]) & (ell[:, None] > 0)
-        parents = torch.where(nodes, tree.parents, -1)  # [R, N]
+        col = torch.arange(tree.parents.shape[1], device=ell.device)
+        nodes = (tree.parents >= 0) & (col < tree.num_nodes[:, None]) & (ell[:, None] > 0)  # [R, N]
+        parents = torch.where(nodes, tree.parents, -1)
         ids = torch.cat([rows.anchors[:, None], tree.tokens.clamp(min=0).to(rows.anchors.dtype)], dim=1)  # [R, N+1]
         grid_parents = torch.cat([torch.full_like(parents[:, :1], -1), parents], dim=1)
         q = tree.draft_probs if tree.draft_probs is not None and not cfg.greedy else None
@@ -427,7 +426,7 @@ class SpeculativeEngine:
         accepted, tokens, keep, committed, hidden = rows.runner(key, step, inputs, padded)
         batch.bound(depth + 1)
         res = VerifyResult(accepted=accepted, tokens=tokens, num_tokens=accepted + 1)
-        return res, committed, keep, hidden if batch.layer_ids else None, ids.shape[1]
+        return res, committed, keep, hidden if batch.layer_ids else None, nodes.sum(1)
 
     def _advance(self, rows: _Rows, committed, keep, hidden, padded: int) -> None:
         """3. the drafter's cache takes the committed tokens (anchor + accepted drafts) of every row."""
@@ -457,19 +456,20 @@ class SpeculativeEngine:
             return marks[-2], marks[-1]
         return now, now
 
-    def _book(self, rows, results, res, proposal, ell, times: tuple[float, ...], verify_tokens: int) -> None:
+    def _book(self, rows, results, res, proposal, verified, times: tuple[float, ...]) -> None:
         """Per-request statistics and outputs of one round, from the round's one read of the
-        device. ``times``: perf_counter at the round's start, after drafting, the target forward,
-        acceptance and the cache update."""
+        device. ``verified`` [R]: drafts (tree nodes) verified per row; ``times``: perf_counter at
+        the round's start, after drafting, the target forward, acceptance and the cache update."""
         t0, t1, tf, ta, t2 = times
         R = len(rows.active)
         conf = proposal.confidence if proposal is not None else None
         gamma = 0 if conf is None else conf.shape[1]
-        columns = [res.accepted[:R, None], ell[:, None], proposal.lengths[:, None] if proposal is not None else ell[:, None],
-                   res.tokens[:R]] + ([conf] if conf is not None else [])  # fmt: skip
+        columns = [res.accepted[:R, None], verified[:, None],
+                   proposal.lengths[:, None] if proposal is not None else verified[:, None], res.tokens[:R]]
+        columns += [conf] if conf is not None else []
         read = torch.cat([c.double() for c in columns], dim=1).tolist()  # the round's one host read
         width = res.tokens.shape[1]
-        acc_total = 0
+        acc_total = verify_tokens = 0
         for r, i in enumerate(rows.active):
             row = read[r]
             acc, ell_r = int(row[0]), int(row[1])
@@ -481,6 +481,7 @@ class SpeculativeEngine:
             if conf is not None:
                 res_i.confidence.append(row[3 + width : 3 + width + gamma][:ell_r])
             acc_total += acc
+            verify_tokens += ell_r + 1
         lengths = [len(results[i].prompt_ids) + len(results[i].output_ids) - 1 for i in rows.active]
         rows.batch.settle(lengths)
         if self.drafter is not None:

@@ -47,6 +47,7 @@ class BenchOptions:
     dtype: str = "auto"
     warmup: bool = True
     repeats: int = 1  # timed runs per engine, interleaved; tokens/s is the median
+    cuda_graphs: bool = True  # rounds as CUDA graphs on a CUDA device (GenerationConfig.graphs "auto")
     extra: dict = field(default_factory=dict)
 
 
@@ -273,6 +274,7 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
             cfg = GenerationConfig(
                 max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, top_k=opts.top_k,
                 top_p=opts.top_p, block_size=opts.block_size, max_batch=conc, seed=opts.seed,
+                graphs="auto" if opts.cuda_graphs else "eager",
             )
             engines = [("baseline", "-", SpeculativeEngine(target, None, cfg))]
             engines += [

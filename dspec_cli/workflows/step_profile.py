@@ -93,9 +93,10 @@ def profile_steps(
     model_name: str = "",
     seed: int = 0,
     progress: Callable[[int, int, int], None] | None = None,
+    graphs: str = "auto",
 ) -> StepProfile:
     """Time whole steps of ``drafter`` on ``target`` over the grid (module docstring);
-    ``progress(C, R, v)`` after each cell."""
+    ``progress(C, R, v)`` after each cell; ``graphs``: the engine's graph mode (GenerationConfig)."""
 
     gamma = drafter.config.block_size
     requests, contexts = sorted(set(requests)), sorted(set(contexts))
@@ -114,7 +115,7 @@ def profile_steps(
             for v in verify_tokens:
                 timer = _FixedWidth(v - 1, r, warmup + repeats)
                 config = GenerationConfig(max_new_tokens=2 + (warmup + repeats) * v, temperature=1.0,
-                                          block_size=gamma, max_batch=r, seed=seed)
+                                          block_size=gamma, max_batch=r, seed=seed, graphs=graphs)
                 try:
                     SpeculativeEngine(target, drafter, config, scheduler=timer, stop_ids=[]).generate(prompts)
                 except _Enough:

@@ -379,8 +379,9 @@ def test_lossless_quick(target, base, sampling):
 def test_sampled_tree_lossless(target, sampling, monkeypatch):
     """The sampled tree over DSpark-Markov, verified with its q by recursive rejection sampling."""
     methods = []
-    verify = engine_module.verify_tree
-    monkeypatch.setattr(engine_module, "verify_tree", lambda *a, **kw: methods.append(kw["method"]) or verify(*a, **kw))
+    verify = engine_module.verify_tree_grid
+    monkeypatch.setattr(engine_module, "verify_tree_grid",
+                        lambda *a, **kw: methods.append(kw["method"]) or verify(*a, **kw))
     check_lossless(target, "dspark-markov", sampling, None, 4000, tree_budget=8, tree_mode="sampled")
     assert set(methods) == {"sampled"}
 
