@@ -121,9 +121,14 @@ def test_recipe_table_is_the_whole_set_of_kwargs(tmp_path):
         load_recipe(path)
 
 
-def test_the_embedded_target_template_ignores_the_flag():
+def test_the_embedded_target_template_ignores_the_flag(capsys):
     target = Target.load()
     assert target.render_prompt("hi", {"enable_thinking": True}) == target.render_prompt("hi")
+    # the shipped drafter (trained with the default) runs in "thinking mode" without a warning:
+    # on this template both render the same text
+    code, stdout, err = run_cli(["bench", "--drafter", "dspark", "--chat-template-kwargs", THINKING,
+                                 "--num-prompts", "2", "--max-new-tokens", "8"], capsys)
+    assert code == 0 and "dspark" in stdout and not _warnings(err), err
 
 
 # -- every command renders in the chosen mode ----------------------------------------------------------

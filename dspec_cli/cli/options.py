@@ -47,7 +47,7 @@ def seed() -> Any:
 
 
 def chat_template_kwargs(recipe: bool = False) -> Any:
-    default = ("the recipe's [chat_template], else " if recipe else "") + describe(DEFAULT_KWARGS)
+    default = ("the recipe's chat_template table, else " if recipe else "") + describe(DEFAULT_KWARGS)
     return typer.Option(None, "--chat-template-kwargs", metavar="JSON",
                         help="Keyword arguments of the target's chat template, a JSON object, e.g. "
                              "'{\"enable_thinking\": true}' for Qwen3's thinking mode; '{}' passes none "

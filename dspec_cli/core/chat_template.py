@@ -8,7 +8,8 @@ default is Qwen3's non-thinking mode; templates that do not use a key ignore it.
 
 A drafter learns the target's answers in the mode its training data was rendered in, and accepts
 far less on traffic of another mode, so checkpoints record the kwargs (config.json
-``chat_template_kwargs``) and :func:`warn_if_other` warns when a drafter runs under others.
+``chat_template_kwargs``) and :func:`warn_if_other` warns when a drafter runs under others that
+the target's template renders differently.
 """
 
 from __future__ import annotations
@@ -62,10 +63,28 @@ def mode(kwargs: Mapping[str, Any]) -> str:
     return "" if not isinstance(flag, bool) else ("thinking" if flag else "non-thinking")
 
 
-def warn_if_other(drafter: str, trained: Mapping[str, Any] | None, used: Mapping[str, Any]) -> None:
+def renders_alike(tokenizer, a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether ``tokenizer``'s chat template renders a probe conversation (an earlier answer with
+    a think block, then a generation prompt) the same under kwargs ``a`` and ``b``: a template that
+    reads none of the keys that differ."""
+    if dict(a) == dict(b):
+        return True
+    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+        return False
+    return _probe(tokenizer, a) == _probe(tokenizer, b)
+
+
+def _probe(tokenizer, kwargs: Mapping[str, Any]) -> str:
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<think>\nhm\n</think>\n\nHello"},
+                {"role": "user", "content": "And?"}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+
+
+def warn_if_other(drafter: str, trained: Mapping[str, Any] | None, used: Mapping[str, Any],
+                  tokenizer=None) -> None:
     """A one-line warning when ``drafter``, trained under ``trained`` kwargs (None: not recorded),
-    runs under ``used``."""
-    if trained is None or dict(trained) == dict(used):
+    runs under ``used`` and the target's chat template (``tokenizer``'s) renders them differently."""
+    if trained is None or renders_alike(tokenizer, trained, used):
         return
     label = mode(trained)
     warnings.warn(

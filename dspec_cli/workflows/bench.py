@@ -268,7 +268,7 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
     schedulers = [_schedulers(opts, target) for _ in opts.drafters]  # per drafter: the draft gate learns its cost
     drafters = [load_drafter(name, target, ckpt, opts.block_size) for name, ckpt in zip(opts.drafters, checkpoints)]
     for name, drafter in zip(opts.drafters, drafters):
-        warn_if_other(name, drafter.chat_template_kwargs, opts.chat_template_kwargs)
+        warn_if_other(name, drafter.chat_template_kwargs, opts.chat_template_kwargs, target.tokenizer)
     runs = []
     for dset, prompts in prompt_sets.items():
         rendered = [target.render_prompt(p.text, opts.chat_template_kwargs) for p in prompts]

@@ -336,7 +336,7 @@ def record_rounds(target, drafter, prompts: Sequence[str], config, *, strict: bo
     context (:func:`~dspec_cli.workflows.bench.fitting_prompts`), and record their rounds raw
     (:func:`collect_rounds`). Returns (rounds, prompts used, prompts skipped as too long);
     ``progress(total)`` returns a per-request callback."""
-    warn_if_other(drafter.name, drafter.chat_template_kwargs, chat_template_kwargs)
+    warn_if_other(drafter.name, drafter.chat_template_kwargs, chat_template_kwargs, target.tokenizer)
     rendered = [target.render_prompt(p, chat_template_kwargs) for p in prompts]
     ids, skipped = fitting_prompts(target, rendered, config.max_new_tokens, config.block_size, strict=strict,
                                    where="--dataset")

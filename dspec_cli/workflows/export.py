@@ -116,7 +116,7 @@ def export(drafter, target, fmt: str, output: Path, target_name: str, checkpoint
     is written."""
     if fmt not in FORMATS:
         raise DspecError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    warn_if_other(drafter.name, drafter.chat_template_kwargs, chat_template_kwargs)
+    warn_if_other(drafter.name, drafter.chat_template_kwargs, chat_template_kwargs, target.tokenizer)
     layout, config, tensors = to_foreign(drafter, target)
     check_engine_support(layout, config, fmt)
     dspark = layout in DSPARK_LAYOUTS
