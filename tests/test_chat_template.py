@@ -60,7 +60,7 @@ def rendered(monkeypatch) -> list[str]:
     original = PreTrainedTokenizerBase.apply_chat_template
 
     def spy(self, conversation, *args, **kwargs):
-        texts.append(original(self, conversation, *args, **{**kwargs, "tokenize": False, "return_dict": False}))
+        texts.append(str(original(self, conversation, *args, **{**kwargs, "tokenize": False, "return_dict": False})))
         return original(self, conversation, *args, **kwargs)
 
     monkeypatch.setattr(PreTrainedTokenizerBase, "apply_chat_template", spy)

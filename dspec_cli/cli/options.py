@@ -7,7 +7,12 @@ from typing import Any
 
 import typer
 
-from dspec_cli.core.chat_template import DEFAULT_KWARGS, default_kwargs, describe, parse_kwargs
+from dspec_cli.core.chat_template import (
+    DEFAULT_KWARGS,
+    default_kwargs,
+    describe,
+    parse_kwargs,
+)
 from dspec_cli.core.errors import DspecError
 
 
