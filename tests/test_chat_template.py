@@ -121,6 +121,16 @@ def test_recipe_table_is_the_whole_set_of_kwargs(tmp_path):
         load_recipe(path)
 
 
+def test_the_thinking_recipe_is_the_qwen3_8b_recipe_in_thinking_mode():
+    from pathlib import Path
+
+    recipes = Path(__file__).resolve().parent.parent / "recipes"
+    plain, thinking = (load_recipe(recipes / d / "dspark-markov.toml") for d in ("qwen3-8b", "qwen3-8b-thinking"))
+    assert thinking.chat_template == {"enable_thinking": True} and plain.chat_template == DEFAULT_KWARGS
+    assert (thinking.regenerate.temperature, thinking.regenerate.top_p, thinking.regenerate.top_k) == (0.6, 0.95, 20)
+    assert (thinking.target, thinking.drafter_section, thinking.train) == (plain.target, plain.drafter_section, plain.train)
+
+
 def test_the_embedded_target_template_ignores_the_flag(capsys):
     target = Target.load()
     assert target.render_prompt("hi", {"enable_thinking": True}) == target.render_prompt("hi")

@@ -17,11 +17,12 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from dspec_cli.core.errors import DspecError
 
-DEFAULT_KWARGS: Mapping[str, Any] = {"enable_thinking": False}  # Qwen3's non-thinking mode (read-only)
+DEFAULT_KWARGS: Mapping[str, Any] = MappingProxyType({"enable_thinking": False})  # Qwen3's non-thinking mode
 OPTION = "--chat-template-kwargs"
 
 
