@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dspec_cli.core.calibration import Calibration
+from dspec_cli.core.chat_template import check_kwargs, default_kwargs
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import (
     CALIBRATION_FILE,
@@ -65,8 +66,12 @@ def target_id(target) -> str:
     return EMBEDDED if path == DEFAULT_TARGET_PATH.resolve() else str(path)
 
 
+CHAT_TEMPLATE_KEY = "chat_template_kwargs"
+
+
 def checkpoint_config(drafter) -> dict[str, Any]:
-    """config.json of ``drafter``: name, dspec version, architectures, its target, its hyper-parameters."""
+    """config.json of ``drafter``: name, dspec version, architectures, its target, the chat-template
+    kwargs it was trained with (None: not known), its hyper-parameters."""
     target = drafter.target
     info: dict[str, Any] = {"name_or_path": target_id(target), "vocab_size": target.vocab_size,
                             "hidden_size": target.hidden_size, "num_hidden_layers": target.num_layers}
@@ -74,7 +79,18 @@ def checkpoint_config(drafter) -> dict[str, Any]:
         info["tokenizer_sha256"] = tokenizer_fingerprint(target.tokenizer)
     arch = "Dspec" + "".join(part.capitalize() for part in re.split(r"[^A-Za-z0-9]+", drafter.name)) + "Drafter"
     return {"drafter": drafter.name, "dspec_version": __version__, "architectures": [arch], "target": info,
-            "drafter_config": drafter.config.to_dict()}
+            CHAT_TEMPLATE_KEY: drafter.chat_template_kwargs, "drafter_config": drafter.config.to_dict()}
+
+
+def recorded_chat_template_kwargs(path: Path) -> dict[str, Any] | None:
+    """The chat-template kwargs a dspec checkpoint's training data was rendered with (config.json
+    ``chat_template_kwargs``; null: not known). Checkpoints written before dspec recorded them were
+    trained with the default, which was then the only setting."""
+    raw = read_config(path)
+    if CHAT_TEMPLATE_KEY not in raw:
+        return default_kwargs()
+    value = raw[CHAT_TEMPLATE_KEY]
+    return None if value is None else check_kwargs(value, f"checkpoint {path}: config.json {CHAT_TEMPLATE_KEY}")
 
 
 _SIZES = (("hidden_size", "hidden size", "hidden_size"), ("vocab_size", "vocabulary size", "vocab_size"),

@@ -91,6 +91,7 @@ def bench_command(
     dtype: str = opt.dtype(),
     json_path: Optional[Path] = opt.json_path("the full report"),
     plots: Optional[Path] = opt.plots("acceptance.png; with several concurrencies also load.png"),
+    chat_template_kwargs: Optional[str] = opt.chat_template_kwargs(),
     suite: Optional[str] = typer.Option(None, "--suite", help="paper = the paper's nine evaluation sets with their caps (see `dspec datasets`); prints τ per domain."),
 ) -> None:
     """Measure τ, acceptance by position and speedup over plain decoding of the same target."""
@@ -109,6 +110,7 @@ def bench_command(
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, block_size=block_size,
         seed=seed, concurrency=opt.int_list(concurrency, "--concurrency"), device=device, dtype=dtype,
         schedulers=scheduler, cost_table=str(cost_table) if cost_table else None, strict=strict, repeats=repeats,
+        chat_template_kwargs=opt.template_kwargs(chat_template_kwargs),
     )
     err = Console(stderr=True)
     with CommandProgress(err, unit="requests") as bar:

@@ -146,6 +146,7 @@ def calibrate_command(
     plots: Optional[Path] = opt.plots("reliability.png (and threshold_sweep.png with --sweep-threshold)"),
     sweep_threshold: bool = typer.Option(False, "--sweep-threshold", help="Also report the static-threshold sweep (paper Fig. 5)."),
     save_traces: Optional[Path] = typer.Option(None, "--save-traces", metavar="FILE", help="Write the recorded rounds (jsonl) for `dspec schedule`."),
+    chat_template_kwargs: Optional[str] = opt.chat_template_kwargs(),
 ) -> None:
     """Record confidences and outcomes on held-out prompts (or read recorded ones), fit STS, write calibration.json."""
     from dspec_cli.checkpoints.hub import resolve_checkpoint
@@ -175,6 +176,7 @@ def calibrate_command(
                          "probabilities): its confidences are constant, so there is nothing to calibrate")
     if traces is not None and dataset:
         raise DspecError("give --dataset (run the drafter) or --traces (recorded rounds), not both")
+    template_kwargs = opt.template_kwargs(chat_template_kwargs)
     GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                      max_batch=concurrency)  # sampling options checked up front
     resolve_device(device), parse_dtype(dtype)
@@ -214,7 +216,7 @@ def calibrate_command(
                 return lambda _res: bar.advance(task)
 
             rounds, used, skipped = record_rounds(tgt, model, [p.text for p in prompts], config, strict=strict,
-                                                  progress=progress)
+                                                  progress=progress, chat_template_kwargs=template_kwargs)
         if skipped:
             warnings.warn(f"skipped {skipped} of {len(prompts)} prompt(s) that do not fit the target's context with "
                           f"--max-new-tokens {max_new_tokens} (--strict makes this an error)", stacklevel=1)

@@ -28,6 +28,7 @@ def export_command(
     dtype: str = opt.dtype(),
     cost_table: Optional[Path] = typer.Option(None, "--cost-table", help="SGLang DSpark: cost table (dspec's or SGLang's) for dspark_sps.json (default: the checkpoint's cost_table.json)."),
     json_path: Optional[Path] = opt.json_path("the export report (layout, engine settings, command)"),
+    chat_template_kwargs: Optional[str] = opt.chat_template_kwargs(),
 ) -> None:
     """Export a drafter for vLLM or SGLang and print the command that serves it."""
     from dspec_cli.checkpoints import layouts as interop
@@ -41,6 +42,7 @@ def export_command(
         raise DspecError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     check_output_dir(output, "--output")
     check_output_file(json_path, "--json")
+    template_kwargs = opt.template_kwargs(chat_template_kwargs)  # the deployment's; its server default
     path = resolve_checkpoint(checkpoint)
     if output.resolve() == path.resolve():
         raise DspecError("--output must differ from the checkpoint folder (export writes another layout)")
@@ -50,7 +52,8 @@ def export_command(
     target_name = target or str(DEFAULT_TARGET_PATH)
     if Path(target_name).exists():
         target_name = str(Path(target_name).resolve())
-    report = export(drafter, tgt, fmt, output, target_name, checkpoint=path, cost_table=cost_table)
+    report = export(drafter, tgt, fmt, output, target_name, checkpoint=path, cost_table=cost_table,
+                    chat_template_kwargs=template_kwargs)
     err = Console(stderr=True, soft_wrap=True)
     err.print(f"wrote {report['output']} ({report['layout']} layout, {fmt} method {report['method']})", highlight=False)
     for note in report["notes"]:

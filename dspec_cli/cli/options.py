@@ -7,6 +7,12 @@ from typing import Any
 
 import typer
 
+from dspec_cli.core.chat_template import (
+    DEFAULT_KWARGS,
+    default_kwargs,
+    describe,
+    parse_kwargs,
+)
 from dspec_cli.core.errors import DspecError
 
 
@@ -43,6 +49,19 @@ def top_k(default: int = 0) -> Any:
 
 def seed() -> Any:
     return typer.Option(0, "--seed", help="Random seed (any integer): the same seed gives the same tokens.")
+
+
+def chat_template_kwargs(recipe: bool = False) -> Any:
+    default = ("the recipe's chat_template table, else " if recipe else "") + describe(DEFAULT_KWARGS)
+    return typer.Option(None, "--chat-template-kwargs", metavar="JSON",
+                        help="Keyword arguments of the target's chat template, a JSON object, e.g. "
+                             "'{\"enable_thinking\": true}' for Qwen3's thinking mode; '{}' passes none "
+                             f"(default: {default}).")
+
+
+def template_kwargs(text: str | None) -> dict[str, Any]:
+    """--chat-template-kwargs parsed and checked (bad JSON is a one-line error); the default when not given."""
+    return default_kwargs() if text is None else parse_kwargs(text)
 
 
 def device() -> Any:

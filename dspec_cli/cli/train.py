@@ -18,6 +18,7 @@ from rich.progress import (
 )
 
 from dspec_cli.cli import app
+from dspec_cli.cli import options as opt
 from dspec_cli.cli.progress import LogLines
 from dspec_cli.core.outputs import check_output_file
 
@@ -76,6 +77,7 @@ def train_command(
     feature_cache: Optional[Path] = typer.Option(None, "--feature-cache", help="Folder caching target features (reused when present)."),
     init_from: Optional[Path] = typer.Option(None, "--init-from", help="Start from this drafter checkpoint's weights (fine-tuning; new optimizer and schedule)."),
     report_to: list[str] = typer.Option([], "--report-to", help="Also log metrics to: tensorboard (OUT/tensorboard; needs dspec[tensorboard])."),
+    chat_template_kwargs: Optional[str] = opt.chat_template_kwargs(recipe=True),
 ) -> None:
     """Train a drafter for a target: online target features, AdamW + warmup/cosine, atomic checkpoints."""
     from transformers.utils import logging as hf_logging
@@ -88,6 +90,7 @@ def train_command(
         recipe=recipe, drafter=drafter, overrides=overrides or [], output=output, target=target, resume=resume,
         max_steps=max_steps, stop_after=stop_after, json_log=json_log, feature_cache=feature_cache, init_from=init_from,
         report_to=report_to,
+        chat_template_kwargs=None if chat_template_kwargs is None else opt.template_kwargs(chat_template_kwargs),
     )
     err = Console(stderr=True)
     bar = RichProgress(err)

@@ -24,7 +24,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from dspec_cli.checkpoints.layouts import load_foreign
-from dspec_cli.checkpoints.native import check_checkpoint_config, checkpoint_config
+from dspec_cli.checkpoints.native import (
+    check_checkpoint_config,
+    checkpoint_config,
+    recorded_chat_template_kwargs,
+)
 from dspec_cli.core.calibration import Calibration
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import (
@@ -108,6 +112,9 @@ class Drafter:
     # STS temperatures from the checkpoint's calibration.json; the engine applies them to every
     # proposal's confidences (the one place calibration is applied). None: confidences as drafted.
     calibration: Calibration | None = None
+    # the chat-template kwargs its training data was rendered with (checkpoint config.json; set by
+    # `dspec train`); None: not known (untrained drafters, foreign layouts)
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def __init__(self, config: DrafterConfig, target: Target):
         self.config = config
@@ -192,6 +199,14 @@ class WrappedDrafter(Drafter):
     @calibration.setter
     def calibration(self, value: Calibration | None) -> None:
         self.base.calibration = value
+
+    @property
+    def chat_template_kwargs(self) -> dict[str, Any] | None:  # the base drafter's training
+        return self.base.chat_template_kwargs
+
+    @chat_template_kwargs.setter
+    def chat_template_kwargs(self, value: dict[str, Any] | None) -> None:
+        self.base.chat_template_kwargs = value
 
     @property
     def target_layer_ids(self) -> tuple[int, ...]:
@@ -282,6 +297,7 @@ class TrainableDrafter(Drafter):
             )
         if (path / CALIBRATION_FILE).is_file():  # validated by check_checkpoint_config
             drafter.calibration = Calibration.load(path / CALIBRATION_FILE, drafter=cls.name)
+        drafter.chat_template_kwargs = recorded_chat_template_kwargs(path)
         return drafter
 
 

@@ -18,10 +18,12 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
 from dspec_cli.checkpoints.hub import resolve_checkpoint
+from dspec_cli.core.chat_template import DEFAULT_KWARGS
 from dspec_cli.core.devices import auto_dtype, parse_dtype, resolve_device
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import ASSETS_DIR, DEFAULT_TARGET_PATH, embedded_path
@@ -145,8 +147,12 @@ class Target:
 
     # -- prompts ---------------------------------------------------------------------------------
 
-    def render_prompt(self, prompt: str | Sequence[Mapping[str, str]]) -> list[int]:
-        """Token ids of a prompt: chat template (with generation prompt) for chat models, else encode."""
+    def render_prompt(
+        self, prompt: str | Sequence[Mapping[str, str]], chat_template_kwargs: Mapping[str, Any] | None = None
+    ) -> list[int]:
+        """Token ids of a prompt: chat template (with generation prompt) for chat models, else encode.
+
+        ``chat_template_kwargs`` go to the template (default :data:`~dspec_cli.core.chat_template.DEFAULT_KWARGS`)."""
         if self.tokenizer is None:
             raise ValueError("render_prompt needs a tokenizer")
         has_template = self.tokenizer.chat_template is not None
@@ -161,8 +167,9 @@ class Target:
                 raise ValueError("prompt messages must be mappings with 'role' and 'content'")
             if not use_chat:
                 raise ValueError("prompt is a message list but chat templating is off or missing")
+        kwargs = DEFAULT_KWARGS if chat_template_kwargs is None else chat_template_kwargs
         ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False, enable_thinking=False
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
         )
         return list(ids)
 

@@ -84,6 +84,7 @@ class TrainOptions:
     feature_cache: str | Path | None = None
     init_from: str | Path | None = None  # a drafter checkpoint to fine-tune (fresh optimizer and schedule)
     report_to: Sequence[str] = ()  # trackers besides the JSONL log: "tensorboard" (OUT/tensorboard)
+    chat_template_kwargs: dict | None = None  # replaces the recipe's [chat_template] table when given
 
 
 @dataclass
@@ -168,6 +169,8 @@ def _prepare(opts: TrainOptions) -> tuple[Recipe, type, Path, Path | None]:
         recipe = Recipe.from_dict(apply_overrides(saved.to_dict(), overrides), source=saved.source)
     else:
         raise DspecError("--recipe is required (it may be omitted only with --resume of an existing run)")
+    if opts.chat_template_kwargs is not None:
+        recipe.chat_template = dict(opts.chat_template_kwargs)
     name = opts.drafter or recipe.drafter
     if not name:
         raise DspecError(f"give --drafter: recipe {recipe.source} names no drafter ([drafter] name)")
@@ -307,6 +310,7 @@ class _Run:
     def _build_drafter(self, target):
         seed_all(self.recipe.train.seed)  # identical initial weights on every rank
         drafter = self.cls.build(self.recipe.drafter_config(self.cls), target)
+        drafter.chat_template_kwargs = dict(self.recipe.chat_template)  # recorded in its config.json
         bad = [i for i in drafter.target_layer_ids if not -1 <= i < target.num_layers]
         if bad:
             raise DspecError(
@@ -323,9 +327,17 @@ class _Run:
     def _load_data(self, target) -> TrainData:
         spec = self.recipe.data
         ctx = getattr(target.config, "max_position_embeddings", None) or spec.max_length
-        data = load_train_data(spec.paths, target.tokenizer, min(spec.max_length, ctx), spec.min_loss_tokens, spec.limit)
+        length = min(spec.max_length, ctx)
+        data = load_train_data(spec.paths, target.tokenizer, length, spec.min_loss_tokens, spec.limit,
+                               self.recipe.chat_template)
+        if self.rank.main and data.split:
+            self.progress.note(f"{data.split} conversation(s) became one sample per assistant turn (the chat "
+                               "template rewrites earlier turns)")
         if self.rank.main and data.skipped:
-            self.progress.note(f"skipped {data.skipped} conversation(s) with < {spec.min_loss_tokens} assistant tokens")
+            self.progress.note(f"skipped {data.skipped} sample(s) with < {spec.min_loss_tokens} assistant tokens")
+        if self.rank.main and data.truncated:
+            self.progress.note(f"truncated {data.truncated} sample(s) to {length} tokens (data.max_length"
+                               + (" capped by the target's context" if length < spec.max_length else "") + ")")
         return data
 
     def _setup(self) -> int:
@@ -496,8 +508,9 @@ class _Run:
         name = r.target.name
         return {
             "drafter": self.cls.name, "target": name, "target_is_embedded": name == EMBEDDED,
-            "data": {"path": r.data.path, "samples": len(data), "skipped": data.skipped,
+            "data": {"path": r.data.path, "samples": len(data), "skipped": data.skipped, "truncated": data.truncated,
                      "tokens": data.num_tokens, "loss_tokens": data.num_loss_tokens},
+            "chat_template_kwargs": r.chat_template,
             "step": step, "total_steps": self.total, "epochs": step * r.train.global_batch / len(data),
             "global_batch": r.train.global_batch, "lr": r.train.lr, "schedule": r.train.schedule,
             "warmup_ratio": r.train.warmup_ratio, "world_size": self.rank.world,

@@ -1,5 +1,10 @@
-"""Training recipes: TOML files with ``[target]``, ``[data]``, ``[regenerate]``, ``[drafter]``
-and ``[train]`` sections (docs/training.md lists every key).
+"""Training recipes: TOML files with ``[target]``, ``[chat_template]``, ``[data]``, ``[regenerate]``,
+``[drafter]`` and ``[train]`` sections (docs/training.md lists every key).
+
+``[chat_template]`` holds the keyword arguments of the target's chat template (e.g.
+``enable_thinking = true``) that regeneration and training render conversations with; a recipe
+without it gets :data:`~dspec_cli.core.chat_template.DEFAULT_KWARGS`, and a table present is the
+whole set (an empty table passes none).
 
 ``[drafter]`` holds the fields of the drafter's ``config_class``; it is checked once the drafter
 class is known (:meth:`Recipe.drafter_config`). Every other key is fixed here: an unknown key at
@@ -18,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dspec_cli.core.chat_template import check_kwargs, default_kwargs
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import EMBEDDED
 
@@ -105,6 +111,7 @@ class TrainSpec:
 
 SECTIONS: dict[str, type] = {"target": TargetSpec, "data": DataSpec, "regenerate": RegenerateSpec, "train": TrainSpec}
 TOP_LEVEL = {"description": str}
+CHAT_TEMPLATE = "chat_template"  # the free-form [chat_template] table
 # keys a resumed run may change without breaking exact continuation
 RESUME_SAFE = {
     "train.save_every", "train.keep_checkpoints", "train.log_every", "train.device", "description", "regenerate",
@@ -119,12 +126,13 @@ class Recipe:
     data: DataSpec = field(default_factory=DataSpec)
     regenerate: RegenerateSpec = field(default_factory=RegenerateSpec)
     train: TrainSpec = field(default_factory=TrainSpec)
+    chat_template: dict[str, Any] = field(default_factory=default_kwargs)  # the [chat_template] table
     drafter_section: dict[str, Any] = field(default_factory=dict)  # the raw [drafter] table
     source: str = ""  # file it came from
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "recipe") -> Recipe:
-        valid = [*TOP_LEVEL, *SECTIONS, "drafter"]
+        valid = [*TOP_LEVEL, *SECTIONS, CHAT_TEMPLATE, "drafter"]
         unknown = sorted(set(raw) - set(valid))
         if unknown:
             raise DspecError(f"{source}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(valid)}")
@@ -132,6 +140,8 @@ class Recipe:
         for key, value in raw.items():
             if key in SECTIONS:
                 out[key] = _section(SECTIONS[key], value, source, key)
+            elif key == CHAT_TEMPLATE:
+                out[key] = check_kwargs(value, f"{source}: [{CHAT_TEMPLATE}]")
             elif key == "drafter":
                 if not isinstance(value, dict):
                     raise DspecError(f"{source}: [drafter] must be a table, got {type(value).__name__}")
@@ -147,6 +157,7 @@ class Recipe:
         out: dict[str, Any] = {"description": self.description}
         for name in SECTIONS:
             out[name] = {k: _plain(v) for k, v in dataclasses.asdict(getattr(self, name)).items()}
+        out[CHAT_TEMPLATE] = dict(self.chat_template)
         out["drafter"] = {"name": self.drafter, **{k: _plain(v) for k, v in self.drafter_section.items()}}
         return out
 

@@ -14,6 +14,7 @@ import torch
 from dspec_cli.checkpoints import load_drafter
 from dspec_cli.checkpoints.hub import resolve_checkpoint
 from dspec_cli.core import plugins
+from dspec_cli.core.chat_template import default_kwargs, warn_if_other
 from dspec_cli.core.data import BUILTIN, dataset_name, load_prompts
 from dspec_cli.core.devices import parse_dtype, resolve_device
 from dspec_cli.core.errors import DspecError
@@ -47,6 +48,7 @@ class BenchOptions:
     dtype: str = "auto"
     warmup: bool = True
     repeats: int = 1  # timed runs per engine, interleaved; tokens/s is the median
+    chat_template_kwargs: dict = field(default_factory=default_kwargs)  # how prompts are rendered
     extra: dict = field(default_factory=dict)
 
 
@@ -265,10 +267,13 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
     bound_table = CostTable.load(opts.cost_table, block_size=opts.block_size) if opts.cost_table else None
     schedulers = [_schedulers(opts, target) for _ in opts.drafters]  # per drafter: the draft gate learns its cost
     drafters = [load_drafter(name, target, ckpt, opts.block_size) for name, ckpt in zip(opts.drafters, checkpoints)]
+    for name, drafter in zip(opts.drafters, drafters):
+        warn_if_other(name, drafter.chat_template_kwargs, opts.chat_template_kwargs, target.tokenizer)
     runs = []
     for dset, prompts in prompt_sets.items():
-        ids, skipped = fitting_prompts(target, [target.render_prompt(p.text) for p in prompts], opts.max_new_tokens,
-                                       opts.block_size, strict=opts.strict, where=f"--dataset {dset}")
+        rendered = [target.render_prompt(p.text, opts.chat_template_kwargs) for p in prompts]
+        ids, skipped = fitting_prompts(target, rendered, opts.max_new_tokens, opts.block_size, strict=opts.strict,
+                                       where=f"--dataset {dset}")
         for conc in opts.concurrency:
             cfg = GenerationConfig(
                 max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, top_k=opts.top_k,
@@ -302,6 +307,7 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
                 )
     return {
         "target": opts.target or "embedded:tiny-target",
+        "chat_template_kwargs": opts.chat_template_kwargs,
         "env": environment(target),
         "runs": runs,
     }

@@ -18,13 +18,15 @@ drafter name and block size they belong to.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from dspec_cli.core.calibration import Calibration, apply_temperatures
+from dspec_cli.core.chat_template import DEFAULT_KWARGS, warn_if_other
 from dspec_cli.core.data import jsonl_objects
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.jsonl import write_jsonl
@@ -327,13 +329,17 @@ def collect_rounds(target, drafter, prompts: Sequence[Sequence[int]], config, on
 
 
 def record_rounds(target, drafter, prompts: Sequence[str], config, *, strict: bool = False,
-                  progress: Callable[[int], Callable] | None = None) -> tuple[Rounds, int, int]:
-    """Calibration data: render ``prompts`` with the chat template, keep those that fit the target's
+                  progress: Callable[[int], Callable] | None = None,
+                  chat_template_kwargs: Mapping[str, Any] = DEFAULT_KWARGS) -> tuple[Rounds, int, int]:
+    """Calibration data: render ``prompts`` with the chat template and ``chat_template_kwargs``
+    (a warning when the drafter was trained under others), keep those that fit the target's
     context (:func:`~dspec_cli.workflows.bench.fitting_prompts`), and record their rounds raw
     (:func:`collect_rounds`). Returns (rounds, prompts used, prompts skipped as too long);
     ``progress(total)`` returns a per-request callback."""
-    ids, skipped = fitting_prompts(target, [target.render_prompt(p) for p in prompts], config.max_new_tokens,
-                                   config.block_size, strict=strict, where="--dataset")
+    warn_if_other(drafter.name, drafter.chat_template_kwargs, chat_template_kwargs, target.tokenizer)
+    rendered = [target.render_prompt(p, chat_template_kwargs) for p in prompts]
+    ids, skipped = fitting_prompts(target, rendered, config.max_new_tokens, config.block_size, strict=strict,
+                                   where="--dataset")
     on_finish = progress(len(ids)) if progress else None
     return collect_rounds(target, drafter, ids, config, on_finish=on_finish), len(ids), skipped
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from dspec_cli.core import sglang_sps
 from dspec_cli.core.calibration import Calibration
+from dspec_cli.core.chat_template import describe
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import CALIBRATION_FILE, COST_TABLE_FILE
 from dspec_cli.core.hardware import CostTable
@@ -90,6 +91,11 @@ def serve_markdown(report: dict, notes: list[str]) -> str:
     lines = [f"# Serving this drafter with {report['format']}", "",
              f"Drafter `{report['drafter']}` in the `{report['layout']}` layout (method `{report['method']}`), "
              f"for the target `{report['target']}`.", "", "```", report["command"], "```", ""]
+    if report.get("chat_template_kwargs"):
+        served = describe(report["chat_template_kwargs"])
+        lines += [(f"Requests without their own `chat_template_kwargs` are rendered with `{served}` "
+                   "(`--default-chat-template-kwargs`); the drafter accepts most in the mode its training data "
+                   "was rendered in."), ""]
     if report["format"] == "vllm":
         lines += ["`speculative_config`:", "", "```json", json.dumps(report["speculative_config"], indent=2), "```", ""]
     else:
