@@ -56,7 +56,7 @@ class Target:
             raise ValueError(f"model attn_implementation must be one of {_MASKABLE}, got {impl!r}")
         attention.use_for(model)  # sdpa -> dspec_sdpa: no K/V copy for grouped-query heads under a mask
         self._float_mask = impl == "eager"
-        self._layers = getattr(model.get_decoder(), "layers", None)
+        self._layers = next((getattr(model.get_decoder(), n) for n in ("layers", "h") if hasattr(model.get_decoder(), n)), None)
         if self._layers is None:
             raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
         self._embed = model.get_input_embeddings()

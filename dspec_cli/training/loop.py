@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from dspec_cli.checkpoints.model_card import write_model_card
 from dspec_cli.checkpoints.native import check_checkpoint_config, weights_fingerprint
+from dspec_cli.checkpoints.serving import describe, serving_methods
 from dspec_cli.core import plugins
 from dspec_cli.core.devices import resolve_device
 from dspec_cli.core.errors import DspecError
@@ -335,6 +336,8 @@ class _Run:
         self.drafter = self._build_drafter(self.target)
         self.data = self._load_data(self.target)
         self.drafter.prepare_training(self.data)  # e.g. eagle3 builds its draft vocabulary from the data
+        if rank.main:  # known before step 1: which engines will serve the result (dspec export)
+            self.progress.note(describe(*serving_methods(self.drafter, self.target)))
         self.order = DataOrder(len(self.data), t.global_batch, t.seed)
         self.total = t.max_steps or self.order.steps_for(t.epochs)
         if t.global_batch % (t.micro_batch * rank.world):

@@ -1,0 +1,117 @@
+"""Every shipped recipe, shrunk to a tiny random target with the recipe's layer count and taps
+(recipe overrides only), trains 2 steps, exports for every engine that serves its drafter, loads
+the export back and benches it; the engines that refuse it refuse in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_training import write_conversations
+from tiny_models import _special_ids, assert_cli_error, run_cli, tiny_tokenizer
+from transformers import AutoModelForCausalLM, Gemma4TextConfig, Qwen3Config
+
+from dspec_cli.checkpoints.serving import FORMATS, serving_methods
+from dspec_cli.core import plugins
+from dspec_cli.runtime.target import Target
+from dspec_cli.training.loop import TrainOptions, train
+from dspec_cli.training.recipes import load_recipe
+from dspec_cli.workflows.bench import BenchOptions, run_bench
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+ALL = sorted(RECIPES.rglob("*.toml"))
+# the engines that serve each drafter kind as the recipes train it (docs/interop.md)
+SERVED = {"dflash": {"vllm", "sglang"}, "dspark-markov": {"vllm", "sglang"}, "dspark-rnn": {"sglang"},
+          "eagle3": {"vllm", "sglang"}}
+SMALL = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+             max_position_embeddings=512, vocab_size=384, initializer_range=0.2, **_special_ids())
+
+
+def _layers(recipe) -> int:
+    """The recipe's target layer count (given, else the deepest tap + 2, Gemma-4-12B's 48 for its taps)."""
+    return recipe.target.num_layers or max(recipe.drafter_section.get("target_layer_ids", [0])) + 2
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    """(family, layers) -> folder of a saved tiny random target, built once per module."""
+    made: dict[tuple[str, int], Path] = {}
+
+    def get(family: str, layers: int) -> Path:
+        if (family, layers) not in made:
+            if family == "gemma4":
+                kinds = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(layers)]
+                config = Gemma4TextConfig(**{**SMALL, "num_hidden_layers": layers}, layer_types=kinds, sliding_window=8,
+                                          global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True,
+                                          hidden_size_per_layer_input=0, tie_word_embeddings=False)
+            else:
+                config = Qwen3Config(**{**SMALL, "num_hidden_layers": layers}, tie_word_embeddings=True)
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+            path = tmp_path_factory.mktemp(f"{family}-{layers}")
+            model.save_pretrained(path)
+            tiny_tokenizer().save_pretrained(path)
+            made[family, layers] = path
+        return made[family, layers]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> tuple[Path, Path]:
+    tmp = tmp_path_factory.mktemp("data")
+    prompts = tmp / "prompts.jsonl"
+    prompts.write_text(json.dumps({"turns": ["Tell me about the sea."]}) + "\n")
+    return write_conversations(tmp / "conv.jsonl", 4), prompts
+
+
+def shrink(recipe_path: Path, target: Path, conversations: Path) -> list[str]:
+    """Overrides that keep the recipe's drafter settings (layers, taps, block, heads) on a tiny target."""
+    section = load_recipe(recipe_path).drafter_section
+    out = [f"target.name={target}", "target.vocab_size=0", "target.hidden_size=0", "target.num_layers=0",
+           "target.dtype=float32", f"data.path={conversations}", "data.limit=0", "data.max_length=64",
+           "data.min_loss_tokens=4", "train.global_batch=2", "train.micro_batch=2", "train.max_steps=2",
+           "train.save_every=0", "train.device=cpu", "train.dtype=float32"]
+    if "mask_token_id" in section:
+        out.append("drafter.mask_token_id=-1")  # the tiny tokenizer's own
+    if "num_anchors" in section:
+        out.append("drafter.num_anchors=4")
+    if section.get("markov_rank"):
+        out.append("drafter.markov_rank=8")
+    if "ttt_length" in section:
+        out.append("drafter.ttt_length=2")
+    return out
+
+
+@pytest.mark.parametrize("path", ALL, ids=lambda p: str(p.relative_to(RECIPES).with_suffix("")))
+def test_shipped_recipe_trains_exports_loads_and_benches(path, targets, data, tmp_path, capsys):
+    recipe = load_recipe(path)
+    if recipe.drafter not in plugins.registry().drafters:
+        pytest.skip(f"drafter {recipe.drafter} is not installed")
+    family = "gemma4" if "gemma" in recipe.target.name else "qwen3"
+    folder = targets(family, _layers(recipe))
+    conversations, prompts = data
+    result = train(TrainOptions(recipe=path, output=tmp_path / "run", overrides=shrink(path, folder, conversations)))
+    assert result.finished
+    cls = plugins.get_drafter_class(recipe.drafter)
+    target = Target.load(str(folder))
+    drafter = cls.from_pretrained(result.output, target)
+    assert list(drafter.target_layer_ids) == recipe.drafter_section["target_layer_ids"]
+    served, refused = serving_methods(drafter, target)
+    assert set(served) == SERVED[recipe.drafter] and set(refused) == set(FORMATS) - set(served)
+    for fmt in FORMATS:
+        out = tmp_path / f"export-{fmt}"
+        args = ["export", str(result.output), "--format", fmt, "--output", str(out), "--target", str(folder)]
+        if fmt in refused:
+            assert_cli_error(args, capsys, refused[fmt][:40])
+            continue
+        code, _, err = run_cli(args, capsys)
+        assert code == 0, err
+        back = cls.from_pretrained(out, target)  # the engine's layout, through the interop loader
+        assert back.config.target_layer_ids == drafter.config.target_layer_ids
+        report = run_bench(BenchOptions(drafters=[recipe.drafter], target=str(folder), checkpoints=[str(out)],
+                                        datasets=[str(prompts)], max_new_tokens=8, device="cpu", dtype="float32",
+                                        warmup=False))
+        assert report["runs"][0]["tau"] >= 1
