@@ -107,6 +107,7 @@ def test_vocabulary_mismatch(model_dir, tmp_path, capsys):
     tok = tiny_tokenizer()
     tok.add_tokens(["<|extra|>"])  # padded rows alone pair (tests/test_draft_model.py); another tokenizer does not
     tok.save_pretrained(other)
+    capsys.readouterr()  # the saving's own output
     _bad(["bench", "--target", str(model_dir), "--drafter", "draft-model", "--checkpoint", str(other)], capsys,
          "draft model tokenizer differs from the target's tokenizer")
 
