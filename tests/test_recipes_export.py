@@ -115,3 +115,32 @@ def test_shipped_recipe_trains_exports_loads_and_benches(path, targets, data, tm
                                         datasets=[str(prompts)], max_new_tokens=8, device="cpu", dtype="float32",
                                         warmup=False))
         assert report["runs"][0]["tau"] >= 1
+
+
+class Notes:
+    """A training progress that keeps the notes."""
+
+    def __init__(self):
+        self.notes: list[str] = []
+
+    def start(self, total, done, title):
+        pass
+
+    def update(self, row):
+        pass
+
+    def note(self, text):
+        self.notes.append(text)
+
+
+@pytest.mark.parametrize("extra, said", [
+    ([], "servable after training by vLLM (dflash), SGLang (DFLASH)"),
+    (["drafter.anchor_predicts=true"], "no serving engine loads this drafter (dflash in DeepSpec's block layout"),
+])
+def test_train_says_which_engines_serve_the_result_before_step_1(extra, said, targets, data, tmp_path):
+    path = RECIPES / "tiny" / "dflash.toml"
+    folder, (conversations, _) = targets("qwen3", 6), data
+    progress = Notes()
+    overrides = [*shrink(path, folder, conversations), "train.max_steps=1", *extra]
+    train(TrainOptions(recipe=path, output=tmp_path / "run", overrides=overrides), progress)
+    assert any(said in n for n in progress.notes), progress.notes

@@ -51,6 +51,7 @@ from dspec_cli.training.data import (
 from dspec_cli.training.recipes import (
     Recipe,
     apply_overrides,
+    describe_changes,
     load_recipe,
     resume_conflicts,
 )
@@ -167,6 +168,8 @@ def _prepare(opts: TrainOptions) -> tuple[Recipe, type, Path, Path | None]:
         recipe = load_recipe(opts.recipe, overrides)
     elif saved is not None:
         recipe = Recipe.from_dict(apply_overrides(saved.to_dict(), overrides), source=saved.source)
+    elif opts.resume:
+        raise DspecError(f"--resume: {out} holds no run to continue; start one with --recipe RECIPE")
     else:
         raise DspecError("--recipe is required (it may be omitted only with --resume of an existing run)")
     name = opts.drafter or recipe.drafter
@@ -191,9 +194,15 @@ def _prepare(opts: TrainOptions) -> tuple[Recipe, type, Path, Path | None]:
                 f"--resume: {resume_from} is a {state.get('drafter')!r} checkpoint, not {cls.name!r}"
             )
         conflicts = resume_conflicts(saved, recipe)
+        if conflicts and opts.recipe is None:  # the checkpoint's own recipe, changed by overrides / --max-steps
+            raise DspecError(
+                f"--resume: {describe_changes(saved, recipe, conflicts)} would make the run differ from one never "
+                f"interrupted; resume without changing them, or start a new run from its weights with "
+                f"--init-from {resume_from}"
+            )
         if conflicts:
             raise DspecError(
-                f"--resume: the recipe differs from the checkpoint's in {', '.join(conflicts)} "
+                f"--resume: the recipe differs from the checkpoint's in {describe_changes(saved, recipe, conflicts)} "
                 "(resume with the original settings, or omit --recipe to reuse the checkpoint's)"
             )
     if out is None:
