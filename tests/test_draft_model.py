@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import VOCAB_SIZE, _special_ids, assert_cli_error, run_cli, tiny_tokenizer
+from tiny_models import (
+    VOCAB_SIZE,
+    _special_ids,
+    assert_cli_error,
+    run_cli,
+    tiny_tokenizer,
+)
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from dspec_cli.core.errors import DspecError
