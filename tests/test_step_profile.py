@@ -73,3 +73,12 @@ def test_cli_profiles_a_tree_drafter(tmp_path, capsys):
     assert code == 0, err
     table = CostTable.load(out)
     assert table.grid == [6] and table.row_tokens == 6 and json.loads(out.read_text())["measures"] == "step"
+
+
+def test_additive_table_of_a_tree_drafter_is_refused(tmp_path, capsys):
+    from tiny_models import assert_cli_error
+
+    assert_cli_error(["profile-hardware", "--drafter", "ddtree,tree_budget=5", "--block-size", str(GAMMA),
+                      "--requests", "1", "--contexts", "8", "--repeats", "1", "--warmup", "0", "--dtype", "float32",
+                      "--format", "sglang-additive", "--json", str(tmp_path / "t.json")], capsys,
+                     "a tree drafter verifies its whole tree (6 tokens per request) every step")
