@@ -10,8 +10,9 @@ import typer
 from dspec_cli.core.errors import DspecError
 
 
-def target(default: str = "the target the checkpoint was trained for, else the embedded tiny target") -> Any:
-    return typer.Option(None, "--target", metavar="PATH|HUB_ID", help=f"Target model: local folder or Hub id (default: {default}).")
+def target(what: str = "Target model",
+           default: str = "the target the checkpoint was trained for, else the embedded tiny target") -> Any:
+    return typer.Option(None, "--target", metavar="PATH|HUB_ID", help=f"{what}: local folder or Hub id (default: {default}).")
 
 
 def dataset(*aliases: str) -> Any:
