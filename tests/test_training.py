@@ -369,6 +369,11 @@ def test_resume_refuses_another_drafters_checkpoint_and_changed_recipe(setup):
     with pytest.raises(DspecError, match="is a 'dflash' checkpoint"):
         train(TrainOptions(recipe=recipe, output=out, resume=True))
     state.write_text(json.dumps(saved))
+    with pytest.raises(DspecError, match=r"--resume: train.max_steps 6 -> 9 would make the run differ .* "
+                                         r"start a new run from its weights with --init-from .*step_3$"):
+        train(TrainOptions(output=out, resume=True, max_steps=9))  # no --recipe: nothing to "omit"
+    with pytest.raises(DspecError, match="holds no run to continue; start one with --recipe RECIPE"):
+        train(TrainOptions(output=tmp / "nothing-here", resume=True))
     res = train(TrainOptions(output=out, resume=True))  # the checkpoint's own recipe
     assert res.finished and res.step == 6
 

@@ -69,6 +69,12 @@ def resolve_checkpoint(name: str | Path, *, what: str = "checkpoint", endpoint: 
                                             allow_patterns=[*DOWNLOAD_PATTERNS, "*.bin"]))
     except Exception as exc:  # noqa: BLE001 - mapped to one line below, or re-raised
         raise hub_error(exc, f"cannot load {what} {str(name)!r}", endpoint) from None
+    if not folder.is_dir() or not any(folder.iterdir()):  # an empty repo downloads to no folder at all
+        from huggingface_hub import constants
+
+        raise DspecError(f"cannot load {what} {str(name)!r}: the Hub repo {repo} holds no files dspec reads "
+                         f"({', '.join(DOWNLOAD_PATTERNS)}) at revision {revision or 'main'} on "
+                         f"{endpoint or constants.ENDPOINT}")
     return folder
 
 

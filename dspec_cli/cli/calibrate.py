@@ -150,6 +150,7 @@ def calibrate_command(
 ) -> None:
     """Record confidences and outcomes on held-out prompts (or read recorded ones), fit STS, write calibration.json."""
     from dspec_cli.checkpoints.hub import resolve_checkpoint
+    from dspec_cli.checkpoints.native import choose_target
     from dspec_cli.core import plugins
     from dspec_cli.core.calibration import Calibration
     from dspec_cli.core.data import BUILTIN, load_prompts
@@ -203,6 +204,7 @@ def calibrate_command(
                                  f"(no {cls.name} drafter is embedded)")
     else:
         prompts = [p for d in (dataset or [BUILTIN]) for p in load_prompts(d, num_prompts)]
+        target = choose_target(target, [ckpt_dir])  # no --target: the one the checkpoint was trained for
         tgt = Target.load(target, dtype=dtype, device=device)
         overrides = {"block_size": block_size} if block_size is not None else {}
         model = cls.from_pretrained(ckpt_dir, tgt, **overrides) if ckpt_dir else cls.load_default(tgt, **overrides)

@@ -22,7 +22,7 @@ app.add_typer(data_app, name="data")
 @data_app.command("regenerate")
 def regenerate_command(
     recipe: Optional[Path] = typer.Option(None, "--recipe", "-r", help="Take target, prompts, output and sampling from a training recipe."),
-    target: Optional[str] = opt.target(),
+    target: Optional[str] = opt.target(default="the recipe's, else the one --checkpoint was trained for, else the embedded tiny target"),
     prompts: list[str] = opt.dataset("--prompts"),
     output: Optional[Path] = typer.Option(None, "--output", "-o", metavar="FILE", help="Output jsonl; re-running skips ids already there (nothing is overwritten)."),
     drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter that speeds generation up (output is lossless)."),
@@ -67,6 +67,11 @@ def regenerate_command(
         template_kwargs = rec.chat_template
         target_name = None if rec.target.name == EMBEDDED else rec.target.name
         out = output or (Path(rec.data.paths[0]) if rec.data.paths else None)
+    elif checkpoint and target is None:  # the target the drafter was trained for
+        from dspec_cli.checkpoints.hub import resolve_checkpoint
+        from dspec_cli.checkpoints.native import choose_target
+
+        target_name = choose_target(None, [resolve_checkpoint(checkpoint)])
     prompts = prompts or ([spec.prompts] if spec.prompts else [])
     if not prompts or out is None:
         raise DspecError("give --dataset and --output (or a --recipe with regenerate.prompts and data.path)")

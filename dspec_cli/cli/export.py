@@ -33,6 +33,7 @@ def export_command(
     """Export a drafter for vLLM or SGLang and print the command that serves it."""
     from dspec_cli.checkpoints import layouts as interop
     from dspec_cli.checkpoints.hub import resolve_checkpoint
+    from dspec_cli.checkpoints.native import choose_target
     from dspec_cli.core import plugins
     from dspec_cli.core.files import DEFAULT_TARGET_PATH
     from dspec_cli.runtime.target import Target
@@ -47,6 +48,7 @@ def export_command(
     if output.resolve() == path.resolve():
         raise DspecError("--output must differ from the checkpoint folder (export writes another layout)")
     cls = plugins.get_drafter_class(interop.checkpoint_drafter(path))
+    target = choose_target(target, [path])  # no --target: the one the checkpoint was trained for
     tgt = Target.load(target, dtype=dtype)
     drafter = cls.from_pretrained(path, tgt)
     target_name = target or str(DEFAULT_TARGET_PATH)

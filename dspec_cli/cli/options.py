@@ -16,9 +16,9 @@ from dspec_cli.core.chat_template import (
 from dspec_cli.core.errors import DspecError
 
 
-def target(what: str = "Target model") -> Any:
-    return typer.Option(None, "--target", metavar="PATH|HUB_ID",
-                        help=f"{what}: local folder or Hub id (default: the embedded tiny target).")
+def target(what: str = "Target model",
+           default: str = "the target the checkpoint was trained for, else the embedded tiny target") -> Any:
+    return typer.Option(None, "--target", metavar="PATH|HUB_ID", help=f"{what}: local folder or Hub id (default: {default}).")
 
 
 def dataset(*aliases: str) -> Any:

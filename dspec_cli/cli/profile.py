@@ -53,6 +53,8 @@ def _profile_steps(name, checkpoint, block_size, requests, verify_tokens, fmt, t
                    device, dtype, seed, json_path, plots) -> None:
     """``profile-hardware --drafter``: whole steps over requests x verify tokens (dspec_cli.workflows.step_profile)."""
     from dspec_cli.checkpoints import load_drafter
+    from dspec_cli.checkpoints.hub import resolve_checkpoint
+    from dspec_cli.checkpoints.native import choose_target
     from dspec_cli.core import sglang_sps as sglang_tables
     from dspec_cli.runtime.target import Target
     from dspec_cli.workflows.step_profile import profile_steps
@@ -61,18 +63,22 @@ def _profile_steps(name, checkpoint, block_size, requests, verify_tokens, fmt, t
         raise DspecError(f"--block-size must be >= 1, got {block_size}")
     widths = int_list(verify_tokens, "--verify-tokens") if verify_tokens else (
         [1, block_size // 2 + 1, block_size + 1] if fmt == "sglang-additive" else [block_size + 1])
+    path = str(resolve_checkpoint(checkpoint)) if checkpoint else None
+    target = choose_target(target, [path])  # no --target: the one the checkpoint was trained for
     tgt = Target.load(target, dtype=dtype, device=device)
-    model = load_drafter(name, tgt, checkpoint, block_size)
+    model = load_drafter(name, tgt, path, block_size)
     rows, ctx = int_list(requests, "--requests"), int_list(contexts, "--contexts")
     err = Console(stderr=True)
     with CommandProgress(err, unit="cells") as bar:
-        task = bar.add_task("profiling whole steps", total=len(set(rows)) * len(set(ctx)) * len(set(widths) | {block_size + 1}))
+        total = len(set(rows)) * len(set(ctx)) * len(set(widths) | {block_size + 1})
+        task = bar.add_task("profiling whole steps", total=total)
 
         def advance(c: int, r: int, v: int) -> None:
             bar.update(task, advance=1, description=f"profiling whole steps · context {c} · R={r} · v={v}")
 
         prof = profile_steps(tgt, model, requests=rows, verify_tokens=widths, contexts=ctx, repeats=repeats,
                              warmup=warmup, model_name=target or "embedded:tiny-target", seed=seed, progress=advance)
+        bar.update(task, completed=total)  # a tree drafter has one width: fewer cells than asked
     table = prof.cost_table()
     if not is_stdout(json_path):
         render_cost_table(table, results_console())

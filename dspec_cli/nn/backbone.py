@@ -95,12 +95,18 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tup
 
 
 def _rope_parameters(tc) -> dict:
+    """The target's RoPE for the draft layers. A ``partial_rotary_factor`` (GPT-NeoX, Phi) is left
+    out: the draft rotates whole heads (only Gemma 4's ``proportional`` RoPE encodes its factor in
+    the frequencies it computes), so what the config says is what the layers compute."""
     params = getattr(tc, "rope_parameters", None)
     if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
         params = params.get("full_attention") or next(iter(params.values()))  # per-layer-type (Gemma 3)
     if not params:
         params = {"rope_type": "default", "rope_theta": float(getattr(tc, "rope_theta", 10000.0))}
-    return dict(params)
+    params = dict(params)
+    if params.get("rope_type", "default") != "proportional":
+        params.pop("partial_rotary_factor", None)
+    return params
 
 
 def _attr(tc, name: str, default=None):
@@ -154,7 +160,8 @@ def resolve_backbone_config(cfg: BackboneConfig, text_config) -> dict[str, Any]:
         head_dim, kv_heads = global_dim or head_dim, global_kv or kv_heads
     elif cfg.attention_k_eq_v:
         raise DspecError("attention_k_eq_v = true needs layer_style = 'gemma4'")
-    act = cfg.hidden_act or getattr(tc, "hidden_act", None) or getattr(tc, "hidden_activation", None) or "silu"
+    act = (cfg.hidden_act or getattr(tc, "hidden_act", None) or getattr(tc, "hidden_activation", None)
+           or getattr(tc, "activation_function", None) or "silu")  # GPT-2 spells it activation_function
     bias = cfg.attention_bias if cfg.attention_bias is not None else bool(getattr(tc, "attention_bias", False))
     return dict(
         layer_style=style,
@@ -163,7 +170,7 @@ def resolve_backbone_config(cfg: BackboneConfig, text_config) -> dict[str, Any]:
         num_attention_heads=heads,
         num_key_value_heads=cfg.num_key_value_heads or kv_heads or heads,
         head_dim=cfg.head_dim or head_dim or d // heads,
-        intermediate_size=cfg.intermediate_size or tc.intermediate_size,
+        intermediate_size=cfg.intermediate_size or getattr(tc, "intermediate_size", None) or 4 * d,  # GPT-2: 4d
         hidden_act=act,
         rms_norm_eps=cfg.rms_norm_eps or float(getattr(tc, "rms_norm_eps", 1e-6)),
         rope_parameters=dict(cfg.rope_parameters) if cfg.rope_parameters else _rope_parameters(tc),

@@ -58,13 +58,12 @@ class Target:
             raise ValueError(f"model attn_implementation must be one of {_MASKABLE}, got {impl!r}")
         attention.use_for(model)  # sdpa -> dspec_sdpa: no K/V copy for grouped-query heads under a mask
         self._float_mask = impl == "eager"
-        self._layers = getattr(model.get_decoder(), "layers", None)
-        if self._layers is None:
-            raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+        self._layers = _decoder_layers(model)
         self._embed = model.get_input_embeddings()
         self._param = next(model.parameters())  # device / dtype probe (``module.to`` keeps the object)
         self._window, self._layout = attention_layout(self.config)
         params = inspect.signature(model.forward).parameters
+        _check_positions(model, params)
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._keep_kw = "logits_to_keep" in params
         if chat_template and (tokenizer is None or tokenizer.chat_template is None):
@@ -107,11 +106,16 @@ class Target:
             tokenizer = AutoTokenizer.from_pretrained(local)
         except (OSError, ValueError) as err:
             detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            if "scaled_dot_product_attention" in detail:  # the masks dspec passes need SDPA (or eager) attention
+                detail = f"{detail.split('. ')[0]}, which dspec needs (tested: {TESTED})"
             raise DspecError(f"cannot load target {name_or_path!r}: {detail}") from err
         model.to(device).requires_grad_(False)
         if chat_template and tokenizer.chat_template is None:
             raise DspecError(f"target {name_or_path!r} has no chat template (chat_template=True)")
-        return cls(model, tokenizer, chat_template=chat_template)
+        try:
+            return cls(model, tokenizer, chat_template=chat_template)
+        except ValueError as err:  # an architecture dspec cannot run
+            raise DspecError(f"cannot load target {name_or_path!r}: {err}") from None
 
     # -- properties ------------------------------------------------------------------------------
 
@@ -438,6 +442,28 @@ class Target:
             for h in handles:
                 h.remove()
         taps.extend(store[int(i)] for i in layer_ids)
+
+
+TESTED = "Qwen2, Qwen3, Llama, Mistral, Phi3, Gemma3, GPT-2, GPT-NeoX"  # docs/real-model.md "Supported targets"
+
+
+def _decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder's layer list: ``get_decoder().layers`` (Llama-style) or ``.h`` (GPT-2 / Falcon)."""
+    decoder = model.get_decoder()
+    for name in ("layers", "h"):
+        layers = getattr(decoder, name, None)
+        if isinstance(layers, torch.nn.ModuleList):
+            return layers
+    raise ValueError(f"{type(model).__name__} is not a decoder dspec can run: its layers are neither at "
+                     f"get_decoder().layers nor .h (tested: {TESTED})")
+
+
+def _check_positions(model, params: Mapping) -> None:
+    """Rows carry explicit positions (holes in the cache, tree depths): a model must take them."""
+    name = type(model).__name__
+    if "position_ids" not in params or getattr(model.config, "alibi", False):
+        raise ValueError(f"{name} is not a decoder dspec can run: its positions come from the attention mask "
+                         f"(ALiBi), not from position_ids (tested: {TESTED})")
 
 
 def _length_groups(lens: list[int]) -> list[list[int]]:

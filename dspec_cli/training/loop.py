@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from dspec_cli.checkpoints.model_card import write_model_card
 from dspec_cli.checkpoints.native import check_checkpoint_config, weights_fingerprint
+from dspec_cli.checkpoints.serving import describe, serving_methods
 from dspec_cli.core import plugins
 from dspec_cli.core.devices import resolve_device
 from dspec_cli.core.errors import DspecError
@@ -50,6 +51,7 @@ from dspec_cli.training.data import (
 from dspec_cli.training.recipes import (
     Recipe,
     apply_overrides,
+    describe_changes,
     load_recipe,
     resume_conflicts,
 )
@@ -167,6 +169,8 @@ def _prepare(opts: TrainOptions) -> tuple[Recipe, type, Path, Path | None]:
         recipe = load_recipe(opts.recipe, overrides)
     elif saved is not None:
         recipe = Recipe.from_dict(apply_overrides(saved.to_dict(), overrides), source=saved.source)
+    elif opts.resume:
+        raise DspecError(f"--resume: {out} holds no run to continue; start one with --recipe RECIPE")
     else:
         raise DspecError("--recipe is required (it may be omitted only with --resume of an existing run)")
     if opts.chat_template_kwargs is not None:
@@ -193,9 +197,15 @@ def _prepare(opts: TrainOptions) -> tuple[Recipe, type, Path, Path | None]:
                 f"--resume: {resume_from} is a {state.get('drafter')!r} checkpoint, not {cls.name!r}"
             )
         conflicts = resume_conflicts(saved, recipe)
+        if conflicts and opts.recipe is None:  # the checkpoint's own recipe, changed by overrides / --max-steps
+            raise DspecError(
+                f"--resume: {describe_changes(saved, recipe, conflicts)} would make the run differ from one never "
+                f"interrupted; resume without changing them, or start a new run from its weights with "
+                f"--init-from {resume_from}"
+            )
         if conflicts:
             raise DspecError(
-                f"--resume: the recipe differs from the checkpoint's in {', '.join(conflicts)} "
+                f"--resume: the recipe differs from the checkpoint's in {describe_changes(saved, recipe, conflicts)} "
                 "(resume with the original settings, or omit --recipe to reuse the checkpoint's)"
             )
     if out is None:
@@ -347,6 +357,8 @@ class _Run:
         self.drafter = self._build_drafter(self.target)
         self.data = self._load_data(self.target)
         self.drafter.prepare_training(self.data)  # e.g. eagle3 builds its draft vocabulary from the data
+        if rank.main:  # known before step 1: which engines will serve the result (dspec export)
+            self.progress.note(describe(*serving_methods(self.drafter, self.target)))
         self.order = DataOrder(len(self.data), t.global_batch, t.seed)
         self.total = t.max_steps or self.order.steps_for(t.epochs)
         if t.global_batch % (t.micro_batch * rank.world):

@@ -282,6 +282,12 @@ def resume_conflicts(saved: Recipe, current: Recipe) -> list[str]:
     return [k for k in recipe_diff(saved, current) if k not in RESUME_SAFE and k.split(".")[0] not in RESUME_SAFE]
 
 
+def describe_changes(a: Recipe, b: Recipe, keys: Sequence[str]) -> str:
+    """"train.lr 0.0006 -> 0.0003, ..." for the dotted ``keys`` (from :func:`recipe_diff`)."""
+    da, db = _flat(a.to_dict()), _flat(b.to_dict())
+    return ", ".join(f"{k} {da.get(k)!r} -> {db.get(k)!r}" for k in keys)
+
+
 def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in tree.items():

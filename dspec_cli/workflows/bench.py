@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import statistics
@@ -13,6 +14,7 @@ import torch
 
 from dspec_cli.checkpoints import load_drafter
 from dspec_cli.checkpoints.hub import resolve_checkpoint
+from dspec_cli.checkpoints.native import choose_target
 from dspec_cli.core import plugins
 from dspec_cli.core.chat_template import default_kwargs, warn_if_other
 from dspec_cli.core.data import BUILTIN, dataset_name, load_prompts
@@ -263,6 +265,7 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
     prompt_sets = {d: load_prompts(d, opts.num_prompts) for d in datasets}
     # checkpoints (local or downloaded) before the target loads: a missing one fails first
     checkpoints = [str(resolve_checkpoint(c)) if c else None for c in opts.checkpoints] or [None] * len(opts.drafters)
+    opts = dataclasses.replace(opts, target=choose_target(opts.target, checkpoints))  # no --target: the recorded one
     target = Target.load(opts.target, dtype=opts.dtype, device=opts.device)
     bound_table = CostTable.load(opts.cost_table, block_size=opts.block_size) if opts.cost_table else None
     schedulers = [_schedulers(opts, target) for _ in opts.drafters]  # per drafter: the draft gate learns its cost

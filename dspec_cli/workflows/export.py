@@ -1,21 +1,11 @@
 """Export for serving engines: the draft folder vLLM / SGLang read, and the serve command.
 
-Layouts and engine methods (docs/interop.md lists the upstream sources):
-
-| drafter | layout written | vLLM ``method`` | SGLang ``--speculative-algorithm`` |
-|---|---|---|---|
-| dspark-markov | ``Qwen3DSparkModel`` / ``Gemma4DSparkModel`` (DeepSpec) | ``dspark`` | ``DSPARK`` |
-| dflash, anchor_predicts = false | ``DFlashDraftModel`` (z-lab) | ``dflash`` | ``DFLASH`` |
-| eagle3, qk_norm = false, 3 taps | ``LlamaForCausalLMEagle3`` | ``eagle3`` | ``EAGLE3`` |
-
-DSpark on SGLang runs with ``SGLANG_RAGGED_VERIFY_MODE=compact`` (confidence-scheduled
-verification) and gets the STS / SPS side files of :mod:`~dspec_cli.workflows.serve_files`; on
-vLLM with ``enable_adaptive_verification`` when the drafter has a confidence head.
-
-Refused in one line: DeepSpec-layout ``dflash`` (the engines' dflash expects z-lab's block
-layout and their dspark a Markov head), ``dspark-rnn`` on vLLM (its DSpark has the vanilla
-Markov head only), a DSpark drafter without a confidence head on SGLang (compact verification
-needs one), and drafters without a foreign layout.
+The layout each drafter is written in and the engines' methods for it are
+:mod:`dspec_cli.checkpoints.serving`'s (docs/interop.md lists the upstream sources). DSpark on
+SGLang runs with ``SGLANG_RAGGED_VERIFY_MODE=compact`` (confidence-scheduled verification) and
+gets the STS / SPS side files of :mod:`~dspec_cli.workflows.serve_files`; on vLLM with
+``enable_adaptive_verification`` when the drafter has a confidence head. A drafter no engine
+serves is refused in one line before anything is written.
 """
 
 from __future__ import annotations
@@ -27,6 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from dspec_cli.checkpoints.layouts import save, to_foreign
+from dspec_cli.checkpoints.serving import (
+    DSPARK_LAYOUTS,
+    FORMATS,
+    METHODS,
+    check_engine_support,
+    method,
+)
 from dspec_cli.core.chat_template import DEFAULT_KWARGS, describe, warn_if_other
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.outputs import atomic_write_text
@@ -37,32 +34,7 @@ from dspec_cli.workflows.serve_files import (
     sglang_sidecars,
 )
 
-FORMATS = ("vllm", "sglang")
-METHODS = {  # layout -> (vLLM method, SGLang algorithm)
-    "Qwen3DSparkModel": ("dspark", "DSPARK"),
-    "Gemma4DSparkModel": ("dspark", "DSPARK"),  # vLLM infers dspark from this architecture too
-    "DFlashDraftModel": ("dflash", "DFLASH"),
-    "LlamaForCausalLMEagle3": ("eagle3", "EAGLE3"),
-}
-DSPARK_LAYOUTS = ("Qwen3DSparkModel", "Gemma4DSparkModel")
 SGLANG_ENV = {"SGLANG_RAGGED_VERIFY_MODE": "compact"}  # DSpark's confidence-scheduled (trimmed) verification
-
-
-def check_engine_support(layout: str, config: dict, fmt: str) -> None:
-    """DspecError when the engine ``fmt`` has no method for this foreign checkpoint."""
-    if layout not in DSPARK_LAYOUTS:
-        return
-    if not config["markov_rank"]:
-        raise DspecError(
-            "dflash in DeepSpec's block layout (the anchor slot predicts) has no vLLM/SGLang method: their dflash "
-            "expects z-lab's layout (anchor_predicts = false) and their dspark needs a Markov head"
-        )
-    if fmt == "vllm" and config.get("markov_head_type") != "vanilla":
-        raise DspecError("vLLM's DSpark (qwen3_dspark.py) serves the vanilla Markov head only, not "
-                         f"{config['markov_head_type']!r} (SGLang's serves it: --format sglang)")
-    if fmt == "sglang" and not config.get("enable_confidence_head"):
-        raise DspecError("SGLang's DSpark compact verification (SGLANG_RAGGED_VERIFY_MODE=compact) needs a trained "
-                         "confidence head and this drafter has none (train with confidence_head = true)")
 
 
 def serve_command(fmt: str, layout: str, drafter, model: str, target: str, files: dict | None = None,
@@ -121,7 +93,7 @@ def export(drafter, target, fmt: str, output: Path, target_name: str, checkpoint
     check_engine_support(layout, config, fmt)
     dspark = layout in DSPARK_LAYOUTS
     if cost_table is not None and not (dspark and fmt == "sglang"):
-        raise DspecError(f"--cost-table is used by SGLang's DSpark only, not by {fmt} {METHODS[layout][fmt == 'sglang']}"
+        raise DspecError(f"--cost-table is used by SGLang's DSpark only, not by {fmt} {method(layout, fmt)}"
                          + (" (vLLM's DSpark profiles its own cost curves)" if dspark else ""))
     sidecars = Sidecars()
     if dspark and fmt == "sglang" and checkpoint is not None:
@@ -130,8 +102,7 @@ def export(drafter, target, fmt: str, output: Path, target_name: str, checkpoint
         sidecars.notes.append("vLLM's DSpark profiles its cost curves and calibrates at startup: no side files")
     save(output, config, tensors)
     files = sidecars.write(output)
-    method = METHODS[layout][0 if fmt == "vllm" else 1]
-    report = {"format": fmt, "drafter": drafter.name, "layout": layout, "method": method,
+    report = {"format": fmt, "drafter": drafter.name, "layout": layout, "method": method(layout, fmt),
               "output": str(output.resolve()), "target": target_name, "chat_template_kwargs": dict(chat_template_kwargs),
               "files": files, "notes": sidecars.notes}
     report.update(serve_command(fmt, layout, drafter, report["output"], target_name, files, chat_template_kwargs))

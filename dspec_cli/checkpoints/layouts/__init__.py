@@ -126,7 +126,7 @@ def load_foreign(cls: type[TrainableDrafter], path: Path, target: Target, overri
         raise DspecError(f"{where} holds a {conv.drafter!r} drafter, not {cls.name!r}")
     if conv.num_target_layers not in (None, target.num_layers):
         raise DspecError(f"{where}: trained for a target with {conv.num_target_layers} layers, "
-                         f"this target has {target.num_layers}")
+                         f"this target has {target.num_layers} (pass the --target it was trained for)")
     try:
         drafter = cls.build(cls.config_class.from_dict({**conv.config, **overrides}, where="config.json"), target)
     except DspecError as exc:

@@ -132,10 +132,18 @@ def arch_values(config: dict) -> dict[str, Any]:
 
 
 def arch_config(cfg) -> dict[str, Any]:
-    """The reverse of :func:`arch_values` for a resolved config (both rope spellings written)."""
+    """The reverse of :func:`arch_values` for a resolved config, with RoPE in every spelling the
+    engines read: ``rope_parameters`` (transformers 5, vLLM), ``rope_theta`` + ``rope_scaling``
+    (transformers 4 and SGLang's model code; null for plain RoPE) and a top-level
+    ``partial_rotary_factor`` when the parameters carry one."""
     out = {k: getattr(cfg, k) for k in ARCH_FIELDS}
-    out["rope_parameters"] = dict(cfg.rope_parameters)
-    out["rope_theta"] = cfg.rope_parameters.get("rope_theta", 10000.0)
+    rope = dict(cfg.rope_parameters)
+    out["rope_parameters"] = rope
+    out["rope_theta"] = rope.get("rope_theta", 10000.0)
+    scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor") and v is not None}
+    out["rope_scaling"] = scaling if rope.get("rope_type", "default") != "default" else None
+    if "partial_rotary_factor" in rope:
+        out["partial_rotary_factor"] = rope["partial_rotary_factor"]
     return out
 
 
