@@ -17,10 +17,12 @@ drafters' sequential loops), :func:`sample_inverse_cdf` takes one uniform per ro
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
 __all__ = [
+    "CounterNoise",
     "exponential",
     "logits_to_probs",
     "sample_from_probs",
@@ -258,6 +260,20 @@ def exponential(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int, salt=0) 
     h = _absorb_spread(state, _token_words(vocab, state.device))  # [N, V]
     u = (h >> 9).float().add_(0.5).mul_(_TWO_M23)  # (0, 1), exact in float32
     return u.log_().neg_()
+
+
+@dataclass(frozen=True)
+class CounterNoise:
+    """The noise ``exponential(seeds, offsets, V, salt)`` named by its keys: a vocabulary-wide
+    noise tensor that kernels can compute where they use it instead of reading it."""
+
+    seeds: torch.Tensor  # [N] int64
+    offsets: torch.Tensor  # [N] int64
+    salt: int
+
+    def tensor(self, vocab: int) -> torch.Tensor:
+        """The noise itself, [N, vocab] float32."""
+        return exponential(self.seeds, self.offsets, vocab, self.salt)
 
 
 @functools.lru_cache(maxsize=8)
