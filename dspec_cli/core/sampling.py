@@ -78,7 +78,12 @@ def _is_scalar(value, disabled) -> bool:
     return not (isinstance(value, torch.Tensor) and value.dim() > 0) and float(value) == disabled
 
 
-def logits_to_probs(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0) -> torch.Tensor:
+def logits_to_probs(
+    logits: torch.Tensor,
+    temperature: float | torch.Tensor = 1.0,
+    top_k: int | torch.Tensor = 0,
+    top_p: float | torch.Tensor = 1.0,
+) -> torch.Tensor:
     """Sampling distribution [N, V] float32 from logits [N, V].
 
     temperature, top_k, top_p: python scalars or per-row tensors [N]. Rows with temperature 0
@@ -230,7 +235,7 @@ def _host_absorb(h: int, *words: int) -> int:
     return h
 
 
-def uniform(seeds: torch.Tensor, offsets: torch.Tensor, salt=0) -> torch.Tensor:
+def uniform(seeds: torch.Tensor, offsets: torch.Tensor, salt: int | torch.Tensor = 0) -> torch.Tensor:
     """Counter-based uniforms: float64 in the open interval (0, 1).
 
     seeds, offsets: int64 tensors (broadcast together, e.g. [R] and [R], or [R, 1] and [R, L]);

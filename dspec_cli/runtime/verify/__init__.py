@@ -18,6 +18,7 @@ value checks); ``validate=False`` skips the value checks on hot paths, and the l
 from __future__ import annotations
 
 import importlib.util
+from types import ModuleType
 
 import torch
 
@@ -56,7 +57,7 @@ def triton_available() -> bool:
         return False
 
 
-def _backend(backend: str, device: torch.device):
+def _backend(backend: str, device: torch.device) -> ModuleType:
     """The module implementing `chain` / `greedy` for this backend and device."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
@@ -158,9 +159,9 @@ def verify_chain_logits(
     draft_probs: torch.Tensor | None,  # [Σℓ_r, V] or None (one-hot drafts)
     num_draft: torch.Tensor,  # [R]
     *,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
+    top_k: int | torch.Tensor = 0,
+    top_p: float | torch.Tensor = 1.0,
     generator: torch.Generator | None = None,
     uniforms: torch.Tensor | None = None,  # [Σℓ_r] float64 in (0, 1)
     noise: torch.Tensor | None = None,  # [R, V] Exp(1), > 0

@@ -17,6 +17,9 @@ when ``TRITON_INTERPRET=1`` is set before ``triton`` is first imported.
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import torch
 import triton
 
@@ -31,19 +34,15 @@ TARGET_PROGRAMS = 2048  # enough (row, block) programs to keep every SM of a lar
 
 
 def interpreting() -> bool:
-    """True when TRITON_INTERPRET is set (kernels then run in the Triton interpreter)."""
-    return bool(triton.knobs.runtime.interpret)
-
-
-def _interpreted_kernels() -> bool:
+    """True when the kernels run in the Triton interpreter (TRITON_INTERPRET=1 at ``import triton``)."""
     return not isinstance(K.block_argmax_kernel, triton.runtime.JITFunction)
 
 
 def check_device(device: torch.device) -> None:
     """Raise ValueError unless the kernels can run on tensors of ``device``."""
-    if device.type == "cuda" or _interpreted_kernels():
+    if device.type == "cuda" or interpreting():
         return
-    if interpreting():
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise ValueError(
             "backend: TRITON_INTERPRET=1 was set after triton was imported; set it before "
             "(e.g. in the environment of the process) to run the Triton backend on CPU tensors"
@@ -65,8 +64,11 @@ def _block(vocab: int, rows: int, block_v: int | None) -> int:
     return block_v
 
 
-def _launch(block_v: int) -> dict:
-    return dict(num_warps=8 if block_v >= 4096 else 4, enable_fp_fusion=False)  # no FMA: as the reference
+def _run(kernel: Any, grid: tuple[int, ...], *args, block_v: int | None = None, **constants) -> None:
+    """Launch a kernel: no FMA contraction (the reference's rounding), more warps for large blocks."""
+    if block_v is not None:
+        constants.update(BLOCK_V=block_v, num_warps=8 if block_v >= 4096 else 4)
+    kernel[grid](*args, enable_fp_fusion=False, **constants)
 
 
 def _width(n: int) -> int:
@@ -80,8 +82,11 @@ def _rows_2d(x: torch.Tensor) -> torch.Tensor:
 
 def _outputs(R: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """tokens [R, width + 1], accepted [R], num_tokens [R] (every entry written by the kernels)."""
-    long = dict(dtype=torch.long, device=device)
-    return torch.empty(R, width + 1, **long), torch.empty(R, **long), torch.empty(R, **long)
+    return _scratch((R, width + 1), torch.long, device), _scratch(R, torch.long, device), _scratch(R, torch.long, device)
+
+
+def _scratch(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _empty(width: int, device) -> VerifyResult:
@@ -104,20 +109,17 @@ def _race(target, from_logits: bool, temperature: float, draft_tokens, draft_pro
     block = _block(vocab, R, block_v)
     n_blocks = triton.cdiv(vocab, block)
     tokens, _, num_tokens = _outputs(R, width, dev)
-    f32, i32 = dict(dtype=torch.float32, device=dev), dict(dtype=torch.int32, device=dev)
-    parts = (torch.empty(R, n_blocks, **f32), torch.empty(R, n_blocks, **i32),
-             torch.empty(R, n_blocks, **f32), torch.empty(R, n_blocks, **i32), torch.empty(R, n_blocks, **f32))  # fmt: skip
+    parts = [_scratch((R, n_blocks), dtype, dev) for dtype in (torch.float32, torch.int32) * 2 + (torch.float32,)]
     q = target if draft_probs is None else _rows_2d(draft_probs)
     noise_t, noise_stride, seeds, offsets, salt, hashed = _noise_args(noise, num_draft)
     fin_max, fin_sum = fin_stats if fin_stats is not None else (target, target)
-    K.race_partials_kernel[(R, n_blocks)](
-        target, draft_tokens, q, num_draft, cu, uniforms, noise_t, seeds, offsets, accepted, fin_max, fin_sum,
+    _run(
+        K.race_partials_kernel, (R, n_blocks), target, draft_tokens, q, num_draft, cu, uniforms, noise_t, seeds, offsets, accepted, fin_max, fin_sum,
         *parts, target.stride(0), q.stride(0), noise_stride, vocab, n_blocks, temperature, salt,
-        FROM_LOGITS=from_logits, HAS_Q=draft_probs is not None, HASHED=hashed, WIDTH=_width(width + 1),
-        BLOCK_V=block, **_launch(block),
+        FROM_LOGITS=from_logits, HAS_Q=draft_probs is not None, HASHED=hashed, WIDTH=_width(width + 1), block_v=block,
     )  # fmt: skip
-    K.race_decide_kernel[(R,)](
-        draft_tokens, num_draft, cu, accepted, *parts, tokens, num_tokens, n_blocks, width + 1,
+    _run(
+        K.race_decide_kernel, (R,), draft_tokens, num_draft, cu, accepted, *parts, tokens, num_tokens, n_blocks, width + 1,
         WIDTH=_width(width + 1), NB=_width(n_blocks),
     )  # fmt: skip
     return VerifyResult(accepted, tokens, num_tokens)
@@ -141,7 +143,7 @@ def chain(
     R = num_draft.numel()
     if not R:
         return _empty(width, target_probs.device)
-    accepted = torch.empty(R, dtype=torch.long, device=target_probs.device)
+    accepted = _scratch(R, torch.long, target_probs.device)
     return _race(_rows_2d(target_probs), False, 1.0, draft_tokens, draft_probs, num_draft, num_draft.cumsum(0),
                  uniforms, noise, accepted, None, width, block_v)  # fmt: skip
 
@@ -170,19 +172,17 @@ def chain_logits(
     rows, vocab = logits.shape
     block = _block(vocab, rows, block_v)
     n_blocks = triton.cdiv(vocab, block)
-    f32 = dict(dtype=torch.float32, device=dev)
-    part_max, part_sum = torch.empty(rows, n_blocks, **f32), torch.empty(rows, n_blocks, **f32)
-    K.row_stats_kernel[(rows, n_blocks)](
-        logits, part_max, part_sum, logits.stride(0), vocab, n_blocks, temperature, BLOCK_V=block, **_launch(block)
-    )
+    part_max, part_sum = _scratch((rows, n_blocks), torch.float32, dev), _scratch((rows, n_blocks), torch.float32, dev)
+    _run(K.row_stats_kernel, (rows, n_blocks), logits, part_max, part_sum, logits.stride(0), vocab, n_blocks,
+         temperature, block_v=block)  # fmt: skip
     cu = num_draft.cumsum(0)
     q = logits if draft_probs is None else _rows_2d(draft_probs)
-    accepted = torch.empty(R, dtype=torch.long, device=dev)
-    fin_max, fin_sum = torch.empty(R, **f32), torch.empty(R, **f32)
-    K.chain_accept_kernel[(R,)](
-        logits, part_max, part_sum, draft_tokens, q, num_draft, cu, uniforms, accepted, fin_max, fin_sum,
+    accepted = _scratch(R, torch.long, dev)
+    fin_max, fin_sum = _scratch(R, torch.float32, dev), _scratch(R, torch.float32, dev)
+    _run(
+        K.chain_accept_kernel, (R,), logits, part_max, part_sum, draft_tokens, q, num_draft, cu, uniforms, accepted, fin_max, fin_sum,
         logits.stride(0), q.stride(0), n_blocks, temperature,
-        HAS_Q=draft_probs is not None, WIDTH=_width(width + 1), NB=_width(n_blocks), enable_fp_fusion=False,
+        HAS_Q=draft_probs is not None, WIDTH=_width(width + 1), NB=_width(n_blocks),
     )  # fmt: skip
     return _race(logits, True, temperature, draft_tokens, draft_probs, num_draft, cu, uniforms, noise, accepted,
                  (fin_max, fin_sum), width, block_v)  # fmt: skip
@@ -193,12 +193,12 @@ def _argmax_rows(logits, temperature: float, noise: CounterNoise | None, block_v
     rows, vocab = logits.shape
     block = _block(vocab, rows, block_v)
     n_blocks = triton.cdiv(vocab, block)
-    part_val = torch.empty(rows, n_blocks, dtype=torch.float32, device=logits.device)
-    part_idx = torch.empty(rows, n_blocks, dtype=torch.int32, device=logits.device)
+    part_val = _scratch((rows, n_blocks), torch.float32, logits.device)
+    part_idx = _scratch((rows, n_blocks), torch.int32, logits.device)
     seeds, offsets, salt = (noise.seeds, noise.offsets, noise.salt) if noise is not None else (part_idx, part_idx, 0)
-    K.block_argmax_kernel[(rows, n_blocks)](
-        logits, seeds, offsets, part_val, part_idx, logits.stride(0), vocab, n_blocks, temperature, salt,
-        GUMBEL=noise is not None, BLOCK_V=block, **_launch(block),
+    _run(
+        K.block_argmax_kernel, (rows, n_blocks), logits, seeds, offsets, part_val, part_idx, logits.stride(0), vocab, n_blocks, temperature, salt,
+        GUMBEL=noise is not None, block_v=block,
     )  # fmt: skip
     return part_val, part_idx, n_blocks
 
@@ -219,8 +219,8 @@ def greedy(
     tokens, accepted, num_tokens = _outputs(R, width, dev)
     if R:
         part_val, part_idx, n_blocks = _argmax_rows(_rows_2d(target_logits), 1.0, None, block_v)
-        K.greedy_decide_kernel[(R,)](
-            part_val, part_idx, draft_tokens, num_draft, num_draft.cumsum(0), tokens, accepted, num_tokens,
+        _run(
+            K.greedy_decide_kernel, (R,), part_val, part_idx, draft_tokens, num_draft, num_draft.cumsum(0), tokens, accepted, num_tokens,
             n_blocks, width + 1, HAS_DRAFTS=True, WIDTH=_width(width + 1), NB=_width(n_blocks),
         )  # fmt: skip
     return VerifyResult(accepted, tokens, num_tokens)
@@ -241,8 +241,8 @@ def draw(
     tokens, accepted, num_tokens = _outputs(N, 0, dev)
     if N:
         part_val, part_idx, n_blocks = _argmax_rows(_rows_2d(logits), temperature, noise, block_v)
-        K.greedy_decide_kernel[(N,)](
-            part_val, part_idx, part_idx, part_idx, part_idx, tokens, accepted, num_tokens, n_blocks, 1,
+        _run(
+            K.greedy_decide_kernel, (N,), part_val, part_idx, part_idx, part_idx, part_idx, tokens, accepted, num_tokens, n_blocks, 1,
             HAS_DRAFTS=False, WIDTH=1, NB=_width(n_blocks),
         )  # fmt: skip
     return tokens[:, 0]
