@@ -8,6 +8,9 @@ block included.
 """
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -298,3 +301,63 @@ def test_triton_path_is_lossless(drafter_greedy, logits_at):
 
 def test_triton_path_with_bent_coins_is_caught():
     assert _p_value(False, bend=lambda u: u * u) < 1e-6  # coins too small: drafts accepted too often
+
+
+# -- the compiled path (no GPU needed) -----------------------------------------------------------
+
+COMPILE_CHECK = """
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from dspec_cli.core.sampling import CounterNoise
+from dspec_cli.runtime.verify import triton as tb
+
+TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float64: "fp64", torch.int64: "i64", torch.int32: "i32"}
+built = []
+
+def compile_only(kernel, grid, *args, block_v=None, **constants):
+    constants.pop("num_warps", None)
+    if block_v is not None:
+        constants["BLOCK_V"] = block_v
+    sig = {}
+    for name, arg in zip(kernel.arg_names, args + (None,) * len(constants), strict=True):
+        if name in constants:
+            sig[name] = "constexpr"
+        elif isinstance(arg, torch.Tensor):
+            sig[name] = "*" + TYPES[arg.dtype]
+        else:
+            sig[name] = "fp32" if isinstance(arg, float) else "i64" if abs(arg) >= 2**31 else "i32"
+    options = dict(num_warps=4 if block_v is None else max(4, min(16, block_v // 256)), enable_fp_fusion=False)
+    triton.compile(ASTSource(kernel, sig, constants), target=GPUTarget("cuda", 90, 32), options=options)
+    built.append(kernel.__name__)
+
+tb.check_device = lambda device: None
+tb._run = compile_only
+R, V = 3, 5000
+g = torch.Generator().manual_seed(0)
+num = torch.tensor([2, 0, 3]); drafts = torch.randint(0, V, (5,), generator=g)
+probs = torch.softmax(torch.randn(8, V, generator=g), -1); q = torch.softmax(torch.randn(5, V, generator=g), -1)
+u = torch.rand(5, dtype=torch.float64, generator=g); noise = CounterNoise(torch.arange(R), torch.arange(R), 2)
+tb.chain(probs, drafts, q, num, u, torch.ones(R, V), 5, 3)
+tb.chain(probs, drafts, None, num, u, noise, 5, 3)
+tb.chain_logits(probs.log().bfloat16(), 0.7, drafts, q, num, u, noise, 5, 3)
+tb.greedy(probs.log(), drafts, num, 5, 3)
+tb.draw(probs.log().bfloat16(), 1.0, noise)
+tb.draw(probs.log(), 0.0, None)
+print(sorted(set(built)))
+"""
+
+
+def test_kernels_compile_for_cuda(tmp_path):
+    """Every kernel the wrappers launch compiles for an sm_90 GPU (ptxas ships with triton): the
+    interpreter does not run Triton's compiler, so this keeps the compiled path honest on CPUs."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", COMPILE_CHECK], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=600, check=False)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split("\n")[-2] == str(sorted([
+        "block_argmax_kernel", "chain_accept_kernel", "greedy_decide_kernel", "race_decide_kernel",
+        "race_partials_kernel", "row_stats_kernel",
+    ]))  # fmt: skip

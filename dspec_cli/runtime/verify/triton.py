@@ -28,7 +28,8 @@ from dspec_cli.core.types import VerifyResult
 from dspec_cli.runtime.verify import triton_kernels as K
 
 MIN_BLOCK_V = 1024  # vocabulary entries per program, at least (smaller vocabularies: one block)
-MAX_BLOCK_V = 8192
+MAX_BLOCK_V = 4096
+PER_THREAD = 8  # entries per thread: num_warps = BLOCK_V / (32 * PER_THREAD), registers stay low
 MAX_BLOCKS = 256  # blocks per row: a request's partials are combined by one program
 TARGET_PROGRAMS = 2048  # enough (row, block) programs to keep every SM of a large GPU reading
 
@@ -65,9 +66,9 @@ def _block(vocab: int, rows: int, block_v: int | None) -> int:
 
 
 def _run(kernel: Any, grid: tuple[int, ...], *args, block_v: int | None = None, **constants) -> None:
-    """Launch a kernel: no FMA contraction (the reference's rounding), more warps for large blocks."""
+    """Launch a kernel: no FMA contraction (the reference's rounding), PER_THREAD entries a thread."""
     if block_v is not None:
-        constants.update(BLOCK_V=block_v, num_warps=8 if block_v >= 4096 else 4)
+        constants.update(BLOCK_V=block_v, num_warps=max(4, min(16, block_v // (32 * PER_THREAD))))
     kernel[grid](*args, enable_fp_fusion=False, **constants)
 
 
