@@ -18,6 +18,7 @@ import torch
 pytest.importorskip("triton")
 
 from dspec_cli import testing as T  # noqa: E402
+from dspec_cli.core.types import VerifyResult  # noqa: E402
 from dspec_cli.core.sampling import (  # noqa: E402
     CounterNoise,
     logits_to_probs,
@@ -275,13 +276,16 @@ def _triton_verifier(target_probs, draft_tokens, draft_probs, num_draft, *, gene
     Triton backend with counter randomness; ``bend`` maps the coins (a deliberately wrong draw)."""
     R = num_draft.numel()
     seeds = torch.randint(0, 2**62, (R,), generator=generator)
-    offsets = torch.zeros(R, dtype=torch.long)
     u = torch_uniform((draft_tokens.numel(),), generator=generator)
-    kw = dict(uniforms=u if bend is None else bend(u), seeds=seeds, offsets=offsets, backend="triton")
+    u = u if bend is None else bend(u)
+    q = None if draft_probs is None else draft_probs.to(DEVICE)
+    args = (draft_tokens.to(DEVICE), q, num_draft.to(DEVICE))
+    kw = dict(uniforms=u.to(DEVICE), seeds=seeds.to(DEVICE), offsets=torch.zeros_like(seeds).to(DEVICE), backend="triton")
     if logits_at is None:
-        return verify_chain(target_probs, draft_tokens, draft_probs, num_draft, **kw)
-    logits = target_probs.log() * logits_at  # softmax(logits / T) is the target again
-    return verify_chain_logits(logits, draft_tokens, draft_probs, num_draft, temperature=logits_at, **kw)
+        res = verify_chain(target_probs.to(DEVICE), *args, **kw)
+    else:  # softmax(logits / T) is the target again
+        res = verify_chain_logits((target_probs.log() * logits_at).to(DEVICE), *args, temperature=logits_at, **kw)
+    return VerifyResult(res.accepted.cpu(), res.tokens.cpu(), res.num_tokens.cpu())
 
 
 def _p_value(drafter_greedy: bool, **verifier_kw) -> float:
