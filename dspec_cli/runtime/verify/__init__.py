@@ -257,9 +257,10 @@ def _chain(
         noise = _chain_noise(R, vocab, noise, generator, seeds, offsets, device)
     else:
         noise = final_uniforms.double()  # [R]: the reference draws the final token by inverse CDF
+    rest = (draft_tokens, draft_probs, num_draft, uniforms, noise, total, width)
     if temperature is not None:  # the Triton backend (verify_chain_logits chose it)
-        return impl.chain_logits(target, temperature, draft_tokens, draft_probs, num_draft, uniforms, noise, total, width)
-    return impl.chain(target, draft_tokens, draft_probs, num_draft, uniforms, noise, total, width)
+        return impl.chain_logits(target, temperature, *rest)
+    return impl.chain(target, *rest)
 
 
 def verify_greedy(
@@ -275,7 +276,7 @@ def verify_greedy(
     return _greedy(target_logits, draft_tokens, num_draft, backend, validate, None)
 
 
-def _greedy(target_logits, draft_tokens, num_draft, backend: str, validate: bool, max_draft: int | None) -> VerifyResult:
+def _greedy(target_logits, draft_tokens, num_draft, backend: str, validate: bool, max_draft: int | None):
     checks.tensor("target_logits", target_logits, dim=2, kind="float")
     device, vocab = target_logits.device, target_logits.shape[1]
     checks.tensor("num_draft", num_draft, dim=1, kind="int", device=device)

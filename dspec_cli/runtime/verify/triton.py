@@ -83,7 +83,8 @@ def _rows_2d(x: torch.Tensor) -> torch.Tensor:
 
 def _outputs(R: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """tokens [R, width + 1], accepted [R], num_tokens [R] (every entry written by the kernels)."""
-    return _scratch((R, width + 1), torch.long, device), _scratch(R, torch.long, device), _scratch(R, torch.long, device)
+    long = torch.long
+    return _scratch((R, width + 1), long, device), _scratch(R, long, device), _scratch(R, long, device)
 
 
 def _scratch(shape, dtype: torch.dtype, device) -> torch.Tensor:
@@ -115,12 +116,14 @@ def _race(target, from_logits: bool, temperature: float, draft_tokens, draft_pro
     noise_t, noise_stride, seeds, offsets, salt, hashed = _noise_args(noise, num_draft)
     fin_max, fin_sum = fin_stats if fin_stats is not None else (target, target)
     _run(
-        K.race_partials_kernel, (R, n_blocks), target, draft_tokens, q, num_draft, cu, uniforms, noise_t, seeds, offsets, accepted, fin_max, fin_sum,
-        *parts, target.stride(0), q.stride(0), noise_stride, vocab, n_blocks, temperature, salt,
+        K.race_partials_kernel, (R, n_blocks),
+        target, draft_tokens, q, num_draft, cu, uniforms, noise_t, seeds, offsets, accepted, fin_max, fin_sum, *parts,
+        target.stride(0), q.stride(0), noise_stride, vocab, n_blocks, temperature, salt,
         FROM_LOGITS=from_logits, HAS_Q=draft_probs is not None, HASHED=hashed, WIDTH=_width(width + 1), block_v=block,
     )  # fmt: skip
     _run(
-        K.race_decide_kernel, (R,), draft_tokens, num_draft, cu, accepted, *parts, tokens, num_tokens, n_blocks, width + 1,
+        K.race_decide_kernel, (R,),
+        draft_tokens, num_draft, cu, accepted, *parts, tokens, num_tokens, n_blocks, width + 1,
         WIDTH=_width(width + 1), NB=_width(n_blocks),
     )  # fmt: skip
     return VerifyResult(accepted, tokens, num_tokens)
@@ -173,7 +176,7 @@ def chain_logits(
     rows, vocab = logits.shape
     block = _block(vocab, rows, block_v)
     n_blocks = triton.cdiv(vocab, block)
-    part_max, part_sum = _scratch((rows, n_blocks), torch.float32, dev), _scratch((rows, n_blocks), torch.float32, dev)
+    part_max, part_sum = (_scratch((rows, n_blocks), torch.float32, dev) for _ in range(2))
     _run(K.row_stats_kernel, (rows, n_blocks), logits, part_max, part_sum, logits.stride(0), vocab, n_blocks,
          temperature, block_v=block)  # fmt: skip
     cu = num_draft.cumsum(0)
@@ -181,7 +184,8 @@ def chain_logits(
     accepted = _scratch(R, torch.long, dev)
     fin_max, fin_sum = _scratch(R, torch.float32, dev), _scratch(R, torch.float32, dev)
     _run(
-        K.chain_accept_kernel, (R,), logits, part_max, part_sum, draft_tokens, q, num_draft, cu, uniforms, accepted, fin_max, fin_sum,
+        K.chain_accept_kernel, (R,),
+        logits, part_max, part_sum, draft_tokens, q, num_draft, cu, uniforms, accepted, fin_max, fin_sum,
         logits.stride(0), q.stride(0), n_blocks, temperature,
         HAS_Q=draft_probs is not None, WIDTH=_width(width + 1), NB=_width(n_blocks),
     )  # fmt: skip
@@ -198,7 +202,8 @@ def _argmax_rows(logits, temperature: float, noise: CounterNoise | None, block_v
     part_idx = _scratch((rows, n_blocks), torch.int32, logits.device)
     seeds, offsets, salt = (noise.seeds, noise.offsets, noise.salt) if noise is not None else (part_idx, part_idx, 0)
     _run(
-        K.block_argmax_kernel, (rows, n_blocks), logits, seeds, offsets, part_val, part_idx, logits.stride(0), vocab, n_blocks, temperature, salt,
+        K.block_argmax_kernel, (rows, n_blocks),
+        logits, seeds, offsets, part_val, part_idx, logits.stride(0), vocab, n_blocks, temperature, salt,
         GUMBEL=noise is not None, block_v=block,
     )  # fmt: skip
     return part_val, part_idx, n_blocks
@@ -221,7 +226,8 @@ def greedy(
     if R:
         part_val, part_idx, n_blocks = _argmax_rows(_rows_2d(target_logits), 1.0, None, block_v)
         _run(
-            K.greedy_decide_kernel, (R,), part_val, part_idx, draft_tokens, num_draft, num_draft.cumsum(0), tokens, accepted, num_tokens,
+            K.greedy_decide_kernel, (R,),
+            part_val, part_idx, draft_tokens, num_draft, num_draft.cumsum(0), tokens, accepted, num_tokens,
             n_blocks, width + 1, HAS_DRAFTS=True, WIDTH=_width(width + 1), NB=_width(n_blocks),
         )  # fmt: skip
     return VerifyResult(accepted, tokens, num_tokens)
@@ -242,8 +248,10 @@ def draw(
     tokens, accepted, num_tokens = _outputs(N, 0, dev)
     if N:
         part_val, part_idx, n_blocks = _argmax_rows(_rows_2d(logits), temperature, noise, block_v)
+        unused = part_idx  # no drafts: the draft pointers are never read
         _run(
-            K.greedy_decide_kernel, (N,), part_val, part_idx, part_idx, part_idx, part_idx, tokens, accepted, num_tokens, n_blocks, 1,
+            K.greedy_decide_kernel, (N,),
+            part_val, part_idx, unused, unused, unused, tokens, accepted, num_tokens, n_blocks, 1,
             HAS_DRAFTS=False, WIDTH=1, NB=_width(n_blocks),
         )  # fmt: skip
     return tokens[:, 0]

@@ -67,10 +67,12 @@ def _exp_noise(state, tokens):
 
 
 @triton.jit
-def _first_max(values, index, big):
-    """Maximum of values [N] and the smallest index [N] reaching it (big where none)."""
-    best = tl.max(values, 0)
-    return best, tl.min(tl.where(values == best, index, big), 0)
+def _first_argmax(val_ptr, idx_ptr, at, valid):
+    """The index (idx_ptr) of the largest value (val_ptr) among the partials at ``at`` [N] where
+    ``valid``, the smallest index among ties: blocks cover the vocabulary in order."""
+    values = tl.load(val_ptr + at, mask=valid, other=-float("inf"))
+    index = tl.load(idx_ptr + at, mask=valid, other=2147483647)
+    return tl.min(tl.where(values == tl.max(values, 0), index, 2147483647), 0)
 
 
 # -- greedy verification and the target's draw -----------------------------------------
@@ -361,9 +363,8 @@ def race_decide_kernel(
     blk = tl.arange(0, NB)
     ok = blk < n_blocks
     at = r * n_blocks + blk
-    big = 2147483647
-    _, tok_res = _first_max(tl.load(part_res_ptr + at, mask=ok, other=-2.0), tl.load(part_res_idx_ptr + at, mask=ok, other=big), big)
-    _, tok_p = _first_max(tl.load(part_p_ptr + at, mask=ok, other=-2.0), tl.load(part_p_idx_ptr + at, mask=ok, other=big), big)
+    tok_res = _first_argmax(part_res_ptr, part_res_idx_ptr, at, ok)
+    tok_p = _first_argmax(part_p_ptr, part_p_idx_ptr, at, ok)
     any_res = tl.max(tl.load(part_top_ptr + at, mask=ok, other=0.0), 0) > 0
     final = tl.where(any_res, tok_res, tok_p).to(tl.int64)
     k = tl.arange(0, WIDTH)
