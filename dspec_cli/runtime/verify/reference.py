@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from dspec_cli.core.ragged import prefix_sums
-from dspec_cli.core.sampling import sample_from_probs, sample_inverse_cdf
+from dspec_cli.core.sampling import CounterNoise, sample_from_probs, sample_inverse_cdf
 from dspec_cli.core.types import VerifyResult
 
 # Salts of the counter-based streams (dspec_cli.core.sampling.uniform / exponential) used by the
@@ -59,7 +59,7 @@ def chain(
     draft_probs: torch.Tensor | None,  # [Σℓ_r, V] or None (one-hot drafts)
     num_draft: torch.Tensor,  # [R] long
     uniforms: torch.Tensor,  # [Σℓ_r] float64 in (0, 1)
-    noise: torch.Tensor,  # [R, V] Exp(1) (exponential race), or [R] float64 uniforms (inverse CDF)
+    noise: torch.Tensor | CounterNoise,  # [R, V] Exp(1) (exponential race), or [R] float64 uniforms (inverse CDF)
     total: int,
     width: int,
 ) -> VerifyResult:
@@ -87,6 +87,8 @@ def chain(
         q_fin = torch.where(rejected, q_fin, torch.zeros_like(q_fin))
     res = residual(p_fin, q_fin)
     dist = torch.where((res > 0).any(-1, keepdim=True), res, p_fin)
+    if isinstance(noise, CounterNoise):
+        noise = noise.tensor(dist.shape[-1])
     final = sample_inverse_cdf(dist, noise) if noise.dim() == 1 else sample_from_probs(dist, noise)
     return VerifyResult(accepted, _tokens(x, accepted, final, width), accepted + 1)
 
