@@ -15,7 +15,7 @@ import torch
 from dspec_cli.checkpoints import load_drafter
 from dspec_cli.checkpoints.hub import resolve_checkpoint
 from dspec_cli.core import plugins
-from dspec_cli.core.data import BUILTIN, dataset_name, load_prompts
+from dspec_cli.core.data import BUILTIN, Prompt, dataset_name, load_prompts
 from dspec_cli.core.devices import parse_dtype, resolve_device
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.hardware import CostTable, device_name
@@ -319,6 +319,19 @@ def fitting_prompts(target: Target, prompts: Sequence[Sequence[int]], max_new_to
     return kept, skipped
 
 
+def render_prompts(target: Target, prompts: Sequence[Prompt]) -> list[list[int]]:
+    """Token ids of each prompt (chat template applied); a prompt the tokenizer fails on is an
+    error naming its file and line."""
+    ids = []
+    for p in prompts:
+        try:
+            ids.append(target.render_prompt(p.text))
+        except (TypeError, ValueError) as exc:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise DspecError(f"{p.where}: the target's tokenizer cannot encode this prompt ({reason})") from None
+    return ids
+
+
 def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | None = None,
               clock: Callable[[], float] = time.perf_counter) -> dict:
     """Run every (dataset, drafter, concurrency) and the plain-decoding baseline, paired unit by
@@ -356,7 +369,7 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
     drafters = [load_drafter(name, target, ckpt, opts.block_size) for name, ckpt in zip(opts.drafters, checkpoints)]
     runs = []
     for dset, prompts in prompt_sets.items():
-        ids, skipped = fitting_prompts(target, [target.render_prompt(p.text) for p in prompts], opts.max_new_tokens,
+        ids, skipped = fitting_prompts(target, render_prompts(target, prompts), opts.max_new_tokens,
                                        opts.block_size, strict=opts.strict, where=f"--dataset {dset}")
         for conc in opts.concurrency:
             cfg = GenerationConfig(
