@@ -15,7 +15,7 @@ app = typer.Typer(
     help="Train, calibrate, profile, benchmark and publish speculative-decoding drafters.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    add_completion=False,
+    add_completion=True,  # --install-completion, --show-completion (bash, zsh, fish, PowerShell)
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
