@@ -49,7 +49,13 @@ from dspec_cli.runtime.drafter import Drafter, DraftState, WrappedDrafter
 from dspec_cli.runtime.engine import GenerationConfig, SpeculativeEngine
 from dspec_cli.runtime.schedule import build_scheduler
 from dspec_cli.runtime.target import Target, TargetBatch
-from dspec_cli.workflows.bench import environment, paired_metrics, prompt_units, run_paired, warm_up
+from dspec_cli.workflows.bench import (
+    environment,
+    paired_metrics,
+    prompt_units,
+    run_paired,
+    warm_up,
+)
 from dspec_cli.workflows.calibrate import Rounds, load_traces
 
 PROFILE_GRID = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)

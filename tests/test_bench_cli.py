@@ -180,7 +180,7 @@ class _ClockEngine:
         self.name, self.cost, self.log, self.clock = name, cost, log, clock
         self.stats = RunStats()
 
-    def generate(self, ids, seeds=None, on_finish=None):
+    def generate(self, ids, seeds, on_finish=None):
         self.log.append((self.name, seeds[0]))
         seconds = self.cost * self.clock["load"]()
         self.clock["now"] += seconds
@@ -227,7 +227,9 @@ def test_median_interval_is_the_order_statistic_interval():
 
     assert median_ci95([1.0] * 5) is None  # 2 / 2^5 > 5 %: no distribution-free 95 % interval
     for n in (6, 10, 36, 72, 200):
-        low, high = median_ci95([float(i) for i in range(1, n + 1)])
+        interval = median_ci95([float(i) for i in range(1, n + 1)])
+        assert interval is not None
+        low, high = interval
         k = int(low)
         assert high == n + 1 - k
         assert binom.cdf(k - 1, n, 0.5) <= 0.025 < binom.cdf(k, n, 0.5)  # the widest tail within 2.5 %

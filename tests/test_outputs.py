@@ -13,7 +13,12 @@ import pytest
 from tiny_models import assert_cli_error, run_cli
 
 from dspec_cli.core.errors import DspecError
-from dspec_cli.core.outputs import atomic_write_text, check_output_dir, check_output_file, write_json
+from dspec_cli.core.outputs import (
+    atomic_write_text,
+    check_output_dir,
+    check_output_file,
+    write_json,
+)
 
 
 def _kind(path: Path) -> str:

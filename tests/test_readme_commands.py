@@ -19,7 +19,7 @@ def readme_commands(text: str) -> tuple[list[list[str]], list[list[str]]]:
     """(runnable, templates): the ``dspec`` command lines of the code blocks, without ``dspec``
     and comments; continuation lines joined."""
     runnable, templates = [], []
-    for block in re.findall(r"^```[^\n]*\n(.*?)^```", text, re.S | re.M):
+    for block in re.findall(r"^```[^\n]*\n(.*?)^```", text, re.DOTALL | re.MULTILINE):
         for line in block.replace("\\\n", " ").splitlines():
             words = shlex.split(line, comments=True)
             if words[:1] == ["dspec"]:

@@ -72,7 +72,7 @@ def _profile_steps(name, checkpoint, block_size, requests, verify_tokens, fmt, t
     widths = int_list(verify_tokens, "--verify-tokens") if verify_tokens else (
         [1, block_size // 2 + 1, block_size + 1] if fmt == "sglang-additive" else [block_size + 1])
     rows = int_list(requests, "--requests")
-    ctx = int_list(contexts, "--contexts") if contexts else list(DEFAULT_CONTEXTS)
+    ctx: list[int] = int_list(contexts, "--contexts") if contexts else list(DEFAULT_CONTEXTS)
     tgt = Target.load(target, dtype=dtype, device=device)
     if contexts is None:
         ctx = _default_contexts(ctx, tgt, tokens_after_context(block_size, repeats, warmup))
@@ -143,7 +143,7 @@ def profile_command(
                               repeats, warmup, device, dtype, seed, json_path, plots)
 
     points = int_list(grid, "--grid") if grid else default_grid(max_batch_tokens)
-    ctx = int_list(contexts, "--contexts") if contexts else list(DEFAULT_CONTEXTS)
+    ctx: list[int] = int_list(contexts, "--contexts") if contexts else list(DEFAULT_CONTEXTS)
     if repeats < 1:
         raise DspecError(f"--repeats must be >= 1, got {repeats}")
     if warmup < 0:

@@ -99,7 +99,7 @@ def _prove_folder(folder: Path, option: str, shown) -> None:
         raise DspecError(f"{option} {shown}: cannot write in {folder}: {exc.strerror or exc}") from None
 
 
-def write_atomic(path: str | Path, write: Callable[[Path], None]) -> None:
+def write_atomic(path: str | Path, write: Callable[[Path], object]) -> None:
     """Call ``write(p)`` to produce ``path``: for a regular file or a new path ``p`` is a temporary
     name in the same folder, renamed into place afterwards; a symbolic link is followed; a
     character device or FIFO is written in place. A failed write names the path."""

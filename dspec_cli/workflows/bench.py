@@ -21,8 +21,13 @@ from dspec_cli.core.errors import DspecError
 from dspec_cli.core.hardware import CostTable, device_name
 from dspec_cli.core.specs import parse_drafter_spec, parse_scheduler_spec
 from dspec_cli.core.version import __version__
-from dspec_cli.runtime.engine import GenerationConfig, RequestResult, RunStats, SpeculativeEngine
-from dspec_cli.runtime.schedule import build_scheduler
+from dspec_cli.runtime.engine import (
+    GenerationConfig,
+    RequestResult,
+    RunStats,
+    SpeculativeEngine,
+)
+from dspec_cli.runtime.schedule import Scheduler, build_scheduler
 from dspec_cli.runtime.target import Target
 from dspec_cli.workflows.metrics import acceptance, generated_tokens, median_ci95
 
@@ -67,7 +72,7 @@ def environment(target: Target) -> dict:
     }
 
 
-def _schedulers(opts: BenchOptions, target: Target) -> list[tuple[str, object]]:
+def _schedulers(opts: BenchOptions, target: Target) -> list[tuple[str, Scheduler | None]]:
     """(name, scheduler) pairs; hardware-aware ones need a cost table from `dspec profile-hardware`."""
     if list(opts.schedulers) == ["fixed"] and not opts.cost_table:
         return [("fixed", None)]
@@ -358,7 +363,8 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
         CostTable.load(opts.cost_table, block_size=opts.block_size)  # a missing or malformed table fails before any model loads
     GenerationConfig(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, top_k=opts.top_k,
                      top_p=opts.top_p, block_size=opts.block_size)  # sampling options checked up front
-    resolve_device(opts.device), parse_dtype(opts.dtype)
+    resolve_device(opts.device)
+    parse_dtype(opts.dtype)
     datasets = list(opts.datasets) or [BUILTIN]
     prompt_sets = {d: load_prompts(d, opts.num_prompts) for d in datasets}
     # checkpoints (local or downloaded) before the target loads: a missing one fails first

@@ -34,7 +34,8 @@ _SKIP_CODE_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages
 def missing_packages() -> list[str]:
     """The text packages not installed (all of them where there is no dpkg: not Debian/Ubuntu)."""
     try:
-        return [p for p in APT_PACKAGES if subprocess.run(["dpkg", "-s", p], capture_output=True).returncode != 0]
+        return [p for p in APT_PACKAGES
+                if subprocess.run(["dpkg", "-s", p], capture_output=True, check=False).returncode != 0]
     except FileNotFoundError:
         return list(APT_PACKAGES)
 
