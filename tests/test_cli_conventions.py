@@ -133,3 +133,16 @@ def test_device_auto_picks_cuda_and_bfloat16_when_present(monkeypatch):
         resolve_device("cuda")
     with pytest.raises(DspecError, match="unknown device"):
         resolve_device("gpu0")
+
+
+def test_shell_completion_completes_commands_and_options(capsys, monkeypatch):
+    """`dspec --install-completion` installs Typer's completion; the completion answers from the app."""
+    for words, cword, expected in (("dspec ben", "1", "bench"), ("dspec bench --temp", "2", "--temperature")):
+        monkeypatch.setenv("_DSPEC_COMPLETE", "complete_bash")
+        monkeypatch.setenv("COMP_WORDS", words)
+        monkeypatch.setenv("COMP_CWORD", cword)
+        code, out, _ = run_cli([], capsys)
+        assert code == 0 and out.split() == [expected]
+    monkeypatch.delenv("_DSPEC_COMPLETE")
+    code, out, _ = run_cli(["-h"], capsys)
+    assert "--install-completion" in out

@@ -168,6 +168,6 @@ def check_checkpoint_config(name: str, path: Path, target) -> None:
     if (path / CALIBRATION_FILE).is_file():
         Calibration.load(path / CALIBRATION_FILE, drafter=name)
     if (path / COST_TABLE_FILE).is_file():
-        CostTable.load(path / COST_TABLE_FILE)
+        CostTable.load(path / COST_TABLE_FILE, what="checkpoint cost table")
 
 

@@ -82,7 +82,7 @@ def bench_command(
     top_k: int = opt.top_k(),
     block_size: int = typer.Option(7, "--block-size", help="γ: most draft tokens verified per round (>= 1, at most the drafter's trained block)."),
     seed: int = opt.seed(),
-    repeats: int = typer.Option(1, "--repeats", help="Timed runs per engine (>= 1), round-robin with the baseline; tokens/s is the median, speedup the median of per-repeat ratios."),
+    repeats: int = typer.Option(1, "--repeats", help="Passes over the prompts (>= 1); each prompt runs with plain decoding next to it, speedup is the median of the paired ratios with a 95 % interval."),
     concurrency: str = opt.concurrency_list("1"),
     scheduler: list[str] = typer.Option(["fixed"], "--scheduler", "-s", help="Verification-length scheduler (repeatable): NAME[,KEY=VALUE...]: fixed, threshold[,threshold=0.6], hardware[,gate=false,layout=packed], async, or a plugin's."),
     cost_table: Optional[Path] = typer.Option(None, "--cost-table", metavar="FILE", help="Cost table from `dspec profile-hardware --json`, or an SGLang DSpark SPS table (needed by hardware/async)."),
@@ -124,6 +124,8 @@ def bench_command(
     for name, n in skipped.items():
         warnings.warn(f"{name}: skipped {n} prompt(s) that do not fit the target's context with --max-new-tokens "
                       f"{max_new_tokens} (--strict makes this an error)", stacklevel=1)
+    for message in dict.fromkeys(w for r in report["runs"] for w in r.get("warnings", ())):
+        warnings.warn(message, stacklevel=1)
     if suite is not None:
         from dspec_cli.core.datasets import domain_tau
 

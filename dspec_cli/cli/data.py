@@ -28,8 +28,8 @@ def regenerate_command(
     drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter that speeds generation up (output is lossless)."),
     checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="Checkpoint of --drafter: folder or Hub id."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Most tokens per assistant turn, >= 1 (default 4096)."),
-    temperature: Optional[float] = typer.Option(None, "--temperature", help="Sampling temperature, >= 0 (0 = greedy; default 0.7, Qwen3 non-thinking)."),
-    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass in (0, 1] (default 0.8)."),
+    temperature: Optional[float] = opt.float_option(None, "--temperature", help="Sampling temperature, >= 0 (0 = greedy; default 0.7, Qwen3 non-thinking)."),
+    top_p: Optional[float] = opt.float_option(None, "--top-p", help="Nucleus sampling mass in (0, 1] (default 0.8)."),
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample from the K most likely tokens, >= 0 (0 = off; default 20)."),
     concurrency: Optional[int] = typer.Option(None, "--concurrency", metavar="R", help="Concurrent requests (default 32)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Only the first N conversations."),
@@ -43,7 +43,7 @@ def regenerate_command(
     model: Optional[str] = typer.Option(None, "--model", help="Model name to request from the servers (default: the one /v1/models lists)."),
     chat_template_kwargs: Optional[str] = opt.chat_template_kwargs(recipe=True),
     max_retries: int = typer.Option(5, "--max-retries", help="Retries per request on 429 / 5xx / timeouts (exponential back-off)."),
-    request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds per server request."),
+    request_timeout: float = opt.float_option(600.0, "--request-timeout", help="Seconds per server request."),
 ) -> None:
     """Regenerate every assistant turn with the target (self-distillation data for dspec train)."""
     from transformers.utils import logging as hf_logging

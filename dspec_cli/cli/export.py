@@ -29,6 +29,7 @@ def export_command(
     cost_table: Optional[Path] = typer.Option(None, "--cost-table", help="SGLang DSpark: cost table (dspec's or SGLang's) for dspark_sps.json (default: the checkpoint's cost_table.json)."),
     json_path: Optional[Path] = opt.json_path("the export report (layout, engine settings, command)"),
     chat_template_kwargs: Optional[str] = opt.chat_template_kwargs(),
+    overwrite: bool = opt.overwrite("the files of an earlier export in a non-empty --output folder"),
 ) -> None:
     """Export a drafter for vLLM or SGLang and print the command that serves it."""
     from dspec_cli.checkpoints import layouts as interop
@@ -41,12 +42,12 @@ def export_command(
 
     if fmt not in FORMATS:
         raise DspecError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    check_output_dir(output, "--output")
+    if Path(checkpoint).is_dir() and output.resolve() == Path(checkpoint).resolve():
+        raise DspecError("--output must differ from the checkpoint folder (export writes another layout)")
+    check_output_dir(output, "--output", overwrite=overwrite)
     check_output_file(json_path, "--json")
     template_kwargs = opt.template_kwargs(chat_template_kwargs)  # the deployment's; its server default
     path = resolve_checkpoint(checkpoint)
-    if output.resolve() == path.resolve():
-        raise DspecError("--output must differ from the checkpoint folder (export writes another layout)")
     cls = plugins.get_drafter_class(interop.checkpoint_drafter(path))
     target = choose_target(target, [path])  # no --target: the one the checkpoint was trained for
     tgt = Target.load(target, dtype=dtype)

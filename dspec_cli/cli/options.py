@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +36,28 @@ def max_new_tokens(default: int) -> Any:
     return typer.Option(default, "--max-new-tokens", help="Most tokens generated per prompt (>= 1).")
 
 
+def finite_float(text: str | float) -> float:
+    """The parser of every float option: a number, and NaN or infinity refused (a usage error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise typer.BadParameter(f"{text!r} is not a finite number")
+    return value
+
+
+def float_option(default: float | None, *decls: str, **kwargs: Any) -> Any:
+    """A float option: ``typer.Option`` with :func:`finite_float` as its parser and metavar FLOAT."""
+    return typer.Option(default, *decls, parser=finite_float, metavar="FLOAT", **kwargs)
+
+
 def temperature(default: float = 1.0) -> Any:
-    return typer.Option(default, "--temperature", help="Sampling temperature, >= 0 (0 = greedy).")
+    return float_option(default, "--temperature", help="Sampling temperature, >= 0 (0 = greedy).")
 
 
 def top_p(default: float = 1.0) -> Any:
-    return typer.Option(default, "--top-p", help="Nucleus sampling mass in (0, 1] (1 = off).")
+    return float_option(default, "--top-p", help="Nucleus sampling mass in (0, 1] (1 = off).")
 
 
 def top_k(default: int = 0) -> Any:

@@ -38,6 +38,7 @@ from dspec_cli.core.devices import resolve_device
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import EMBEDDED, WEIGHTS_FILE
 from dspec_cli.core.jsonl import write_line
+from dspec_cli.core.outputs import check_output_dir
 from dspec_cli.runtime.drafter import TrainableDrafter
 from dspec_cli.runtime.target import Target
 from dspec_cli.training import sharding
@@ -215,12 +216,23 @@ def _prepare(opts: TrainOptions) -> tuple[Recipe, type, Path, Path | None]:
         raise DspecError(f"--output {out} is not empty; use --resume to continue that run, or another folder")
     if not opts.resume and opts.json_log is not None and Path(opts.json_log).exists():
         raise DspecError(f"--json-log {opts.json_log} already exists; remove it or choose another path")
+    check_output_dir(out, "--output")
+    check_output_dir(opts.feature_cache, "--feature-cache")
     for i, path in enumerate(recipe.data.paths or [""]):
         if not Path(path).is_file():
-            hint = (f"; create it with `dspec data regenerate --recipe {recipe.source}`"
-                    if i == 0 and recipe.regenerate.prompts and recipe.source.endswith(".toml") else "")
-            raise DspecError(f"training data {path!r} (data.path) not found{hint}")
+            raise DspecError(f"training data {path!r} (data.path) not found{_data_hint(recipe, i, path)}")
     return recipe, cls, out, resume_from
+
+
+def _data_hint(recipe: Recipe, i: int, path: str) -> str:
+    """How to create the ``i``-th data file of a recipe: its first file with the recipe's
+    [regenerate] settings, the others with the options its header comment gives."""
+    if not (recipe.regenerate.prompts and recipe.source.endswith(".toml")):
+        return ""
+    if i == 0:
+        return f"; create it with `dspec data regenerate --recipe {recipe.source}`"
+    return (f"; create it with `dspec data regenerate --recipe {recipe.source} --output {path}` and the sampling "
+            f"options given at the top of {recipe.source}")
 
 
 def _same_target(a: str, b: str) -> bool:

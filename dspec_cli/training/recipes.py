@@ -25,7 +25,7 @@ from typing import Any
 
 from dspec_cli.core.chat_template import check_kwargs, default_kwargs
 from dspec_cli.core.errors import DspecError
-from dspec_cli.core.files import EMBEDDED
+from dspec_cli.core.files import EMBEDDED, read_text
 
 try:
     import tomllib
@@ -257,13 +257,10 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise DspecError(f"recipe {path}: file not found")
     try:
-        return tomllib.loads(p.read_text(encoding="utf-8"))
+        return tomllib.loads(read_text(path, "--recipe"))
     except tomllib.TOMLDecodeError as exc:
-        raise DspecError(f"recipe {path}: not valid TOML ({exc})") from None
+        raise DspecError(f"--recipe {path}: not valid TOML ({exc})") from None
 
 
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:

@@ -4,7 +4,6 @@ load-adaptive verification budgets."""
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,21 +13,18 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from dspec_cli.core.hardware import CostTable  # noqa: E402
+from dspec_cli.core.outputs import write_atomic  # noqa: E402
 
 FEW_ROUNDS = 30  # a point resting on fewer rounds is drawn hollow and labelled with its count
 
 
 def _save(fig, path: str | Path) -> Path:
-    """Write the PNG atomically (a temporary file renamed into place) and close the figure."""
+    """Write the PNG atomically (:func:`~dspec_cli.core.outputs.write_atomic`) and close the figure."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
     try:
-        fig.savefig(tmp, dpi=120, bbox_inches="tight")
-        os.replace(tmp, path)
+        write_atomic(path, lambda p: fig.savefig(p, dpi=120, bbox_inches="tight", format="png"))
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
     return path
 
 

@@ -64,13 +64,14 @@ def sglang_sidecars(drafter, checkpoint: Path, cost_table: Path | None) -> Sidec
     else:
         out.notes.append(f"no {CALIBRATION_FILE} in the checkpoint: SGLang uses the raw confidences "
                          "(fit one with `dspec calibrate`)")
+    what = "--cost-table"
     if cost_table is None and (checkpoint / COST_TABLE_FILE).is_file():
-        cost_table = checkpoint / COST_TABLE_FILE
+        cost_table, what = checkpoint / COST_TABLE_FILE, "checkpoint cost table"
     if cost_table is None:
         out.notes.append("no cost table: SGLang's planner falls back to verifying every draft "
                          "(give --cost-table from `dspec profile-hardware --drafter NAME`)")
         return out
-    table = CostTable.load(cost_table, block_size=gamma)
+    table = CostTable.load(cost_table, block_size=gamma, what=what)
     raw = json.loads(Path(cost_table).read_text())
     schema = sglang_sps.sps_schema(raw)
     if schema is not None:  # already SGLang's: copy its fields

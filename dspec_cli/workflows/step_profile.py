@@ -137,6 +137,12 @@ class StepProfile:
                 for r in self.requests for v in self.verify_tokens]
 
 
+def tokens_after_context(block_size: int, repeats: int, warmup: int) -> int:
+    """Tokens a cell's requests need after their context: the rounds it times at the widest v
+    (γ + 1), two more, and one verify block."""
+    return 2 + (warmup + repeats) * (block_size + 1) + block_size + 1
+
+
 def profile_steps(
     target,
     drafter,
@@ -162,6 +168,11 @@ def profile_steps(
         raise DspecError(f"--verify-tokens values must lie in [1, γ + 1 = {gamma + 1}], got {verify_tokens}")
     if repeats < 1 or warmup < 0:
         raise DspecError(f"need --repeats >= 1 and --warmup >= 0, got {repeats}, {warmup}")
+    max_ctx = getattr(target.config, "max_position_embeddings", None)
+    room = tokens_after_context(gamma, repeats, warmup)
+    if max_ctx and contexts[-1] + room > max_ctx:
+        raise DspecError(f"--contexts {contexts[-1]} plus {room} tokens generated per cell exceeds the target's "
+                         f"context of {max_ctx} (give smaller --contexts, or fewer --repeats)")
     gen = torch.Generator().manual_seed(seed)
     out = StepProfile(gamma, contexts, requests, verify_tokens)
     tree_width: int | None = None  # a tree drafter's one verified width, once seen

@@ -31,16 +31,29 @@ _SKIP_CODE_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages
                    "pydoc_data", "__pycache__", "turtledemo", "config-3.11-x86_64-linux-gnu"}
 
 
-def install_packages() -> None:
-    """apt-get update once, then install the text packages (idempotent; needs root)."""
-    missing = [p for p in APT_PACKAGES
-               if subprocess.run(["dpkg", "-s", p], capture_output=True).returncode != 0]
+def missing_packages() -> list[str]:
+    """The text packages not installed (all of them where there is no dpkg: not Debian/Ubuntu)."""
+    try:
+        return [p for p in APT_PACKAGES
+                if subprocess.run(["dpkg", "-s", p], capture_output=True, check=False).returncode != 0]
+    except FileNotFoundError:
+        return list(APT_PACKAGES)
+
+
+def install_packages(install: bool) -> None:
+    """Check the text packages are there; install the missing ones with apt-get only when
+    ``install`` (needs root), else stop naming them and the command that installs them."""
+    missing = missing_packages()
     if not missing:
         return
+    command = f"apt-get install -y --no-install-recommends {' '.join(missing)}"
+    if not install:
+        raise SystemExit(f"error: the corpus reads these Debian/Ubuntu packages, not installed here: "
+                         f"{', '.join(missing)}. Install them with `{command}` (as root), or rerun with "
+                         "--install-packages to let build.py run apt-get")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     subprocess.run(["apt-get", "update"], check=True, env=env, stdout=subprocess.DEVNULL)
-    subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", *APT_PACKAGES],
-                   check=True, env=env, stdout=subprocess.DEVNULL)
+    subprocess.run(command.split(), check=True, env=env, stdout=subprocess.DEVNULL)
 
 
 def _clean(text: str) -> str:
