@@ -30,9 +30,8 @@ def export_command(
     json_path: Optional[Path] = opt.json_path("the export report (layout, engine settings, command)"),
 ) -> None:
     """Export a drafter for vLLM or SGLang and print the command that serves it."""
-    from dspec_cli.checkpoints import layouts as interop
+    from dspec_cli.checkpoints import load_drafter
     from dspec_cli.checkpoints.hub import resolve_checkpoint
-    from dspec_cli.core import plugins
     from dspec_cli.core.files import DEFAULT_TARGET_PATH
     from dspec_cli.runtime.target import Target
     from dspec_cli.workflows.export import FORMATS, export
@@ -44,9 +43,8 @@ def export_command(
     path = resolve_checkpoint(checkpoint)
     if output.resolve() == path.resolve():
         raise DspecError("--output must differ from the checkpoint folder (export writes another layout)")
-    cls = plugins.get_drafter_class(interop.checkpoint_drafter(path))
     tgt = Target.load(target, dtype=dtype)
-    drafter = cls.from_pretrained(path, tgt)
+    drafter = load_drafter(None, tgt, path)
     target_name = target or str(DEFAULT_TARGET_PATH)
     if Path(target_name).exists():
         target_name = str(Path(target_name).resolve())

@@ -37,6 +37,7 @@ from dspec_cli.core.devices import resolve_device
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import EMBEDDED, WEIGHTS_FILE
 from dspec_cli.core.jsonl import write_line
+from dspec_cli.core.specs import parse_drafter_spec
 from dspec_cli.runtime.drafter import TrainableDrafter
 from dspec_cli.runtime.target import Target
 from dspec_cli.training import sharding
@@ -171,7 +172,10 @@ def _prepare(opts: TrainOptions) -> tuple[Recipe, type, Path, Path | None]:
     name = opts.drafter or recipe.drafter
     if not name:
         raise DspecError(f"give --drafter: recipe {recipe.source} names no drafter ([drafter] name)")
-    cls = plugins.get_drafter_class(name)
+    cls, options = parse_drafter_spec(name)
+    if options:
+        raise DspecError(f"--drafter {name!r}: training takes the drafter's options from the recipe; "
+                         f"give them as overrides (drafter.{next(iter(options))}=...)")
     if recipe.drafter and plugins.get_drafter_class(recipe.drafter) is not cls:
         raise DspecError(f"recipe {recipe.source} is for drafter {recipe.drafter!r}, not {name!r}")
     if not (isinstance(cls, type) and issubclass(cls, TrainableDrafter)):

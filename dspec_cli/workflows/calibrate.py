@@ -34,7 +34,7 @@ from dspec_cli.workflows.bench import fitting_prompts
 NUM_BINS = 20
 DEFAULT_GRID = tuple(sorted({round(10 ** (i / 80), 6) for i in range(-104, 105)}))  # 0.05 … 20, log-spaced, with 1.0
 SWEEP_THRESHOLDS = tuple(round(0.1 * i, 1) for i in range(10))  # the paper's Fig. 5: 0.0 … 0.9
-_ENGINE_EPS = 1e-6  # engine confidences are clamped into (eps, 1 − eps) (σ saturates in float32)
+CONFIDENCE_EPS = 1e-6  # recorded confidences are clamped into (eps, 1 − eps): σ saturates in float32
 
 
 # --------------------------------------------------------------------------------------
@@ -98,7 +98,7 @@ class Rounds:
         for res in results:
             for conf, acc in zip(res.confidence, res.accepted):
                 if conf:
-                    confs.append([min(max(float(c), _ENGINE_EPS), 1 - _ENGINE_EPS) for c in conf])
+                    confs.append([min(max(float(c), CONFIDENCE_EPS), 1 - CONFIDENCE_EPS) for c in conf])
                     accepted.append(int(acc))
         return cls.from_lists(confs, accepted, block_size=block_size)
 
