@@ -112,7 +112,8 @@ def profile_command(
 ) -> None:
     """Profile steps per second SPS(B) of the target (or whole speculative steps) for token-batch sizes B and context lengths."""
     from dspec_cli.core.devices import parse_dtype, resolve_device
-    from dspec_cli.core.hardware import default_grid, profile_sps
+    from dspec_cli.core.hardware import default_grid
+    from dspec_cli.workflows.forward_profile import profile_sps
     from dspec_cli.runtime.target import Target
 
     if fmt not in FORMATS:
@@ -144,7 +145,7 @@ def profile_command(
     tgt = Target.load(target, dtype=dtype, device=device)
     err = Console(stderr=True)
     if contexts is None:
-        max_ctx = getattr(tgt.model.config.get_text_config(), "max_position_embeddings", None)
+        max_ctx = tgt.max_context
         fitted = fit_contexts(ctx, max_ctx, row_tokens)
         if fitted != ctx:
             warnings.warn(f"the target's context is {max_ctx} tokens: profiling contexts {','.join(map(str, fitted))} "

@@ -258,7 +258,7 @@ class SpeculativeEngine:
         budget = [min(max(cfg.max_new_tokens - len(results[i].output_ids) - 1, 0), cfg.block_size) for i in rows.active]
         sched = self.scheduler
         if sched.cost_table is not None:  # mean context for cost-table lookups (host-side)
-            sched.context = sum(len(results[i].prompt_ids) + len(results[i].output_ids) for i in rows.active) / R
+            sched.observe_context(sum(len(results[i].prompt_ids) + len(results[i].output_ids) for i in rows.active) / R)
         if self.drafter is None or max(budget) == 0 or not sched.wants_draft(R, cfg.block_size):
             return None, torch.zeros(R, dtype=torch.long, device=dev)
         t0 = time.perf_counter()
@@ -416,7 +416,7 @@ class SpeculativeEngine:
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
         cfg = self.config
-        max_ctx = getattr(self.target.config, "max_position_embeddings", None)
+        max_ctx = self.target.max_context
         vocab = self.target.vocab_size
         for i, p in enumerate(prompts):
             if len(p) == 0:

@@ -366,7 +366,10 @@ class Scheduler:
         if gate is not None and cost_table is None:
             raise DspecError(f"scheduler {self.name!r}: the draft gate needs a cost table")
         self.cost_table = cost_table
-        self.context = context  # context length for SPS lookups (None: mean over profiled contexts)
+        # context length for SPS lookups: fixed here, or (None) each round's mean context as the
+        # engine reports it (observe_context; until then the mean over the profiled contexts)
+        self.context = context
+        self._fixed_context = context is not None
         self.gate = gate
 
     def __call__(self, proposal: Proposal, lmax: torch.Tensor) -> torch.Tensor:
@@ -382,6 +385,12 @@ class Scheduler:
         if self.gate is None:
             return True
         return self.gate.decide(num_rows, lambda: self._sps(num_rows * (gamma + 1), torch.device("cpu")))
+
+    def observe_context(self, mean_context: float) -> None:
+        """Called by the engine before each round with its rows' mean context length (prompt and
+        generated tokens): the SPS lookups' context unless the constructor fixed one."""
+        if not self._fixed_context:
+            self.context = mean_context
 
     def observe_draft_time(self, num_rows: int, seconds: float) -> None:
         """Called by the engine after each drafted round with its drafting time."""

@@ -37,7 +37,7 @@ from dspec_cli.runtime.kv_cache import (
     causal_visibility,
 )
 
-__all__ = ["ASSETS_DIR", "DEFAULT_TARGET_PATH", "StepOutput", "Target", "TargetBatch", "embedded_path"]
+__all__ = ["ASSETS_DIR", "DEFAULT_TARGET_PATH", "StepOutput", "Target", "TargetBatch", "embedded_path", "max_context"]
 
 _MASKABLE = ("sdpa", attention.NAME, "eager")
 _PAD_RATIO, _PAD_SLACK = 1.25, 64  # prefill groups: padded tokens <= ratio × real tokens + slack
@@ -124,6 +124,11 @@ class Target:
     @property
     def num_layers(self) -> int:
         return self.config.num_hidden_layers
+
+    @property
+    def max_context(self) -> int | None:
+        """Most positions (prompt + generated) the target takes; None when its config states none."""
+        return max_context(self.config)
 
     @property
     def device(self) -> torch.device:
@@ -431,6 +436,12 @@ class Target:
             for h in handles:
                 h.remove()
         taps.extend(store[int(i)] for i in layer_ids)
+
+
+def max_context(config) -> int | None:
+    """A transformers text config's context length (``max_position_embeddings``); None when it
+    states none (the config classes of some architectures lack the field)."""
+    return getattr(config, "max_position_embeddings", None) or None
 
 
 def _length_groups(lens: list[int]) -> list[list[int]]:

@@ -326,7 +326,7 @@ class _Run:
 
     def _load_data(self, target) -> TrainData:
         spec = self.recipe.data
-        ctx = getattr(target.config, "max_position_embeddings", None) or spec.max_length
+        ctx = target.max_context or spec.max_length
         data = load_train_data(spec.paths, target.tokenizer, min(spec.max_length, ctx), spec.min_loss_tokens, spec.limit)
         if self.rank.main and data.skipped:
             self.progress.note(f"skipped {data.skipped} conversation(s) with < {spec.min_loss_tokens} assistant tokens")

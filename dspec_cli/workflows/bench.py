@@ -217,7 +217,7 @@ def fitting_prompts(target: Target, prompts: Sequence[Sequence[int]], max_new_to
                     *, strict: bool = False, where: str = "prompts") -> tuple[list, int]:
     """The prompt ids that fit the target's context with ``max_new_tokens`` (and a verify block)
     after them, and how many did not. None fitting, or any not fitting with ``strict``, is an error."""
-    max_ctx = getattr(target.config, "max_position_embeddings", None)
+    max_ctx = target.max_context
     if not max_ctx:
         return list(prompts), 0
     room = max_ctx - max_new_tokens - block_size - 1

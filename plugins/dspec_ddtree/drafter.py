@@ -113,7 +113,7 @@ class DDTreeDrafter(WrappedDrafter):
 
     def __init__(self, config: DDTreeConfig, target: Target, base: Drafter):
         check_base(type(base))
-        max_ctx = getattr(target.config, "max_position_embeddings", None)
+        max_ctx = target.max_context
         if max_ctx and config.tree_budget + 1 > max_ctx:
             raise DspecError(
                 f"tree_budget {config.tree_budget} does not fit the target's context of {max_ctx} tokens "
