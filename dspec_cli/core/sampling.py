@@ -231,7 +231,8 @@ def _host_absorb(h: int, *words: int) -> int:
 def uniform(seeds: torch.Tensor, offsets: torch.Tensor, salt=0) -> torch.Tensor:
     """Counter-based uniforms: float64 in the open interval (0, 1).
 
-    seeds, offsets: int64 tensors (broadcast together, e.g. [R] and [R], or [R, 1] and [R, L]);
+    seeds [...] and offsets [...]: int64 tensors broadcast together (e.g. [R] and [R], or
+    [R, 1] and [R, L]);
     salt: int or int tensor separating streams. A pure function of (seed, offset, salt) with
     52 random bits; never 0 and never 1.
     """

@@ -184,7 +184,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
         # float math, rounded to x's dtype, then the weight (Qwen3's order); torch's fused kernel
         y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return self.weight * y.to(x.dtype)
@@ -199,7 +199,7 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if scale else None
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
         y = x.float()
         y = y * torch.pow(y.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
         if self.weight is not None:
@@ -314,8 +314,9 @@ _FLEX = {}
 
 
 def attend(q, k, v, mask, gqa: bool, scale: float | None = None) -> torch.Tensor:
-    """Attention of q over k/v under a bool mask (SDPA; None: every key visible) or a BlockMask
-    (flex); ``scale`` None = 1/sqrt(head_dim)."""
+    """Attention of q [b, H, Q, hd] over k, v [b, Hkv, K, hd] (``gqa``: H a multiple of Hkv) under
+    a bool mask [b, 1, Q, K] (SDPA; None: every key visible) or a BlockMask (flex) -> [b, H, Q, hd];
+    ``scale`` None = 1/sqrt(head_dim)."""
     if mask is None or isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
     from torch.nn.attention.flex_attention import flex_attention
@@ -336,7 +337,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(m, d, bias=False)
         self.act = ACT2FN[cfg.hidden_act]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., d] -> [..., d]
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -357,6 +358,7 @@ class DecoderLayer(nn.Module):
             self.register_buffer("layer_scalar", torch.ones(1))  # persistent: DeepSpec saves it
 
     def forward(self, x, cos, sin, k_ctx, v_ctx, mask) -> torch.Tensor:
+        """x [b, Q, d] -> [b, Q, d]; the other arguments as in :meth:`Attention.forward`."""
         if self.sandwich:
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, k_ctx, v_ctx, mask))
             x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -423,7 +425,8 @@ class ContextCache:
         return rows, pos
 
     def write(self, rows, pos, kv: list[tuple[torch.Tensor, torch.Tensor]], counts: torch.Tensor) -> None:
-        """Store per-layer (K, V) [N, Hkv, hd] at (rows, pos) [N] from :meth:`slots`."""
+        """Store kv, per layer (K, V) [N, Hkv, hd], at (rows, pos) [N] from :meth:`slots`; counts [R]
+        new entries per row."""
         for keys, values, (k, v) in zip(self.keys, self.values, kv):
             keys[rows, :, pos] = k.to(keys.dtype)
             values[rows, :, pos] = v.to(values.dtype)
@@ -501,8 +504,9 @@ def build_blocks(
     input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor,
     block_size: int, mask_token_id: int,
 ) -> Blocks:
-    """Block inputs, labels and the eval mask: slot k is valid iff a+k+1 < L, loss_mask[a+k+1]
-    and the block is kept, cut at the first invalid slot."""
+    """Block inputs, labels and the eval mask of input_ids [b, L], loss_mask [b, L] and blocks at
+    anchors [b, N] (keep [b, N] bool): slot k is valid iff a+k+1 < L, loss_mask[a+k+1] and the
+    block is kept, cut at the first invalid slot."""
     b, L = input_ids.shape
     n = anchors.shape[1]
     pos = anchors[..., None] + torch.arange(block_size, device=anchors.device)  # [b, N, B]
@@ -530,7 +534,8 @@ def _mask_mod(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_siz
 
 
 def training_mask(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_size: int, impl: str = "auto"):
-    """Block-sparse mask over [context L | N blocks]: a dense bool [b, 1, N·B, L+N·B] for SDPA
+    """Block-sparse mask over [context L | N blocks] of anchors [b, N] (keep [b, N] bool): a dense
+    bool [b, 1, N·B, L+N·B] for SDPA
     (``impl="dense"``) or a FlexAttention ``BlockMask`` (``"flex"``); ``"auto"`` = flex on CUDA."""
     if impl not in ("auto", "dense", "flex"):
         raise ValueError(f"impl must be auto, dense or flex, got {impl!r}")
@@ -599,8 +604,8 @@ class ParallelBackbone(nn.Module):
         return self.norm(x)
 
     def forward_train(self, embeds: torch.Tensor, positions: torch.Tensor, taps: torch.Tensor, mask) -> torch.Tensor:
-        """All blocks of b sequences: embeds [b, N·B, d] at positions [b, N·B], context taps
-        [b, L, n·d] at positions 0..L−1, mask from :func:`training_mask` -> h [b, N·B, d]."""
+        """All blocks of b sequences: embeds [b, N·B, d] at positions [b, N·B], context
+        taps [b, L, n·d] at positions 0..L−1, mask from :func:`training_mask` -> h [b, N·B, d]."""
         b, L = taps.shape[:2]
         fused = self.fuse(taps)
         ccos, csin = self.rotary(torch.arange(L, device=taps.device).expand(b, L), self.dtype)

@@ -61,5 +61,5 @@ class Linear(nn.Linear):
         super().__init__(*args, **kwargs)
         self._pack = PackedWeight()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         return self._pack.linear(x, self.weight, self.bias)

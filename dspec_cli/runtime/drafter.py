@@ -38,6 +38,7 @@ from dspec_cli.core.types import Capability, Proposal, Sampler
 
 if TYPE_CHECKING:
     from dspec_cli.runtime.target import Target
+    from dspec_cli.training.data import TrainData
 
 CAPABILITIES = tuple(Capability)
 
@@ -87,8 +88,8 @@ def heuristic_confidence(draft_probs: torch.Tensor | None, lengths: torch.Tensor
     """Non-anticipating confidence from the shape of q_k: Σ_v q_k(v)², never q_k(x_k).
 
     Σq² is the chance that the target (if it matched q) would draw the token the draft drew,
-    so it only uses the distribution the draft token is sampled from. One-hot drafts
-    (draft_probs None) get 0.5: no information. Returns [R, γ] in (0, 1).
+    so it only uses the distribution the draft token is sampled from. draft_probs [R, γ, V]
+    (None: one-hot drafts, which get 0.5: no information), lengths [R]. Returns [R, γ] in (0, 1).
     """
     R = lengths.shape[0]
     if draft_probs is None:
@@ -148,7 +149,8 @@ class Drafter:
         return DraftState()
 
     def add_requests(self, state: DraftState, prompts: list[torch.Tensor], hidden: list[torch.Tensor] | None) -> None:
-        """New requests join: prompt ids [L_r] and the target's taps [L_r, n·d] (None if no taps)."""
+        """New requests join: prompts, ids [L_r] per request; hidden [L_r, n·d] per request, the
+        target's taps (None if no taps)."""
         state.context.extend(p.clone() for p in prompts)
 
     def remove_requests(self, state: DraftState, keep: list[int]) -> None:
@@ -176,6 +178,7 @@ class Drafter:
             state.context[r] = torch.cat([state.context[r], chunk])
 
     def training_loss(self, batch: dict[str, torch.Tensor], target_features: dict[str, torch.Tensor]) -> dict:
+        """See :class:`TrainableDrafter`: batch tensors [B, L], target_features [B, L, ·]."""
         raise DspecError(f"drafter {self.name!r} is not trainable")
 
 
@@ -201,13 +204,17 @@ class WrappedDrafter(Drafter):
         return self.base.init_state()
 
     def add_requests(self, state: DraftState, prompts: list[torch.Tensor], hidden: list[torch.Tensor] | None) -> None:
+        """The base's: prompts [L_r] and hidden [L_r, n·d] (or None) per request."""
         self.base.add_requests(state, prompts, hidden)
 
     def remove_requests(self, state: DraftState, keep: list[int]) -> None:
         self.base.remove_requests(state, keep)
 
-    def advance(self, state: DraftState, committed, counts, hidden) -> None:
-        """Committed tokens (for a tree: the accepted path) enter the base's caches."""
+    def advance(
+        self, state: DraftState, committed: torch.Tensor, counts: torch.Tensor, hidden: torch.Tensor | None
+    ) -> None:
+        """The committed tokens (for a tree: the accepted path) enter the base's caches:
+        committed [Σc_r], counts [R], hidden [Σc_r, n·d] or None (:meth:`Drafter.advance`)."""
         self.base.advance(state, committed, counts, hidden)
 
 
@@ -224,8 +231,8 @@ class TrainableDrafter(Drafter):
 
     net: torch.nn.Module
 
-    def prepare_training(self, data) -> None:
-        """Called once before training with the training data (``TrainData``); default: nothing."""
+    def prepare_training(self, data: TrainData) -> None:
+        """Called once before training with the training data; default: nothing."""
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.net.parameters() if p.requires_grad]

@@ -49,7 +49,7 @@ class DrafterLag:
         return self.admitted + len(self.pending)
 
     def admit(self, prompts: list[torch.Tensor], hidden: list[torch.Tensor] | None) -> None:
-        """New requests join at the end of the batch."""
+        """New requests join at the end of the batch: prompts [L_r] and hidden [L_r, n·d] (or None) per request."""
         self.pending += list(zip(prompts, hidden if hidden is not None else [None] * len(prompts)))
         self._set_slots(self.slots + list(range(self._next, self._next + len(prompts))))
         self._next += len(prompts)
@@ -57,7 +57,8 @@ class DrafterLag:
             self._entries = torch.cat([self._entries, self._entries.new_zeros(len(prompts))])
 
     def skip(self, committed: torch.Tensor, counts: torch.Tensor, hidden: torch.Tensor | None) -> None:
-        """A round without a draft committed ``counts`` [R] tokens per row (committed [Σc], taps [Σc, ·])."""
+        """A round without a draft committed ``counts`` [R] tokens per row: committed [Σc];
+        hidden [Σc, n·d] taps (or None)."""
         if self._slot_ids is None or self._slot_ids.device != counts.device:
             self._slot_ids = torch.tensor(self.slots, dtype=torch.long, device=counts.device)
         self.backlog.append((torch.repeat_interleave(self._slot_ids, counts), committed, hidden))

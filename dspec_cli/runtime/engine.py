@@ -106,6 +106,7 @@ class RoundSampler:
     """
 
     def __init__(self, config: GenerationConfig, seeds: torch.Tensor, rounds: torch.Tensor, steps: int):
+        """seeds [R] and rounds [R] (rounds so far) of the rows; ``steps`` draws per row this round."""
         self.config = config
         self.seeds = seeds  # [R] int64
         self.base = rounds * ROUND_STRIDE  # [R] int64

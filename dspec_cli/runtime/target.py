@@ -27,7 +27,7 @@ from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import ASSETS_DIR, DEFAULT_TARGET_PATH, embedded_path
 from dspec_cli.core.hardware import warn_if_slow_half
 from dspec_cli.core.ragged import flatten, to_grid
-from dspec_cli.core.types import StepOutput
+from dspec_cli.core.types import PrefillOutput, StepOutput
 from dspec_cli.runtime import attention
 from dspec_cli.runtime.kv_cache import (
     PendingStep,
@@ -37,7 +37,7 @@ from dspec_cli.runtime.kv_cache import (
     causal_visibility,
 )
 
-__all__ = ["ASSETS_DIR", "DEFAULT_TARGET_PATH", "StepOutput", "Target", "TargetBatch", "embedded_path", "max_context"]
+__all__ = ["ASSETS_DIR", "DEFAULT_TARGET_PATH", "PrefillOutput", "StepOutput", "Target", "TargetBatch", "embedded_path", "max_context"]
 
 _MASKABLE = ("sdpa", attention.NAME, "eager")
 _PAD_RATIO, _PAD_SLACK = 1.25, 64  # prefill groups: padded tokens <= ratio × real tokens + slack
@@ -186,7 +186,7 @@ class Target:
                            kv_layer=kv_layer)
 
     @torch.no_grad()
-    def prefill(self, batch: TargetBatch, prompts: Sequence[Sequence[int]]) -> StepOutput:
+    def prefill(self, batch: TargetBatch, prompts: Sequence[Sequence[int]]) -> PrefillOutput:
         """Append new requests (rows) to ``batch`` in ``prompts`` order; other rows may be mid-generation.
 
         Token-identical prompts run once and their rows are copied; distinct ones run in groups of
@@ -217,7 +217,7 @@ class Target:
         batch.maybe_compact()
         last = torch.cat(logits).index_select(0, torch.tensor(index, device=self.device))
         rows = torch.arange(first_row, first_row + len(prompts), device=self.device)
-        return StepOutput(logits=last, hidden=[hidden[r] for r in index], rows=rows)
+        return PrefillOutput(logits=last, hidden=[hidden[r] for r in index], rows=rows)
 
     def _prefill_group(
         self, batch: TargetBatch, prompts: list[tuple[int, ...]]
@@ -273,8 +273,8 @@ class Target:
     def verify_tree(
         self, batch: TargetBatch, tokens: torch.Tensor, parents: torch.Tensor, lengths: torch.Tensor
     ) -> StepOutput:
-        """Score ragged trees: row r has n_r = ``lengths[r]`` nodes [Σn_r] with row-local ``parents``
-        [Σn_r]: node 0 is the anchor (parent -1), node i > 0 has parent < i. Position = committed
+        """Score ragged trees: row r has n_r = ``lengths[r]`` (lengths [R]) nodes, tokens [Σn_r], with
+        row-local parents [Σn_r]: node 0 is the anchor (parent -1), node i > 0 has parent < i. Position = committed
         length + depth; each node attends to the row's valid cache and to its ancestors."""
         n, q, flat = self._ragged(batch, tokens, lengths)
         if parents.shape != tokens.shape:

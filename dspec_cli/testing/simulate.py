@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from dspec_cli.core.types import DraftTree, VerifyResult
+from dspec_cli.core.types import PAD, DraftTree, VerifyResult
 from dspec_cli.runtime.verify import verify_chain, verify_tree
 from dspec_cli.testing.policies import LengthPolicy
 from dspec_cli.testing.toy import ToyDrafter, ToyLM, sample_categorical
@@ -35,7 +35,7 @@ def _run_rounds(
     """
     if num_requests < 1 or num_tokens < 1:
         raise ValueError(f"num_requests and num_tokens must be >= 1, got {num_requests}, {num_tokens}")
-    out = torch.full((num_requests, num_tokens), -1, dtype=torch.long)
+    out = torch.full((num_requests, num_tokens), PAD, dtype=torch.long)
     done = torch.zeros(num_requests, dtype=torch.long)
     last = _anchors(x0, num_requests)
     for _ in range(num_tokens):  # every round commits >= 1 token per request
@@ -105,7 +105,7 @@ def check_tree_result(result: VerifyResult, tree: DraftTree, vocab_size: int) ->
     if not bool((path[:, 0] == 0).all()):
         raise AssertionError("path must start at the root (node 0)")
     R = tokens.shape[0]
-    node_tok = torch.cat([torch.full((R, 1), -1), tree.tokens], 1)  # [R, N+1]; node 0 = root
+    node_tok = torch.cat([torch.full((R, 1), PAD), tree.tokens], 1)  # [R, N+1]; node 0 = root
     node_par = torch.cat([torch.zeros(R, 1, dtype=torch.long), tree.parents], 1)
     depth = int(acc.max()) if R else 0
     for d in range(depth):  # path[:, 0] is the root; path[:, d+1] the d-th accepted node
@@ -124,8 +124,8 @@ def _check_padding(tokens: torch.Tensor, n: torch.Tensor, vocab_size: int) -> No
     valid = torch.arange(tokens.shape[1]) < n[:, None]  # [R, W]
     if bool((valid & ((tokens < 0) | (tokens >= vocab_size))).any()):
         raise AssertionError("a committed token lies outside the vocabulary")
-    if bool((~valid & (tokens != -1)).any()):
-        raise AssertionError("tokens past num_tokens must be padded with -1")
+    if bool((~valid & (tokens != PAD)).any()):
+        raise AssertionError(f"tokens past num_tokens must be padded with PAD ({PAD})")
 
 
 
@@ -204,7 +204,7 @@ def random_tree(
     else:
         num_nodes = torch.full((R,), N, dtype=torch.long)
     pad = torch.arange(N) >= num_nodes[:, None]
-    return DraftTree(tokens=tokens_t.masked_fill(pad, -1), parents=parents_t.masked_fill(pad, 0), num_nodes=num_nodes)
+    return DraftTree(tokens=tokens_t.masked_fill(pad, PAD), parents=parents_t.masked_fill(pad, PAD), num_nodes=num_nodes)
 
 
 def simulate_tree_speculative(

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from dspec_cli import select_tree
+from dspec_cli import PAD, select_tree
 
 __all__ = ["Expand", "grow_sampled_tree", "grow_tree", "sampled_shape"]
 
@@ -191,8 +191,8 @@ def grow_sampled_tree(
     node = torch.zeros(R, 1, dtype=torch.long, device=dev)  # [R, W] local node index (0 = root)
     sid = torch.zeros(R, 1, dtype=torch.long, device=dev)  # [R, W] shape id (-1: not a node)
     used = torch.zeros(R, dtype=torch.long, device=dev)
-    tokens = torch.full((R, N + 1), -1, dtype=torch.long, device=dev)  # column N: discarded writes
-    parents = torch.full_like(tokens, -1)
+    tokens = torch.full((R, N + 1), PAD, dtype=torch.long, device=dev)  # column N: discarded writes
+    parents = torch.full_like(tokens, PAD)
     scores = torch.full((R, N + 1), float("-inf"), device=dev)
     draft_probs = None
     state = None

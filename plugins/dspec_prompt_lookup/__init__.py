@@ -17,6 +17,7 @@ from dspec_cli import (
     Drafter,
     DrafterConfig,
     DraftState,
+    PAD,
     DspecError,
     Proposal,
     Sampler,
@@ -58,7 +59,7 @@ class PromptLookupDrafter(Drafter):
 
     def propose(self, state: DraftState, anchors: torch.Tensor, max_len: int, sampler: Sampler) -> Proposal:
         R = anchors.shape[0]
-        tokens = torch.zeros(R, max_len, dtype=torch.long)
+        tokens = torch.full((R, max_len), PAD, dtype=torch.long)
         lengths = torch.zeros(R, dtype=torch.long)
         for r, anchor in enumerate(anchors.tolist()):
             ctx = torch.cat([state.context[r], torch.tensor([anchor])])
