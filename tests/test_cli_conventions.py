@@ -1,9 +1,11 @@
 """Command-line conventions: -h, help text on every option, one option vocabulary, progress lines
-in logs, warnings as one line, Ctrl-C as exit 130."""
+in logs, warnings as one line, Ctrl-C as exit 130, help without loading the model libraries."""
 
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -133,3 +135,11 @@ def test_device_auto_picks_cuda_and_bfloat16_when_present(monkeypatch):
         resolve_device("cuda")
     with pytest.raises(DspecError, match="unknown device"):
         resolve_device("gpu0")
+
+
+def test_help_loads_no_model_library():
+    """Command modules import their workflow inside the command: ``dspec --help`` stays fast."""
+    code = ("import sys; from dspec_cli.cli import _register_commands; _register_commands(); "
+            "print(sorted(m for m in ('torch', 'transformers', 'matplotlib') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
