@@ -199,7 +199,7 @@ def main(argv=None) -> None:
         # one extra full pass, dropped: on the first H200 sweep the first pass ran up to 2x slower
         # than the second (new shapes), for the baseline and the drafters alike
         timed = [reps[1:] for reps in run_interleaved(engines, ids, args.repeats + 1, conc, "random", None)]
-        for (name, spec, eng), reps in zip(engines[1:], timed[1:]):
+        for (name, spec, eng), reps in zip(engines[1:], timed[1:], strict=True):
             runs.append({
                 "drafter": name, "scheduler": spec, "dataset": "random", "concurrency": conc, "num_prompts": len(ids),
                 "max_new_tokens": args.max_new_tokens, "temperature": 0.0, "block_size": block,

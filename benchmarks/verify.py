@@ -107,7 +107,8 @@ def run(backends, grid: dict, device: torch.device, warmup: int, repeats: int, v
                 x = _inputs(R, gamma, V, device, gen)
                 for backend in backends:
                     for kind in KINDS:
-                        times = _time(lambda: _call(kind, x, backend, validate), device, warmup, repeats)
+                        times = _time(lambda kind=kind, x=x, backend=backend: _call(kind, x, backend, validate),
+                                      device, warmup, repeats)
                         tau = _call(kind, x, backend, False).num_tokens.float().mean().item()
                         results.append(
                             dict(backend=backend, kind=kind, R=R, gamma=gamma, V=V,

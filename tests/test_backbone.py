@@ -147,7 +147,7 @@ def _manual_greedy_rounds(target, drafter, prompts, rounds):
     for _ in range(rounds):
         keys = [k.clone() for k in state.cache.keys]
         prop = drafter.propose(state, anchors, B, sampler)
-        assert all(torch.equal(k, k2) for k, k2 in zip(keys, state.cache.keys))  # block K/V never stored
+        assert all(torch.equal(k, k2) for k, k2 in zip(keys, state.cache.keys, strict=True))  # block K/V never stored
         n = prop.lengths + 1
         tokens = torch.cat([anchors[:, None], prop.tokens], 1).flatten()
         o = target.verify(batch, tokens, n)
@@ -173,7 +173,7 @@ def test_cache_holds_exactly_the_committed_context(target, drafter):
         fresh.add_rows(1)
         bb.extend_cache(fresh, taps, torch.tensor([len(seq)]), len(seq))
         assert int(state.cache.lengths[r]) == len(seq)
-        for k_inc, k_new in zip(state.cache.keys + state.cache.values, fresh.keys + fresh.values):
+        for k_inc, k_new in zip(state.cache.keys + state.cache.values, fresh.keys + fresh.values, strict=True):
             torch.testing.assert_close(k_inc[r, :, : len(seq)], k_new[0, :, : len(seq)], atol=1e-4, rtol=0)
 
 

@@ -108,7 +108,7 @@ def test_sts_repairs_miscalibration():
     cal = calibrate(rounds, "toy")
     before, after = cal.metrics["before"], cal.metrics["after"]
     assert after["ece_mean"] < before["ece_mean"] / 4
-    assert all(a <= b + 1e-9 for a, b in zip(after["ece"], before["ece"]))
+    assert all(a <= b + 1e-9 for a, b in zip(after["ece"], before["ece"], strict=True))
     assert cal.temperatures[0] == pytest.approx(2.0, rel=0.15)  # the inverse of the distortion
     assert after["auroc"][0] == pytest.approx(before["auroc"][0])  # order-preserving at position 1
 

@@ -81,7 +81,7 @@ def edges(base: Path, folder: Path, prefixes: tuple[str, ...], known: set[str]) 
         source = module_name(path, base)
         tree = ast.parse(path.read_text(), str(path))
 
-        def visit(node: ast.AST, lazy: bool, typing_only: bool) -> None:
+        def visit(node: ast.AST, lazy: bool, typing_only: bool, source: str = source, path: Path = path) -> None:
             for child in ast.iter_child_nodes(node):
                 if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
                     visit(child, True, typing_only)
@@ -223,7 +223,7 @@ def stray_drafter_loads(base: Path, folders: list[Path]) -> list[str]:
             hf = {"transformers"} | {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
                                      and (n.module or "").split(".")[0] == "transformers" for a in n.names}
 
-            def visit(node: ast.AST, function: str, rel: str) -> None:
+            def visit(node: ast.AST, function: str, rel: str, hf: set[str] = hf) -> None:
                 for child in ast.iter_child_nodes(node):
                     name = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
                     call = child.func if isinstance(child, ast.Call) else None

@@ -99,8 +99,9 @@ def show_warning(message, category, filename, lineno, file=None, line=None) -> N
 
 
 def _report(exc: BaseException) -> int:
-    if isinstance(exc, typer.TyperException) and hasattr(exc, "show"):
-        exc.show()  # usage errors: Click's own one-line message with the usage line
+    show = getattr(exc, "show", None)  # usage errors (Click's): their own one-line message with the usage line
+    if isinstance(exc, typer.TyperException) and callable(show):
+        show()
         return getattr(exc, "exit_code", 2)
     if isinstance(exc, DspecError | ValueError | FileNotFoundError | OSError):
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

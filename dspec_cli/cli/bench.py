@@ -26,6 +26,10 @@ def _fmt(x, spec=".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _percent(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.0f}%"
+
+
 def _prompts(run: dict) -> str:
     """Prompts run, and how many were skipped for not fitting the context."""
     skipped = run.get("skipped_prompts", 0)
@@ -51,7 +55,7 @@ def render_table(report: dict, console: Console) -> None:
             run["dataset"], _prompts(run), run["drafter"], run["scheduler"], str(run["concurrency"]), _fmt(run["tau"]),
             _fmt(run["tokens_per_s"], ".1f"), _fmt(run["per_user_tokens_per_s"], ".1f"),
             _fmt(run["baseline_tokens_per_s"], ".1f"), format_speedup(run), _bound(run), _fmt(run["mean_verify_budget"]), cond,
-            _fmt(100 * run["draft_time_share"], ".0f"), _fmt(100 * drafted_share(run), ".0f") + "%",
+            _fmt(100 * run["draft_time_share"], ".0f"), _percent(drafted_share(run)),
         )
     console.print(table)
 

@@ -113,8 +113,8 @@ def profile_command(
     """Profile steps per second SPS(B) of the target (or whole speculative steps) for token-batch sizes B and context lengths."""
     from dspec_cli.core.devices import parse_dtype, resolve_device
     from dspec_cli.core.hardware import default_grid
-    from dspec_cli.workflows.forward_profile import profile_sps
     from dspec_cli.runtime.target import Target
+    from dspec_cli.workflows.forward_profile import profile_sps
 
     if fmt not in FORMATS:
         raise DspecError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
@@ -126,13 +126,14 @@ def profile_command(
     if drafter is not None:
         check_output_file(json_path, "--json")
         check_output_dir(plots, "--plots")
-        resolve_device(device), parse_dtype(dtype)
+        resolve_device(device)
+        parse_dtype(dtype)
         return _profile_steps(drafter, checkpoint, block_size, requests, verify_tokens, fmt, target,
                               contexts or ",".join(map(str, DEFAULT_CONTEXTS)), repeats, warmup, device, dtype, seed,
                               json_path, plots)
 
     points = int_list(grid, "--grid") if grid else default_grid(max_batch_tokens)
-    ctx = int_list(contexts, "--contexts") if contexts else list(DEFAULT_CONTEXTS)
+    ctx: list[int] = int_list(contexts, "--contexts") if contexts else list(DEFAULT_CONTEXTS)
     if repeats < 1:
         raise DspecError(f"--repeats must be >= 1, got {repeats}")
     if warmup < 0:
@@ -141,7 +142,8 @@ def profile_command(
         raise DspecError(f"--row-tokens must be >= 1, got {row_tokens}")
     check_output_file(json_path, "--json")
     check_output_dir(plots, "--plots")
-    resolve_device(device), parse_dtype(dtype)
+    resolve_device(device)
+    parse_dtype(dtype)
     tgt = Target.load(target, dtype=dtype, device=device)
     err = Console(stderr=True)
     if contexts is None:

@@ -92,7 +92,7 @@ def isotonic(values: torch.Tensor) -> torch.Tensor:
             total, count = blocks.pop()
             blocks[-1][0] += total
             blocks[-1][1] += count
-    fit = [total / count for total, count in blocks for _ in range(count)]
+    fit = [total / count for total, count in blocks for _ in range(int(count))]
     return torch.tensor(fit, dtype=values.dtype)
 
 

@@ -32,7 +32,7 @@ hidden state does not exist at inference) and all of its own slots (bidirectiona
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -253,11 +253,12 @@ class Rotary(nn.Module):
         if torch.is_grad_enabled() or positions.device.type != "cpu":  # the table's size needs a host read
             return self._compute(positions, dtype)
         key = (positions.device, dtype)
-        cos, sin = self._tables.get(key, (None, None))
+        tables = self._tables.get(key)
         need = int(positions.max()) + 1 if positions.numel() else 0
-        if cos is None or need > cos.shape[0]:
-            size = max(need, 2 * cos.shape[0] if cos is not None else 256)
-            cos, sin = self._tables[key] = self._compute(torch.arange(size, device=positions.device), dtype)
+        if tables is None or need > tables[0].shape[0]:
+            size = max(need, 2 * tables[0].shape[0] if tables is not None else 256)
+            tables = self._tables[key] = self._compute(torch.arange(size, device=positions.device), dtype)
+        cos, sin = tables
         return cos[positions], sin[positions]
 
     def _compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -427,7 +428,7 @@ class ContextCache:
     def write(self, rows, pos, kv: list[tuple[torch.Tensor, torch.Tensor]], counts: torch.Tensor) -> None:
         """Store kv, per layer (K, V) [N, Hkv, hd], at (rows, pos) [N] from :meth:`slots`; counts [R]
         new entries per row."""
-        for keys, values, (k, v) in zip(self.keys, self.values, kv):
+        for keys, values, (k, v) in zip(self.keys, self.values, kv, strict=True):
             keys[rows, :, pos] = k.to(keys.dtype)
             values[rows, :, pos] = v.to(values.dtype)
         self.lengths = self.lengths + counts
@@ -589,7 +590,8 @@ class ParallelBackbone(nn.Module):
         rows, pos = cache.slots(counts, taps.shape[0], max_count)
         fused = self.fuse(taps)
         cos, sin = self.rotary(pos, self.dtype)
-        cache.write(rows, pos, [layer.self_attn.project_kv(fused, cos, sin) for layer in self.layers], counts)
+        cache.write(rows, pos, [cast(DecoderLayer, layer).self_attn.project_kv(fused, cos, sin) for layer in self.layers],
+                    counts)
 
     def forward_block(self, embeds: torch.Tensor, positions: torch.Tensor, cache: ContextCache) -> torch.Tensor:
         """One block per row: embeds [R, B, d] at positions [R, B] over the cached context ->
@@ -599,7 +601,7 @@ class ParallelBackbone(nn.Module):
         keys, values, ctx = cache.context()
         vis = None if ctx is None else torch.cat([ctx, ctx.new_ones(R, B)], dim=1)[:, None, None, :]  # [R, 1, 1, S+B]
         x = embeds.to(self.dtype)
-        for layer, k, v in zip(self.layers, keys, values):
+        for layer, k, v in zip(self.layers, keys, values, strict=True):
             x = layer(x, cos, sin, k, v, vis)
         return self.norm(x)
 
@@ -612,6 +614,6 @@ class ParallelBackbone(nn.Module):
         cos, sin = self.rotary(positions, self.dtype)
         x = embeds.to(self.dtype)
         for layer in self.layers:
-            k, v = layer.self_attn.project_kv(fused, ccos, csin)  # [b, L, Hkv, hd]
+            k, v = cast(DecoderLayer, layer).self_attn.project_kv(fused, ccos, csin)  # [b, L, Hkv, hd]
             x = layer(x, cos, sin, k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.norm(x)

@@ -118,6 +118,7 @@ class RNNHead(SequentialHead):
         return like.new_zeros(rows, self.rank)
 
     def step(self, state, prev, h):  # state [R, r], prev [R], h [R, d] -> (f [R, r], state [R, r])
+        assert state is not None  # init_state gives zeros
         z = torch.cat([state, self.embed(prev).to(h.dtype), h], dim=-1)
         g, c, o = self.gates(z).chunk(3, dim=-1)
         gate = torch.sigmoid(g)

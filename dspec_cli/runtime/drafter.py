@@ -37,6 +37,8 @@ from dspec_cli.core.files import (
 from dspec_cli.core.types import Capability, Proposal, Sampler
 
 if TYPE_CHECKING:
+    from typing_extensions import Self
+
     from dspec_cli.runtime.target import Target
     from dspec_cli.training.data import TrainData
 
@@ -60,7 +62,7 @@ class DrafterConfig:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any], *, where: str = "config") -> DrafterConfig:
+    def from_dict(cls, values: dict[str, Any], *, where: str = "config") -> Self:
         """Build from a dict; unknown keys are an error that lists the valid ones."""
         valid = cls.field_names()
         unknown = sorted(set(values) - set(valid))
@@ -116,17 +118,17 @@ class Drafter:
 
     # -- construction and persistence ------------------------------------------------
     @classmethod
-    def build(cls, config: DrafterConfig, target: Target) -> Drafter:
+    def build(cls, config: DrafterConfig, target: Target) -> Self:
         """A fresh (untrained) drafter for ``target``."""
         return cls(config, target)
 
     @classmethod
-    def load_default(cls, target: Target, **overrides: Any) -> Drafter:
+    def load_default(cls, target: Target, **overrides: Any) -> Self:
         """The drafter used when no checkpoint is given (trained drafters: the embedded one)."""
         return cls.build(cls.config_class(**overrides), target)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, target: Target, **overrides: Any) -> Drafter:
+    def from_pretrained(cls, path: str | Path, target: Target, **overrides: Any) -> Self:
         """Load a checkpoint folder written by :meth:`save_pretrained`."""
         path = Path(path)
         values = {**read_config(path).get("drafter_config", {}), **overrides}
@@ -245,7 +247,7 @@ class TrainableDrafter(Drafter):
         save_file(state, str(Path(path) / WEIGHTS_FILE))
 
     @classmethod
-    def load_default(cls, target: Target, **overrides: Any) -> Drafter:
+    def load_default(cls, target: Target, **overrides: Any) -> Self:
         """The embedded drafter ``assets/drafters/<name>/`` if it fits ``target``."""
 
         path = embedded_path("drafters") / cls.name
@@ -259,7 +261,7 @@ class TrainableDrafter(Drafter):
             raise DspecError(f"the embedded {cls.name} drafter does not fit this target ({exc}); {hint}") from None
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, target: Target, **overrides: Any) -> Drafter:
+    def from_pretrained(cls, path: str | Path, target: Target, **overrides: Any) -> Self:
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 

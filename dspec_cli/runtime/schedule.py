@@ -423,6 +423,7 @@ class Scheduler:
             self.gate.new_run()
 
     def _sps(self, max_tokens: int, device: torch.device) -> torch.Tensor:
+        assert self.cost_table is not None  # only the draft gate and cost-aware schedulers look up SPS
         return self.cost_table.sps_curve(max_tokens, self.context, device)
 
 

@@ -51,14 +51,15 @@ class Target:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = model.config.get_text_config()
-        impl = getattr(model.config, "_attn_implementation", None)
+        impl = attention.attn_implementation(model)
         if impl not in _MASKABLE:
             raise ValueError(f"model attn_implementation must be one of {_MASKABLE}, got {impl!r}")
         attention.use_for(model)  # sdpa -> dspec_sdpa: no K/V copy for grouped-query heads under a mask
         self._float_mask = impl == "eager"
-        self._layers = getattr(model.get_decoder(), "layers", None)
-        if self._layers is None:
+        layers = getattr(model.get_decoder(), "layers", None)
+        if layers is None:
             raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+        self._layers = layers
         self._embed = model.get_input_embeddings()
         self._param = next(model.parameters())  # device / dtype probe (``module.to`` keeps the object)
         self._window, self._layout = attention_layout(self.config)
@@ -106,7 +107,7 @@ class Target:
         except (OSError, ValueError) as err:
             detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise DspecError(f"cannot load target {name_or_path!r}: {detail}") from err
-        model.to(device).requires_grad_(False)
+        model.to(device).requires_grad_(False)  # pyright: ignore[reportArgumentType]  # transformers wraps `to` in a decorator pyright misreads
         if chat_template and tokenizer.chat_template is None:
             raise DspecError(f"target {name_or_path!r} has no chat template (chat_template=True)")
         return cls(model, tokenizer, chat_template=chat_template)
@@ -295,7 +296,7 @@ class Target:
         pending = _require_pending(batch, tree=False)
         keep = keep.to(self.device, torch.long)
         keep_list = keep.tolist()
-        if len(keep_list) != batch.num_rows or any(not 0 <= k <= m for k, m in zip(keep_list, pending.n)):
+        if len(keep_list) != batch.num_rows or any(not 0 <= k <= m for k, m in zip(keep_list, pending.n, strict=True)):
             raise ValueError(f"keep must be [R] with 0 <= keep[r] <= n_r={pending.n}, got {keep_list}")
         q = batch.num_slots - pending.start
         kept = torch.arange(q, device=self.device)[None, :] < keep[:, None]
@@ -304,13 +305,15 @@ class Target:
     def commit_path(self, batch: TargetBatch, path: torch.Tensor) -> None:
         """Trees: keep the nodes of ``path`` [R, D] (row-local ids from the root down, -1 padded)."""
         pending = _require_pending(batch, tree=True)
-        rows, q = pending.parents.shape
+        parents = pending.parents
+        assert parents is not None  # a tree step (_require_pending)
+        rows, q = parents.shape
         path = path.to(self.device, torch.long)
         if path.dim() != 2 or path.shape[0] != rows:
             raise ValueError(f"path must be [R={rows}, D], got {tuple(path.shape)}")
         used = path >= 0
         n = _counts(pending.n, self.device)
-        parent = pending.parents.gather(1, path.clamp(0, q - 1))  # [R, D]
+        parent = parents.gather(1, path.clamp(0, q - 1))  # [R, D]
         prev = torch.cat([torch.full_like(path[:, :1], -1), path[:, :-1]], dim=1)
         chain = (parent == prev) & (path < n[:, None])
         prefix = used.int().cummin(dim=1).values == used.int()  # -1 only as trailing padding
@@ -409,8 +412,9 @@ class Target:
         logits = out.logits[:, -1:] if last_only else out.logits
         return logits, _concat(taps, ids.shape[1], self.dtype, self.device, rows=ids.shape[0])
 
-    def _as_mask(self, mask: torch.Tensor) -> torch.Tensor:
+    def _as_mask(self, mask: torch.Tensor | None) -> torch.Tensor:
         """Bool mask for sdpa; additive float mask (0 / dtype min) for eager attention."""
+        assert mask is not None  # a sliding mask exists wherever the layout has sliding layers
         if not self._float_mask:
             return mask
         return torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill(

@@ -52,7 +52,12 @@ from dspec_cli.testing.simulate import (
     simulate_speculative,
     simulate_tree_speculative,
 )
-from dspec_cli.testing.toy import ToyDrafter, ToyLM, exact_target_joint, sample_categorical
+from dspec_cli.testing.toy import (
+    ToyDrafter,
+    ToyLM,
+    exact_target_joint,
+    sample_categorical,
+)
 
 __all__ = [
     "AppendixA", "Continuations", "GofResult", "LengthPolicy", "ToyDrafter", "ToyLM", "appendix_a",

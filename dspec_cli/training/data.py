@@ -122,7 +122,7 @@ def tokenize_conversations(
         chunk = convs[start : start + _TOKENIZE_CHUNK]
         texts = [_render(tokenizer, c.messages) for c in chunk]
         enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-        for conv, text, ids, offs in zip(chunk, texts, enc["input_ids"], enc["offset_mapping"]):
+        for conv, text, ids, offs in zip(chunk, texts, enc["input_ids"], enc["offset_mapping"], strict=True):
             spans = assistant_spans(text, conv.messages, eot, conv.where)
             mask = _token_mask(np.asarray(offs, dtype=np.int64).reshape(-1, 2), spans)[:max_length]
             n_loss = int(mask.sum())
@@ -262,11 +262,12 @@ class Features:
             return target_features(self.target, batch, self.layer_ids)
         ids = batch["input_ids"]
         lengths = batch["attention_mask"].sum(dim=1).tolist()
-        found = [self.cache.get(i, ids[r, :n]) for r, (i, n) in enumerate(zip(indices, lengths))]
-        if all(f is not None for f in found):
-            return {k: _pad([f[k] for f in found], ids.shape[1]).to(ids.device) for k in ("taps", "last_hidden")}
+        found = [self.cache.get(i, ids[r, :n]) for r, (i, n) in enumerate(zip(indices, lengths, strict=True))]
+        hits = [f for f in found if f is not None]
+        if len(hits) == len(found):
+            return {k: _pad([f[k] for f in hits], ids.shape[1]).to(ids.device) for k in ("taps", "last_hidden")}
         feats = target_features(self.target, batch, self.layer_ids)
-        for r, (i, n) in enumerate(zip(indices, lengths)):
+        for r, (i, n) in enumerate(zip(indices, lengths, strict=True)):
             self.cache.put(i, ids[r, :n], feats["taps"][r, :n], feats["last_hidden"][r, :n])
         return feats
 

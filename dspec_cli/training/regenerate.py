@@ -181,7 +181,7 @@ def regenerate(
                     runnable.append(d)
                 results = engine.generate(prompts, seeds=[turn_seed(opts.seed, d.id, d.turn) for d in runnable],
                                           on_finish=tick) if runnable else []
-                for d, res in zip(runnable, results):
+                for d, res in zip(runnable, results, strict=True):
                     d.history.append({"role": "assistant", "content": _decode(target, engine, res.output_ids)})
                     d.turn += 1
                     stats.turns += 1

@@ -95,6 +95,7 @@ class _Client:
     async def request(self, method: str, url: str, body: dict | None = None, *, retries: int | None = None) -> dict:
         """The decoded JSON answer; raises RequestFailed naming the last problem."""
         retries = self.sopts.max_retries if retries is None else retries
+        problem = "no attempt"  # retries >= 0: every attempt names its problem
         for attempt in range(retries + 1):
             wait = None
             try:

@@ -21,7 +21,7 @@ from dspec_cli.core.hardware import CostTable, device_name
 from dspec_cli.core.specs import parse_drafter_spec, parse_scheduler_spec
 from dspec_cli.core.version import __version__
 from dspec_cli.runtime.engine import GenerationConfig, RunStats, SpeculativeEngine
-from dspec_cli.runtime.schedule import build_scheduler
+from dspec_cli.runtime.schedule import Scheduler, build_scheduler
 from dspec_cli.runtime.target import Target
 from dspec_cli.workflows.metrics import acceptance, generated_tokens, ratio_interval
 
@@ -66,7 +66,7 @@ def environment(target: Target) -> dict:
     }
 
 
-def _schedulers(opts: BenchOptions, target: Target) -> list[tuple[str, object]]:
+def _schedulers(opts: BenchOptions, target: Target) -> list[tuple[str, Scheduler | None]]:
     """(name, scheduler) pairs; hardware-aware ones need a cost table from `dspec profile-hardware`."""
     if list(opts.schedulers) == ["fixed"] and not opts.cost_table:
         return [("fixed", None)]
@@ -156,10 +156,11 @@ def run_metrics(reps: list[tuple[list, float, RunStats]], baseline: list[tuple[l
     tps_runs = [tps for _, tps, _ in reps]
     base_runs = [tps for _, tps, _ in baseline]
     tps = statistics.median(tps_runs)
-    paired = [a / b for a, b in zip(tps_runs, base_runs) if b > 0]
+    paired = [a / b for a, b in zip(tps_runs, base_runs, strict=True) if b > 0]
     busy = stats.draft_seconds + stats.verify_seconds + stats.prefill_seconds + stats.other_seconds
-    latency = [r.end_time - r.start_time for r in results if r.end_time > r.start_time]
-    per_user = sum(len(r.output_ids) / t for r, t in zip(results, latency)) / len(latency) if latency else 0.0
+    timed_results = [r for r in results if r.end_time > r.start_time]  # per user: requests with a duration
+    per_user = (sum(len(r.output_ids) / (r.end_time - r.start_time) for r in timed_results) / len(timed_results)
+                if timed_results else 0.0)
     budgets = [v + 1 for r in results for v in r.verified]
     accepted = acceptance(results, block_size)
     budget = sum(budgets) / len(budgets) if budgets else 1.0
@@ -256,7 +257,8 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
         CostTable.load(opts.cost_table, block_size=opts.block_size)  # a missing or malformed table fails before any model loads
     GenerationConfig(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, top_k=opts.top_k,
                      top_p=opts.top_p, block_size=opts.block_size)  # sampling options checked up front
-    resolve_device(opts.device), parse_dtype(opts.dtype)
+    resolve_device(opts.device)
+    parse_dtype(opts.dtype)
     datasets = list(opts.datasets) or [BUILTIN]
     prompt_sets = {d: load_prompts(d, opts.num_prompts) for d in datasets}
     # checkpoints (local or downloaded) before the target loads: a missing one fails first
@@ -264,7 +266,7 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
     target = Target.load(opts.target, dtype=opts.dtype, device=opts.device)
     bound_table = CostTable.load(opts.cost_table, block_size=opts.block_size) if opts.cost_table else None
     schedulers = [_schedulers(opts, target) for _ in opts.drafters]  # per drafter: the draft gate learns its cost
-    drafters = [load_drafter(name, target, ckpt, opts.block_size) for name, ckpt in zip(opts.drafters, checkpoints)]
+    drafters = [load_drafter(name, target, ckpt, opts.block_size) for name, ckpt in zip(opts.drafters, checkpoints, strict=True)]
     runs = []
     for dset, prompts in prompt_sets.items():
         ids, skipped = fitting_prompts(target, [target.render_prompt(p.text) for p in prompts], opts.max_new_tokens,
@@ -277,13 +279,13 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
             engines = [("baseline", "-", SpeculativeEngine(target, None, cfg))]
             engines += [
                 (name, sname, SpeculativeEngine(target, d, cfg, scheduler=sched))
-                for name, d, scheds in zip(opts.drafters, drafters, schedulers)
+                for name, d, scheds in zip(opts.drafters, drafters, schedulers, strict=True)
                 for sname, sched in scheds
             ]
             if opts.warmup:
                 warm_up(engines, ids[:conc])
             timed = run_interleaved(engines, ids, opts.repeats, conc, dset, progress)
-            for (name, sname, eng), reps in zip(engines[1:], timed[1:]):
+            for (name, sname, eng), reps in zip(engines[1:], timed[1:], strict=True):
                 runs.append(
                     {
                         "drafter": name,

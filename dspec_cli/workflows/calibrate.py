@@ -70,7 +70,7 @@ class Rounds:
         if len(confidences) != len(accepted):
             raise DspecError(f"got {len(confidences)} confidence lists but {len(accepted)} accepted counts")
         gamma = block_size if block_size is not None else max((len(c) for c in confidences), default=0)
-        for i, (conf, acc) in enumerate(zip(confidences, accepted)):
+        for i, (conf, acc) in enumerate(zip(confidences, accepted, strict=True)):
             name = where[i] if where is not None else f"record {i}"
             if len(conf) > gamma:
                 raise DspecError(f"{name}: {len(conf)} confidences for block size {gamma}")
@@ -96,7 +96,7 @@ class Rounds:
         confs: list[list[float]] = []
         accepted: list[int] = []
         for res in results:
-            for conf, acc in zip(res.confidence, res.accepted):
+            for conf, acc in zip(res.confidence, res.accepted, strict=True):
                 if conf:
                     confs.append([min(max(float(c), CONFIDENCE_EPS), 1 - CONFIDENCE_EPS) for c in conf])
                     accepted.append(int(acc))
@@ -179,7 +179,7 @@ def position_metrics(rounds: Rounds, bins: int = NUM_BINS) -> dict:
     total = sum(out["count"])
     for key in ("ece", "brier"):
         out[f"{key}_mean"] = (
-            sum(v * n for v, n in zip(out[key], out["count"]) if v is not None) / total if total else None
+            sum(v * n for v, n in zip(out[key], out["count"], strict=True) if v is not None) / total if total else None
         )
     return out
 
@@ -197,8 +197,8 @@ def reliability(rounds: Rounds, bins: int = NUM_BINS) -> list[dict]:
             "position": k + 1,
             "edges": edges,
             "count": count[0].long().tolist(),
-            "mean_pred": [float(v) if c else None for v, c in zip(sum_pred[0] / safe, count[0])],
-            "mean_label": [float(v) if c else None for v, c in zip(sum_label[0] / safe, count[0])],
+            "mean_pred": [float(v) if c else None for v, c in zip(sum_pred[0] / safe, count[0], strict=True)],
+            "mean_label": [float(v) if c else None for v, c in zip(sum_label[0] / safe, count[0], strict=True)],
             "ece": ece(p, y, bins) if p.numel() else None,
             "auroc": auroc(p, y) if p.numel() else None,
         })

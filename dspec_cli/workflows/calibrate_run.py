@@ -168,7 +168,8 @@ def _check(opts: CalibrateOptions) -> type[Drafter]:
         raise DspecError("give --dataset (run the drafter) or --traces (recorded rounds), not both")
     GenerationConfig(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, top_p=opts.top_p,
                      top_k=opts.top_k, max_batch=opts.concurrency)  # sampling options checked up front
-    resolve_device(opts.device), parse_dtype(opts.dtype)
+    resolve_device(opts.device)
+    parse_dtype(opts.dtype)
     return cls
 
 

@@ -37,7 +37,7 @@ __all__ = ["Expand", "grow_sampled_tree", "grow_tree", "sampled_shape"]
 # children of the W frontier nodes of depth ``slot`` (their tokens; at slot 0 the anchors), given
 # the opaque per-node ``state`` (None at slot 0, else what the previous call returned, with its
 # rows re-gathered along dimension 1 to follow the frontier; it must be a tensor [R, W, ...] or None).
-Expand = Callable[[int, torch.Tensor, object], tuple[torch.Tensor, object]]
+Expand = Callable[[int, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]]
 
 
 def grow_tree(
@@ -237,4 +237,5 @@ def grow_sampled_tree(
             rows = (pick // K).view(R, -1, *([1] * (state.dim() - 2)))
             state = state.gather(1, rows.expand(-1, -1, *state.shape[2:]))
     tokens, parents, scores = tokens[:, :N], parents[:, :N], scores[:, :N]
+    assert draft_probs is not None  # written at the first slot
     return tokens, parents, scores, used, draft_probs[:, : N + 1]

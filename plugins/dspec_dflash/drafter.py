@@ -117,11 +117,11 @@ class DFlashConfig(BlockDrafterConfig):
                              "dspark-markov and dspark-rnn have one")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class BlockDraftState(DraftState):
     """Context K/V of committed tokens for every row (``context`` token lists are not kept)."""
 
-    cache: ContextCache | None = None
+    cache: ContextCache
 
     @property
     def num_requests(self) -> int:
@@ -180,7 +180,7 @@ def resolve_config(cfg: BlockDrafterConfig, target: Target) -> BlockDrafterConfi
     if cfg.vocab_size and cfg.vocab_size != vocab:
         raise DspecError(f"drafter vocabulary size {cfg.vocab_size} does not match the target's {vocab}")
     ids = tuple(cfg.target_layer_ids) or build_target_layer_ids(target.num_layers, cfg.num_layers)
-    if any(b <= a for a, b in zip(ids, ids[1:])) or not -1 <= min(ids) <= max(ids) < target.num_layers:
+    if any(b <= a for a, b in zip(ids, ids[1:], strict=False)) or not -1 <= min(ids) <= max(ids) < target.num_layers:
         raise DspecError(
             f"target_layer_ids {list(ids)} must increase strictly within [-1, {target.num_layers - 1}] for this target"
         )
@@ -196,6 +196,8 @@ class DFlashDrafter(TrainableDrafter):
 
     name = "dflash"
     config_class = DFlashConfig
+    config: BlockDrafterConfig
+    net: BlockDrafterNet
     capabilities = frozenset({Capability.draft_probs, Capability.marginals, Capability.trainable})
     description = "parallel block drafter with target KV injection (DFlash, DeepSpec variant)"
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from dspec_cli import (
+    PAD,
     Drafter,
     DrafterConfig,
     DraftState,
-    PAD,
     DspecError,
     Proposal,
     Sampler,
@@ -54,6 +54,7 @@ def lookup(context: torch.Tensor, max_len: int, max_ngram: int, min_ngram: int) 
 class PromptLookupDrafter(Drafter):
     name = "prompt-lookup"
     config_class = PromptLookupConfig
+    config: PromptLookupConfig
     capabilities = frozenset()
     description = "n-gram match in the request's context (training-free)"
 

@@ -147,5 +147,12 @@ def dtype_fields(dtype: torch.dtype) -> dict[str, str]:
 
 
 def foreign_state(state: dict[str, torch.Tensor], rules: Rules) -> dict[str, torch.Tensor]:
-    """Our state dict (name -> tensor [any shape], kept as is) renamed into a foreign layout."""
-    return {rename(k, rules, reverse=True): v for k, v in state.items()}
+    """Our state dict (name -> tensor [any shape], kept as is) renamed into a foreign layout;
+    a name no rule covers is a ValueError."""
+    out = {}
+    for name, tensor in state.items():
+        foreign = rename(name, rules, reverse=True)
+        if foreign is None:
+            raise ValueError(f"no layout rule names parameter {name!r}")
+        out[foreign] = tensor
+    return out

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.knobs
 import triton.language as tl
 
 from dspec_cli.core.ragged import prefix_sums
@@ -101,7 +102,7 @@ def _chain_kernel(
         any_r = tl.maximum(any_r, (top_res > 0).to(tl.int32))
     token = tl.where(any_r > 0, idx_r, idx_p)
     tl.store(out_row + accepted, token.to(tl.int64))
-    tl.store(out_acc_ptr + r, accepted.to(tl.int64))
+    tl.store(out_acc_ptr + r, accepted.to(tl.int64))  # pyright: ignore[reportAttributeAccessIssue]  # Triton DSL: `accepted` is a tensor inside the kernel
 
 
 def _greedy_kernel(
@@ -138,8 +139,8 @@ def _greedy_kernel(
                 tl.store(out_row + k, x)
                 accepted += 1
             else:
-                tl.store(out_row + k, idx.to(tl.int64))
-    tl.store(out_acc_ptr + r, accepted.to(tl.int64))
+                tl.store(out_row + k, idx.to(tl.int64))  # pyright: ignore[reportAttributeAccessIssue]  # Triton DSL: `idx` is a tensor inside the kernel
+    tl.store(out_acc_ptr + r, accepted.to(tl.int64))  # pyright: ignore[reportAttributeAccessIssue]  # Triton DSL: `accepted` is a tensor inside the kernel
 
 
 _JIT: dict[bool, tuple] = {}
@@ -154,8 +155,8 @@ def _kernels() -> tuple:
     mode = interpreting()
     if mode not in _JIT:  # triton.jit reads TRITON_INTERPRET when it wraps the function
         _JIT[mode] = (
-            triton.jit(_chain_kernel, do_not_specialize=["out_width"]),
-            triton.jit(_greedy_kernel, do_not_specialize=["out_width"]),
+            triton.jit(do_not_specialize=["out_width"])(_chain_kernel),
+            triton.jit(do_not_specialize=["out_width"])(_greedy_kernel),
         )
     return _JIT[mode]
 
