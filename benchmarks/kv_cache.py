@@ -60,7 +60,7 @@ def measure(target: Target, dataset: str, rows: list[int], steps: int, repeats: 
             for kind in list(KINDS)[:: 1 if rep % 2 == 0 else -1]:
                 times[kind].append(decode_seconds(target, ids, steps, KINDS[kind]))
         dyn, slack = min(times["dynamic"]), min(times["slack"])
-        paired = [a / b for a, b in zip(times["dynamic"], times["slack"])]
+        paired = [a / b for a, b in zip(times["dynamic"], times["slack"], strict=True)]
         out.append({"rows": r, "steps": steps, "repeats": repeats, "dynamic_ms_per_step": 1e3 * dyn / steps,
                     "slack_ms_per_step": 1e3 * slack / steps, "speedup": dyn / slack,
                     "speedup_paired_median": statistics.median(paired), "speedup_runs": paired})  # fmt: skip

@@ -41,7 +41,7 @@ import torch
 from benchmarks.drafter_latency import build_target
 from benchmarks.table import load_table
 from dspec_cli.core.calibration import Calibration
-from dspec_cli.core.hardware import CostTable, profile_sps
+from dspec_cli.core.hardware import CostTable
 from dspec_cli.core.plugins import get_drafter_class
 from dspec_cli.core.specs import parse_scheduler_spec
 from dspec_cli.core.types import Proposal, Sampler, StepOutput
@@ -57,6 +57,7 @@ from dspec_cli.workflows.bench import (
     warm_up,
 )
 from dspec_cli.workflows.calibrate import Rounds, load_traces
+from dspec_cli.workflows.forward_profile import profile_sps
 
 PROFILE_GRID = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 

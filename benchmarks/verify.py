@@ -30,8 +30,19 @@ from pathlib import Path
 import torch
 
 from dspec_cli.core.hardware import device_name
-from dspec_cli.core.sampling import CounterNoise, logits_to_probs, sample_from_probs, torch_exponential, torch_uniform
-from dspec_cli.runtime.verify import reference, triton_available, verify_chain, verify_greedy
+from dspec_cli.core.sampling import (
+    CounterNoise,
+    logits_to_probs,
+    sample_from_probs,
+    torch_exponential,
+    torch_uniform,
+)
+from dspec_cli.runtime.verify import (
+    reference,
+    triton_available,
+    verify_chain,
+    verify_greedy,
+)
 
 FULL_GRID = dict(R=(1, 16, 64, 256), gamma=(4, 7, 16), V=(32000, 151936))
 QUICK_GRID = dict(R=(1, 16, 64), gamma=(4,), V=(32000,))
@@ -116,7 +127,8 @@ def run(backends, grid: dict, device: torch.device, warmup: int, repeats: int, v
                 x = _inputs(R, gamma, V, device, gen)
                 for backend in backends:
                     for kind in KINDS:
-                        times = _time(lambda: _call(kind, x, backend, validate), device, warmup, repeats)
+                        times = _time(lambda kind=kind, x=x, backend=backend: _call(kind, x, backend, validate),
+                                      device, warmup, repeats)
                         tau = _call(kind, x, backend, False).num_tokens.float().mean().item()
                         results.append(
                             dict(backend=backend, kind=kind, R=R, gamma=gamma, V=V,
@@ -199,7 +211,9 @@ def _device_us(fn, device: torch.device, repeats: int) -> dict:
 
 def _kernel_cases(R: int, gamma: int, V: int, dtype: torch.dtype, device, generator) -> list[dict]:
     """(kind, Triton call, torch call, the tensor whose one read is the bound) at one size."""
-    from dspec_cli.runtime.verify import triton as impl  # needs triton; only with --kernels
+    from dspec_cli.runtime.verify import (
+        triton as impl,  # needs triton; only with --kernels
+    )
 
     x = _inputs(R, gamma, V, device, generator)
     logits, probs = x["logits"].to(dtype), x["target_probs"].to(dtype)

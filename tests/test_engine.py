@@ -51,7 +51,7 @@ def test_greedy_equals_plain_greedy(target, name):
     drafter = make_drafter(name, target) if name else None
     cfg = GenerationConfig(max_new_tokens=20, temperature=0.0, block_size=4, max_batch=3)
     results = SpeculativeEngine(target, drafter, cfg, stop_ids=[]).generate(prompts)
-    for prompt, res in zip(prompts, results):
+    for prompt, res in zip(prompts, results, strict=True):
         assert res.output_ids == plain_greedy(target, prompt, 20)
         assert res.finish_reason == "length"
 
@@ -84,7 +84,7 @@ def test_stop_tokens_and_budget(target):
     free = SpeculativeEngine(target, make_drafter("prompt-lookup", target), cfg, stop_ids=[]).generate(prompts)
     stop = free[0].output_ids[5]
     stopped = SpeculativeEngine(target, make_drafter("prompt-lookup", target), cfg, stop_ids=[stop]).generate(prompts)
-    for a, b in zip(free, stopped):
+    for a, b in zip(free, stopped, strict=True):
         assert len(a.output_ids) == 15
         if stop in a.output_ids:
             cut = a.output_ids.index(stop) + 1
@@ -165,7 +165,7 @@ def test_tree_greedy_equals_plain_greedy(target):
     prompts = [target.render_prompt(p) for p in PROMPTS]
     cfg = GenerationConfig(max_new_tokens=20, temperature=0.0, block_size=2, max_batch=3)
     results = SpeculativeEngine(target, BigramTreeDrafter(target), cfg, stop_ids=[]).generate(prompts)
-    for prompt, res in zip(prompts, results):
+    for prompt, res in zip(prompts, results, strict=True):
         assert res.output_ids == plain_greedy(target, prompt, 20)
     assert sum(a for r in results for a in r.accepted) > 0  # some tree nodes were accepted
 

@@ -61,7 +61,7 @@ def test_export_round_trip(target, model_dir, tmp_path, capsys, variant, fmt):
     assert json.loads((out / "config.json").read_text())["architectures"] == [layout]
     cls = get_drafter_class(name)
     ours, back = cls.from_pretrained(ckpt, target), cls.from_pretrained(out, target)  # interop loader
-    for a, b in zip(proposal(target, ours), proposal(target, back)):
+    for a, b in zip(proposal(target, ours), proposal(target, back), strict=True):
         assert (a is None and b is None) or torch.equal(a, b)
 
 

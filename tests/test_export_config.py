@@ -67,7 +67,7 @@ def test_attention_fields_and_rope_survive_export(target, tmp_path, name, overri
         assert getattr(parsed, key) == getattr(cfg, key), key
     back = get_drafter_class(name).from_pretrained(tmp_path, target)
     assert back.config.rope_parameters == cfg.rope_parameters
-    for a, b in zip(proposal(target, drafter), proposal(target, back)):
+    for a, b in zip(proposal(target, drafter), proposal(target, back), strict=True):
         assert (a is None and b is None) or torch.equal(a, b)
 
 

@@ -19,8 +19,8 @@ from dspec_cli.core.hardware import (
     default_grid,
     device_name,
     isotonic,
-    profile_sps,
 )
+from dspec_cli.workflows.forward_profile import profile_sps
 
 
 def make_table(measured: dict, grid=(1, 2, 4, 8), **kw) -> CostTable:

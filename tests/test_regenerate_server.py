@@ -16,8 +16,8 @@ import pytest
 from test_regenerate import write_prompts
 from tiny_models import assert_cli_error, run_cli
 
-from dspec_cli.training import regenerate_server as rs
 from dspec_cli.core.files import DEFAULT_TARGET_PATH
+from dspec_cli.training import regenerate_server as rs
 from dspec_cli.training.regenerate import RegenerateOptions
 from dspec_cli.training.regenerate_server import (
     ServerOptions,

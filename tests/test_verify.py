@@ -43,7 +43,7 @@ def make_chain(lengths, V, *, seed=0, one_hot=False, closeness=1.0):
     total, R = int(num_draft.sum()), len(lengths)
     rows = torch.randn(total + R, V, generator=g)
     starts = torch.cat([torch.zeros(1, dtype=torch.long), (num_draft + 1).cumsum(0)[:-1]])
-    draft_rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts.tolist(), lengths)]) if total else starts[:0]
+    draft_rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts.tolist(), lengths, strict=True)]) if total else starts[:0]
     draft_logits = rows[draft_rows] + closeness * torch.randn(total, V, generator=g)
     draft_probs = torch.softmax(draft_logits, -1)
     draft_tokens = torch.multinomial(draft_probs, 1, generator=g).squeeze(1) if total else torch.zeros(0, dtype=torch.long)
@@ -88,7 +88,7 @@ def oracle_chain(target_probs, draft_tokens, draft_probs, num_draft, uniforms, n
 
 
 def as_lists(result):
-    return [row[:n] for row, n in zip(result.tokens.tolist(), result.num_tokens.tolist())]
+    return [row[:n] for row, n in zip(result.tokens.tolist(), result.num_tokens.tolist(), strict=True)]
 
 
 def run_chain(inputs, backend, **kw):

@@ -77,7 +77,7 @@ def oracle(method, target_probs, tokens, parents, num_nodes, coins, noise):
 
 def as_lists(result):
     n = result.num_tokens.tolist()
-    return [(t[:k], p[:k]) for t, p, k in zip(result.tokens.tolist(), result.path.tolist(), n)]
+    return [(t[:k], p[:k]) for t, p, k in zip(result.tokens.tolist(), result.path.tolist(), n, strict=True)]
 
 
 def randomness(method, sizes, parents, V, seed):

@@ -18,7 +18,6 @@ import torch
 pytest.importorskip("triton")
 
 from dspec_cli import testing as T  # noqa: E402
-from dspec_cli.core.types import VerifyResult  # noqa: E402
 from dspec_cli.core.sampling import (  # noqa: E402
     CounterNoise,
     logits_to_probs,
@@ -26,6 +25,7 @@ from dspec_cli.core.sampling import (  # noqa: E402
     torch_exponential,
     torch_uniform,
 )
+from dspec_cli.core.types import VerifyResult  # noqa: E402
 from dspec_cli.runtime.verify import (  # noqa: E402
     reference,
     sample_logits,

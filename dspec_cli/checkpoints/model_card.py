@@ -102,7 +102,7 @@ def _default_body(drafter: str, target: str, repo_id: str | None) -> str:
 
 def refresh_model_card(folder: Path, config: dict[str, Any], repo_id: str | None = None) -> str:
     """The folder's README.md (or a new card) with dspec's metadata and a rebuilt "Measured" section."""
-    from huggingface_hub import ModelCard
+    from huggingface_hub import ModelCard, ModelCardData
 
     drafter = config["drafter"]
     target = config_target(config).get("name_or_path", "")
@@ -110,11 +110,13 @@ def refresh_model_card(folder: Path, config: dict[str, Any], repo_id: str | None
     meta = card_metadata(drafter, target)
     text = file.read_text() if file.is_file() else _default_body(drafter, target, repo_id)
     card = ModelCard(text if text.startswith("---") else render_card(meta, text), ignore_metadata_errors=True)
+    data = card.data
+    assert isinstance(data, ModelCardData)  # a ModelCard's data (huggingface_hub types it as CardData)
     for key, value in meta.items():
         if key == "tags":
-            card.data.tags = list(dict.fromkeys([*(card.data.tags or []), *value]))
-        elif getattr(card.data, key, None) is None:
-            setattr(card.data, key, value)
+            data.tags = [str(t) for t in dict.fromkeys([*(data.tags or []), *value])]
+        elif getattr(data, key, None) is None:  # ModelCardData keeps unknown metadata keys as attributes
+            setattr(data, key, value)
     body, section = card.text, measured_section(folder)
     if MEASURED_BEGIN in body and MEASURED_END in body:
         head, rest = body.split(MEASURED_BEGIN, 1)

@@ -20,16 +20,14 @@ from dspec_cli.core.outputs import (
     is_stdout,
     write_json,
 )
-from dspec_cli.workflows.bench import (
-    BenchOptions,
-    drafted_share,
-    format_speedup,
-    run_bench,
-)
 
 
 def _fmt(x, spec=".2f") -> str:
     return "-" if x is None else format(x, spec)
+
+
+def _percent(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.0f}%"
 
 
 def _prompts(run: dict) -> str:
@@ -45,6 +43,8 @@ def _bound(run: dict) -> str:
 
 
 def render_table(report: dict, console: Console) -> None:
+    from dspec_cli.workflows.bench import drafted_share, format_speedup
+
     table = Table(title=f"dspec bench · target {report['target']} · {report['env']['device']} · {report['env']['dtype']}")
     for col in ("dataset", "prompts", "drafter", "scheduler", "R", "τ", "tok/s", "per user", "base tok/s", "speedup", "bound", "budget", "cond. accept by position", "draft %", "drafted"):
         left = col in ("dataset", "drafter", "scheduler", "cond. accept by position")
@@ -55,7 +55,7 @@ def render_table(report: dict, console: Console) -> None:
             run["dataset"], _prompts(run), run["drafter"], run["scheduler"], str(run["concurrency"]), _fmt(run["tau"]),
             _fmt(run["tokens_per_s"], ".1f"), _fmt(run["per_user_tokens_per_s"], ".1f"),
             _fmt(run["baseline_tokens_per_s"], ".1f"), format_speedup(run), _bound(run), _fmt(run["mean_verify_budget"]), cond,
-            _fmt(100 * run["draft_time_share"], ".0f"), _fmt(100 * drafted_share(run), ".0f") + "%",
+            _fmt(100 * run["draft_time_share"], ".0f"), _percent(drafted_share(run)),
         )
     console.print(table)
 
@@ -95,6 +95,8 @@ def bench_command(
     suite: Optional[str] = typer.Option(None, "--suite", help="paper = the paper's nine evaluation sets with their caps (see `dspec datasets`); prints τ per domain."),
 ) -> None:
     """Measure τ, acceptance by position and speedup over plain decoding of the same target."""
+    from dspec_cli.workflows.bench import BenchOptions, run_bench
+
     if num_prompts is not None and num_prompts < 1:
         raise DspecError(f"--num-prompts must be >= 1, got {num_prompts}")
     if suite is not None:

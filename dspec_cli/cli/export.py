@@ -32,10 +32,9 @@ def export_command(
     overwrite: bool = opt.overwrite("the files of an earlier export in a non-empty --output folder"),
 ) -> None:
     """Export a drafter for vLLM or SGLang and print the command that serves it."""
-    from dspec_cli.checkpoints import layouts as interop
+    from dspec_cli.checkpoints import load_drafter
     from dspec_cli.checkpoints.hub import resolve_checkpoint
     from dspec_cli.checkpoints.native import choose_target
-    from dspec_cli.core import plugins
     from dspec_cli.core.files import DEFAULT_TARGET_PATH
     from dspec_cli.runtime.target import Target
     from dspec_cli.workflows.export import FORMATS, export
@@ -48,10 +47,9 @@ def export_command(
     check_output_file(json_path, "--json")
     template_kwargs = opt.template_kwargs(chat_template_kwargs)  # the deployment's; its server default
     path = resolve_checkpoint(checkpoint)
-    cls = plugins.get_drafter_class(interop.checkpoint_drafter(path))
     target = choose_target(target, [path])  # no --target: the one the checkpoint was trained for
     tgt = Target.load(target, dtype=dtype)
-    drafter = cls.from_pretrained(path, tgt)
+    drafter = load_drafter(None, tgt, path)
     target_name = target or str(DEFAULT_TARGET_PATH)
     if Path(target_name).exists():
         target_name = str(Path(target_name).resolve())

@@ -34,7 +34,7 @@ def fit_contexts(contexts: list[int], max_ctx: int | None, row_tokens: int) -> l
 
 def _default_contexts(contexts: list[int], target, tokens_after: int) -> list[int]:
     """The default contexts clipped to the target's, with a warning naming the ones used."""
-    max_ctx = getattr(target.model.config.get_text_config(), "max_position_embeddings", None)
+    max_ctx = target.max_context
     fitted = fit_contexts(contexts, max_ctx, tokens_after)
     if fitted != contexts:
         warnings.warn(f"the target's context is {max_ctx} tokens: profiling contexts {','.join(map(str, fitted))} "
@@ -131,8 +131,9 @@ def profile_command(
 ) -> None:
     """Profile steps per second SPS(B) of the target (or whole speculative steps) for token-batch sizes B and context lengths."""
     from dspec_cli.core.devices import parse_dtype, resolve_device
-    from dspec_cli.core.hardware import default_grid, profile_sps
+    from dspec_cli.core.hardware import default_grid
     from dspec_cli.runtime.target import Target
+    from dspec_cli.workflows.forward_profile import profile_sps
 
     if fmt not in FORMATS:
         raise DspecError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
@@ -144,7 +145,8 @@ def profile_command(
     if drafter is not None:
         check_output_file(json_path, "--json")
         check_output_dir(plots, "--plots")
-        resolve_device(device), parse_dtype(dtype)
+        resolve_device(device)
+        parse_dtype(dtype)
         return _profile_steps(drafter, checkpoint, block_size, requests, verify_tokens, fmt, target, contexts,
                               repeats, warmup, device, dtype, seed, json_path, plots)
 
@@ -158,7 +160,8 @@ def profile_command(
         raise DspecError(f"--row-tokens must be >= 1, got {row_tokens}")
     check_output_file(json_path, "--json")
     check_output_dir(plots, "--plots")
-    resolve_device(device), parse_dtype(dtype)
+    resolve_device(device)
+    parse_dtype(dtype)
     tgt = Target.load(target, dtype=dtype, device=device)
     err = Console(stderr=True)
     if contexts is None:

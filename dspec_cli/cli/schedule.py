@@ -14,7 +14,6 @@ from dspec_cli.cli import app
 from dspec_cli.cli import options as opt
 from dspec_cli.cli.options import int_list
 from dspec_cli.cli.progress import results_console
-from dspec_cli.core.devices import resolve_device
 from dspec_cli.core.outputs import (
     check_output_dir,
     check_output_file,
@@ -45,6 +44,7 @@ def schedule_command(
     import torch
 
     from dspec_cli.core.calibration import Calibration
+    from dspec_cli.core.devices import resolve_device
     from dspec_cli.core.errors import DspecError
     from dspec_cli.core.hardware import CostTable
     from dspec_cli.core.specs import parse_scheduler_spec

@@ -12,6 +12,7 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    TaskID,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
@@ -29,7 +30,7 @@ class RichProgress:
     def __init__(self, console: Console):
         self.console = console
         self.bar: Progress | None = None
-        self.task = None
+        self.task: TaskID | None = None
         self.lines = None if console.is_terminal else LogLines(console, "steps")
         self.title, self.total, self.first = "", 0, 0
 
@@ -53,7 +54,8 @@ class RichProgress:
         if self.lines is not None:
             self.lines.tick(self, self.title, row["step"], self.total, stats, base=self.first)
             return
-        self.bar.update(self.task, completed=row["step"], stats=stats)
+        if self.bar is not None and self.task is not None:
+            self.bar.update(self.task, completed=row["step"], stats=stats)
 
     def note(self, text: str) -> None:
         self.console.print(text)

@@ -18,7 +18,8 @@ from dspec_cli.core.outputs import atomic_write_text
 
 
 def apply_temperatures(confidence: torch.Tensor, temperatures: Sequence[float] | torch.Tensor | None) -> torch.Tensor:
-    """σ(logit(c_k) / T_k) per position of confidence [..., γ]; positions past the list keep T = 1."""
+    """σ(logit(c_k) / T_k) per position of confidence [..., γ], temperatures [γ'] (a list or a
+    tensor; positions past them keep T = 1)."""
     if temperatures is None or len(temperatures) == 0:
         return confidence
     temps = _temperature_row(temperatures, confidence.device, confidence.dtype, confidence.shape[-1])
@@ -65,7 +66,7 @@ class Calibration:
             raise DspecError(f"{where} is for block size {self.block_size}, not {block_size}")
 
     def apply(self, confidence: torch.Tensor) -> torch.Tensor:
-        """Calibrated confidences [..., γ'] (γ' <= block size; positions past it keep T = 1). The
+        """Calibrated confidences of confidence [..., γ'] (γ' <= block size; past it T = 1). The
         engine calls this every round: the temperature row is built once per device, dtype and γ'."""
         key = (confidence.device, confidence.dtype, confidence.shape[-1])
         temps = self._rows.get(key)

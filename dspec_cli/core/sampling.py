@@ -207,7 +207,7 @@ def _on_host(seeds: torch.Tensor) -> bool:
 
 def _host_keys(seeds: torch.Tensor, offsets: torch.Tensor, salt: torch.Tensor):
     """(salt, seed, offset) python ints of every key, row-major (broadcast tensors)."""
-    return zip(salt.flatten().tolist(), seeds.flatten().tolist(), offsets.flatten().tolist())
+    return zip(salt.flatten().tolist(), seeds.flatten().tolist(), offsets.flatten().tolist(), strict=True)
 
 
 def _host_lanes(salt: int, seed: int, offset: int) -> list[int]:
@@ -238,8 +238,9 @@ def _host_absorb(h: int, *words: int) -> int:
 def uniform(seeds: torch.Tensor, offsets: torch.Tensor, salt: int | torch.Tensor = 0) -> torch.Tensor:
     """Counter-based uniforms: float64 in the open interval (0, 1).
 
-    seeds, offsets: int64 tensors (broadcast together, e.g. [R] and [R], or [R, 1] and [R, L]);
-    salt: int or int tensor separating streams. A pure function of (seed, offset, salt) with
+    seeds [...] and offsets [...]: int64 tensors broadcast together (e.g. [R] and [R], or
+    [R, 1] and [R, L]);
+    salt: an int, or an int tensor [...] broadcast with them, separating streams. A pure function of (seed, offset, salt) with
     52 random bits; never 0 and never 1.
     """
     if seeds.numel() == 0 or offsets.numel() == 0:

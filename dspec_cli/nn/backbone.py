@@ -32,7 +32,7 @@ hidden state does not exist at inference) and all of its own slots (bidirectiona
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -191,7 +191,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
         # float math, rounded to x's dtype, then the weight (Qwen3's order); torch's fused kernel
         y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return self.weight * y.to(x.dtype)
@@ -206,7 +206,7 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if scale else None
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
         y = x.float()
         y = y * torch.pow(y.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
         if self.weight is not None:
@@ -260,11 +260,12 @@ class Rotary(nn.Module):
         if torch.is_grad_enabled() or positions.device.type != "cpu":  # the table's size needs a host read
             return self._compute(positions, dtype)
         key = (positions.device, dtype)
-        cos, sin = self._tables.get(key, (None, None))
+        tables = self._tables.get(key)
         need = int(positions.max()) + 1 if positions.numel() else 0
-        if cos is None or need > cos.shape[0]:
-            size = max(need, 2 * cos.shape[0] if cos is not None else 256)
-            cos, sin = self._tables[key] = self._compute(torch.arange(size, device=positions.device), dtype)
+        if tables is None or need > tables[0].shape[0]:
+            size = max(need, 2 * tables[0].shape[0] if tables is not None else 256)
+            tables = self._tables[key] = self._compute(torch.arange(size, device=positions.device), dtype)
+        cos, sin = tables
         return cos[positions], sin[positions]
 
     def _compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -321,8 +322,9 @@ _FLEX = {}
 
 
 def attend(q, k, v, mask, gqa: bool, scale: float | None = None) -> torch.Tensor:
-    """Attention of q over k/v under a bool mask (SDPA; None: every key visible) or a BlockMask
-    (flex); ``scale`` None = 1/sqrt(head_dim)."""
+    """Attention of q [b, H, Q, hd] over k, v [b, Hkv, K, hd] (``gqa``: H a multiple of Hkv) under
+    a bool mask [b, 1, Q, K] (SDPA; None: every key visible) or a BlockMask (flex) -> [b, H, Q, hd];
+    ``scale`` None = 1/sqrt(head_dim)."""
     if mask is None or isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
     from torch.nn.attention.flex_attention import flex_attention
@@ -343,7 +345,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(m, d, bias=False)
         self.act = ACT2FN[cfg.hidden_act]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., d] -> [..., d]
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -364,6 +366,7 @@ class DecoderLayer(nn.Module):
             self.register_buffer("layer_scalar", torch.ones(1))  # persistent: DeepSpec saves it
 
     def forward(self, x, cos, sin, k_ctx, v_ctx, mask) -> torch.Tensor:
+        """x [b, Q, d] -> [b, Q, d]; the other arguments as in :meth:`Attention.forward`."""
         if self.sandwich:
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, k_ctx, v_ctx, mask))
             x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -430,8 +433,9 @@ class ContextCache:
         return rows, pos
 
     def write(self, rows, pos, kv: list[tuple[torch.Tensor, torch.Tensor]], counts: torch.Tensor) -> None:
-        """Store per-layer (K, V) [N, Hkv, hd] at (rows, pos) [N] from :meth:`slots`."""
-        for keys, values, (k, v) in zip(self.keys, self.values, kv):
+        """Store kv, per layer (K, V) [N, Hkv, hd], at (rows, pos) [N] from :meth:`slots`; counts [R]
+        new entries per row."""
+        for keys, values, (k, v) in zip(self.keys, self.values, kv, strict=True):
             keys[rows, :, pos] = k.to(keys.dtype)
             values[rows, :, pos] = v.to(values.dtype)
         self.lengths = self.lengths + counts
@@ -508,8 +512,9 @@ def build_blocks(
     input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor,
     block_size: int, mask_token_id: int,
 ) -> Blocks:
-    """Block inputs, labels and the eval mask: slot k is valid iff a+k+1 < L, loss_mask[a+k+1]
-    and the block is kept, cut at the first invalid slot."""
+    """Block inputs, labels and the eval mask of input_ids [b, L], loss_mask [b, L] and blocks at
+    anchors [b, N] (keep [b, N] bool): slot k is valid iff a+k+1 < L, loss_mask[a+k+1] and the
+    block is kept, cut at the first invalid slot."""
     b, L = input_ids.shape
     n = anchors.shape[1]
     pos = anchors[..., None] + torch.arange(block_size, device=anchors.device)  # [b, N, B]
@@ -537,7 +542,8 @@ def _mask_mod(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_siz
 
 
 def training_mask(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_size: int, impl: str = "auto"):
-    """Block-sparse mask over [context L | N blocks]: a dense bool [b, 1, N·B, L+N·B] for SDPA
+    """Block-sparse mask over [context L | N blocks] of anchors [b, N] (keep [b, N] bool): a dense
+    bool [b, 1, N·B, L+N·B] for SDPA
     (``impl="dense"``) or a FlexAttention ``BlockMask`` (``"flex"``); ``"auto"`` = flex on CUDA."""
     if impl not in ("auto", "dense", "flex"):
         raise ValueError(f"impl must be auto, dense or flex, got {impl!r}")
@@ -591,7 +597,8 @@ class ParallelBackbone(nn.Module):
         rows, pos = cache.slots(counts, taps.shape[0], max_count)
         fused = self.fuse(taps)
         cos, sin = self.rotary(pos, self.dtype)
-        cache.write(rows, pos, [layer.self_attn.project_kv(fused, cos, sin) for layer in self.layers], counts)
+        cache.write(rows, pos, [cast(DecoderLayer, layer).self_attn.project_kv(fused, cos, sin) for layer in self.layers],
+                    counts)
 
     def forward_block(self, embeds: torch.Tensor, positions: torch.Tensor, cache: ContextCache) -> torch.Tensor:
         """One block per row: embeds [R, B, d] at positions [R, B] over the cached context ->
@@ -601,19 +608,19 @@ class ParallelBackbone(nn.Module):
         keys, values, ctx = cache.context()
         vis = None if ctx is None else torch.cat([ctx, ctx.new_ones(R, B)], dim=1)[:, None, None, :]  # [R, 1, 1, S+B]
         x = embeds.to(self.dtype)
-        for layer, k, v in zip(self.layers, keys, values):
+        for layer, k, v in zip(self.layers, keys, values, strict=True):
             x = layer(x, cos, sin, k, v, vis)
         return self.norm(x)
 
     def forward_train(self, embeds: torch.Tensor, positions: torch.Tensor, taps: torch.Tensor, mask) -> torch.Tensor:
-        """All blocks of b sequences: embeds [b, N·B, d] at positions [b, N·B], context taps
-        [b, L, n·d] at positions 0..L−1, mask from :func:`training_mask` -> h [b, N·B, d]."""
+        """All blocks of b sequences: embeds [b, N·B, d] at positions [b, N·B], context
+        taps [b, L, n·d] at positions 0..L−1, mask from :func:`training_mask` -> h [b, N·B, d]."""
         b, L = taps.shape[:2]
         fused = self.fuse(taps)
         ccos, csin = self.rotary(torch.arange(L, device=taps.device).expand(b, L), self.dtype)
         cos, sin = self.rotary(positions, self.dtype)
         x = embeds.to(self.dtype)
         for layer in self.layers:
-            k, v = layer.self_attn.project_kv(fused, ccos, csin)  # [b, L, Hkv, hd]
+            k, v = cast(DecoderLayer, layer).self_attn.project_kv(fused, ccos, csin)  # [b, L, Hkv, hd]
             x = layer(x, cos, sin, k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.norm(x)

@@ -41,7 +41,10 @@ from dspec_cli.core.files import (
 from dspec_cli.core.types import Capability, Proposal, Sampler
 
 if TYPE_CHECKING:
+    from typing_extensions import Self
+
     from dspec_cli.runtime.target import Target
+    from dspec_cli.training.data import TrainData
 
 CAPABILITIES = tuple(Capability)
 
@@ -63,7 +66,7 @@ class DrafterConfig:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any], *, where: str = "config") -> DrafterConfig:
+    def from_dict(cls, values: dict[str, Any], *, where: str = "config") -> Self:
         """Build from a dict; unknown keys are an error that lists the valid ones."""
         valid = cls.field_names()
         unknown = sorted(set(values) - set(valid))
@@ -91,8 +94,8 @@ def heuristic_confidence(draft_probs: torch.Tensor | None, lengths: torch.Tensor
     """Non-anticipating confidence from the shape of q_k: Σ_v q_k(v)², never q_k(x_k).
 
     Σq² is the chance that the target (if it matched q) would draw the token the draft drew,
-    so it only uses the distribution the draft token is sampled from. One-hot drafts
-    (draft_probs None) get 0.5: no information. Returns [R, γ] in (0, 1).
+    so it only uses the distribution the draft token is sampled from. draft_probs [R, γ, V]
+    (None: one-hot drafts, which get 0.5: no information), lengths [R]. Returns [R, γ] in (0, 1).
     """
     R = lengths.shape[0]
     if draft_probs is None:
@@ -122,17 +125,17 @@ class Drafter:
 
     # -- construction and persistence ------------------------------------------------
     @classmethod
-    def build(cls, config: DrafterConfig, target: Target) -> Drafter:
+    def build(cls, config: DrafterConfig, target: Target) -> Self:
         """A fresh (untrained) drafter for ``target``."""
         return cls(config, target)
 
     @classmethod
-    def load_default(cls, target: Target, **overrides: Any) -> Drafter:
+    def load_default(cls, target: Target, **overrides: Any) -> Self:
         """The drafter used when no checkpoint is given (trained drafters: the embedded one)."""
         return cls.build(cls.config_class(**overrides), target)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, target: Target, **overrides: Any) -> Drafter:
+    def from_pretrained(cls, path: str | Path, target: Target, **overrides: Any) -> Self:
         """Load a checkpoint folder written by :meth:`save_pretrained`."""
         path = Path(path)
         values = {**read_config(path).get("drafter_config", {}), **overrides}
@@ -155,7 +158,8 @@ class Drafter:
         return DraftState()
 
     def add_requests(self, state: DraftState, prompts: list[torch.Tensor], hidden: list[torch.Tensor] | None) -> None:
-        """New requests join: prompt ids [L_r] and the target's taps [L_r, n·d] (None if no taps)."""
+        """New requests join: prompts, ids [L_r] per request; hidden [L_r, n·d] per request, the
+        target's taps (None if no taps)."""
         state.context.extend(p.clone() for p in prompts)
 
     def remove_requests(self, state: DraftState, keep: list[int]) -> None:
@@ -183,6 +187,7 @@ class Drafter:
             state.context[r] = torch.cat([state.context[r], chunk])
 
     def training_loss(self, batch: dict[str, torch.Tensor], target_features: dict[str, torch.Tensor]) -> dict:
+        """See :class:`TrainableDrafter`: batch tensors [B, L], target_features [B, L, ·]."""
         raise DspecError(f"drafter {self.name!r} is not trainable")
 
 
@@ -216,13 +221,17 @@ class WrappedDrafter(Drafter):
         return self.base.init_state()
 
     def add_requests(self, state: DraftState, prompts: list[torch.Tensor], hidden: list[torch.Tensor] | None) -> None:
+        """The base's: prompts [L_r] and hidden [L_r, n·d] (or None) per request."""
         self.base.add_requests(state, prompts, hidden)
 
     def remove_requests(self, state: DraftState, keep: list[int]) -> None:
         self.base.remove_requests(state, keep)
 
-    def advance(self, state: DraftState, committed, counts, hidden) -> None:
-        """Committed tokens (for a tree: the accepted path) enter the base's caches."""
+    def advance(
+        self, state: DraftState, committed: torch.Tensor, counts: torch.Tensor, hidden: torch.Tensor | None
+    ) -> None:
+        """The committed tokens (for a tree: the accepted path) enter the base's caches:
+        committed [Σc_r], counts [R], hidden [Σc_r, n·d] or None (:meth:`Drafter.advance`)."""
         self.base.advance(state, committed, counts, hidden)
 
 
@@ -239,8 +248,8 @@ class TrainableDrafter(Drafter):
 
     net: torch.nn.Module
 
-    def prepare_training(self, data) -> None:
-        """Called once before training with the training data (``TrainData``); default: nothing."""
+    def prepare_training(self, data: TrainData) -> None:
+        """Called once before training with the training data; default: nothing."""
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.net.parameters() if p.requires_grad]
@@ -253,7 +262,7 @@ class TrainableDrafter(Drafter):
         save_file(state, str(Path(path) / WEIGHTS_FILE))
 
     @classmethod
-    def load_default(cls, target: Target, **overrides: Any) -> Drafter:
+    def load_default(cls, target: Target, **overrides: Any) -> Self:
         """The embedded drafter ``assets/drafters/<name>/`` if it fits ``target``."""
 
         path = embedded_path("drafters") / cls.name
@@ -267,7 +276,7 @@ class TrainableDrafter(Drafter):
             raise DspecError(f"the embedded {cls.name} drafter does not fit this target ({exc}); {hint}") from None
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, target: Target, **overrides: Any) -> Drafter:
+    def from_pretrained(cls, path: str | Path, target: Target, **overrides: Any) -> Self:
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -33,7 +34,7 @@ from dspec_cli.core.types import Proposal, VerifyResult
 from dspec_cli.runtime.drafter import Drafter
 from dspec_cli.runtime.drafter_lag import DrafterLag
 from dspec_cli.runtime.schedule import FixedScheduler, Scheduler
-from dspec_cli.runtime.target import Target
+from dspec_cli.runtime.target import Target, TargetBatch
 from dspec_cli.runtime.verify import verify_chain, verify_greedy, verify_tree
 
 
@@ -106,6 +107,7 @@ class RoundSampler:
     """
 
     def __init__(self, config: GenerationConfig, seeds: torch.Tensor, rounds: torch.Tensor, steps: int):
+        """seeds [R] and rounds [R] (rounds so far) of the rows; ``steps`` draws per row this round."""
         self.config = config
         self.seeds = seeds  # [R] int64
         self.base = rounds * ROUND_STRIDE  # [R] int64
@@ -197,7 +199,7 @@ class SpeculativeEngine:
         out = self.target.prefill(rows.batch, [list(prompts[i]) for i in new])
         new_seeds = torch.tensor([seeds[i] for i in new], dtype=torch.long, device=dev)
         first = self._sample(out.logits, new_seeds, torch.zeros_like(new_seeds), FIRST_TOKEN_SALT)
-        if rows.dstate is not None:  # the drafter gets them before it next drafts (DrafterLag)
+        if self.drafter is not None:  # the drafter gets them before it next drafts (DrafterLag)
             ids = [torch.tensor(prompts[i], dtype=torch.long, device=dev) for i in new]
             rows.lag.admit(ids, out.hidden if self.drafter.target_layer_ids else None)
         rows.active += new
@@ -207,7 +209,7 @@ class SpeculativeEngine:
         rows.anchors = torch.cat([rows.anchors, first])
         rows.seeds = torch.cat([rows.seeds, new_seeds])
         rows.rounds = torch.cat([rows.rounds, torch.ones_like(new_seeds)])
-        for i, tok in zip(new, first.tolist()):
+        for i, tok in zip(new, first.tolist(), strict=True):
             results[i].output_ids.append(tok)
         self.stats.prefill_seconds += time.perf_counter() - t0
 
@@ -258,7 +260,7 @@ class SpeculativeEngine:
         budget = [min(max(cfg.max_new_tokens - len(results[i].output_ids) - 1, 0), cfg.block_size) for i in rows.active]
         sched = self.scheduler
         if sched.cost_table is not None:  # mean context for cost-table lookups (host-side)
-            sched.context = sum(len(results[i].prompt_ids) + len(results[i].output_ids) for i in rows.active) / R
+            sched.observe_context(sum(len(results[i].prompt_ids) + len(results[i].output_ids) for i in rows.active) / R)
         if self.drafter is None or max(budget) == 0 or not sched.wants_draft(R, cfg.block_size):
             return None, torch.zeros(R, dtype=torch.long, device=dev)
         t0 = time.perf_counter()
@@ -286,7 +288,8 @@ class SpeculativeEngine:
         if cfg.greedy:
             return verify_greedy(out.logits, drafts, ell, validate=False)
         probs = sampling.logits_to_probs(out.logits, cfg.temperature, cfg.top_k, cfg.top_p)
-        q = None if proposal.draft_probs is None else ragged(proposal.draft_probs[:, :width], ell, ell_list)
+        q = None if proposal is None or proposal.draft_probs is None else ragged(proposal.draft_probs[:, :width], ell,
+                                                                                   ell_list)
         base = rows.rounds * ROUND_STRIDE  # [R]
         dev = base.device
         at = base[:, None] + torch.arange(width + 1, device=dev)  # [R, 1 + width]: final at base, draft k at base + k
@@ -304,6 +307,7 @@ class SpeculativeEngine:
         sample-and-match walk."""
         cfg, dev = self.config, self.target.device
         tree = proposal.tree
+        assert tree is not None  # a tree round
         R = len(rows.active)
         n = nodes + 1  # anchor (root) + nodes [R]
         total = int(n.sum())
@@ -327,10 +331,12 @@ class SpeculativeEngine:
             final_draw="inverse_cdf" if self._inverse_cdf else "race",
         )  # fmt: skip
         ta = time.perf_counter()
-        self.target.commit_path(rows.batch, res.path)
+        path = res.path
+        assert path is not None  # tree verification returns the accepted path
+        self.target.commit_path(rows.batch, path)
         keep = res.accepted + 1  # root + accepted nodes
-        on_path = res.path >= 0  # [R, D+1]
-        idx = (starts[:, None] + res.path.clamp(min=0))[on_path]  # flat rows of the path, row-major
+        on_path = path >= 0  # [R, D+1]
+        idx = (starts[:, None] + path.clamp(min=0))[on_path]  # flat rows of the path, row-major
         hidden = out.hidden[idx] if out.hidden is not None else None
         return res, tokens[idx], keep, hidden, tf, ta
 
@@ -379,7 +385,7 @@ class SpeculativeEngine:
             return
         keep = [r for r in range(len(rows.active)) if r not in set(done)]
         self.target.remove(rows.batch, done)
-        if rows.dstate is not None:
+        if self.drafter is not None:
             rows.lag.keep(self.drafter, rows.dstate, keep)
         idx = torch.tensor(keep, dtype=torch.long, device=rows.anchors.device)
         rows.anchors, rows.seeds, rows.rounds = rows.anchors[idx], rows.seeds[idx], rows.rounds[idx]
@@ -416,7 +422,7 @@ class SpeculativeEngine:
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
         cfg = self.config
-        max_ctx = getattr(self.target.config, "max_position_embeddings", None)
+        max_ctx = self.target.max_context
         vocab = self.target.vocab_size
         for i, p in enumerate(prompts):
             if len(p) == 0:
@@ -440,8 +446,8 @@ def _plain_step(tokens: torch.Tensor) -> VerifyResult:
 class _Rows:
     """The running batch: target cache, drafter state and per-row tensors, in row order."""
 
-    batch: object
-    dstate: object
+    batch: TargetBatch
+    dstate: Any  # the drafter's DraftState; None without a drafter
     device: torch.device
     active: list[int] = field(default_factory=list)  # request index per row
     lag: DrafterLag = field(default_factory=DrafterLag)  # what the drafter has not seen yet

@@ -134,6 +134,7 @@ class TargetBatch:
 
     def close_step(self, keep_new: torch.Tensor, added: list[int]) -> None:
         """Finish a verify: ``keep_new`` [R, q] marks the committed slots, ``added`` counts them per row."""
+        assert self.pending is not None, "close_step without an open step"
         self.valid[:, self.pending.start :] = keep_new
         self.pending = None
         self._add_committed(added)
@@ -141,7 +142,7 @@ class TargetBatch:
     def _add_committed(self, added: list[int]) -> None:
         """Rows grew by ``added`` committed tokens; trim or compact the holes that leaves."""
         self.committed = self.committed + torch.tensor(added, dtype=torch.long, device=self.device)
-        self.lengths = [a + b for a, b in zip(self.lengths, added)]
+        self.lengths = [a + b for a, b in zip(self.lengths, added, strict=True)]
         self.maybe_compact()
 
     def extend(self, other: TargetBatch) -> None:
@@ -154,7 +155,7 @@ class TargetBatch:
         mine, theirs = self._kv_layers(), other._kv_layers()
         if len(mine) != len(theirs):
             raise ValueError("extend: the two caches have different numbers of layers")
-        for a, b in zip(mine, theirs):
+        for a, b in zip(mine, theirs, strict=True):
             a.keys = torch.cat([_pad_slots(a.keys, width, 2), _pad_slots(b.keys, width, 2)], dim=0)
             a.values = torch.cat([_pad_slots(a.values, width, 2), _pad_slots(b.values, width, 2)], dim=0)
         self.valid = torch.cat([_pad_slots(self.valid, width, 1), _pad_slots(other.valid, width, 1)])
@@ -166,11 +167,11 @@ class TargetBatch:
         """Un-commit the last ``drop[r]`` committed tokens of each row [R] (their slots become holes)."""
         self.require_idle("rollback")
         drop_list = drop.tolist()
-        if len(drop_list) != self.num_rows or any(not 0 <= d <= m for d, m in zip(drop_list, self.lengths)):
+        if len(drop_list) != self.num_rows or any(not 0 <= d <= m for d, m in zip(drop_list, self.lengths, strict=True)):
             raise ValueError(f"drop must be [R] with 0 <= drop[r] <= committed={self.lengths}, got {drop_list}")
         self.committed = self.committed - drop.to(self.device, torch.long)
         self.valid &= self.pos < self.committed[:, None]  # valid slots hold positions 0..committed-1
-        self.lengths = [m - d for m, d in zip(self.lengths, drop_list)]
+        self.lengths = [m - d for m, d in zip(self.lengths, drop_list, strict=True)]
         self.maybe_compact()
 
     def remove(self, rows: Sequence[int]) -> None:
@@ -253,6 +254,7 @@ class SlackLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
             self._buffers: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        assert self.keys is not None and self.values is not None  # set by lazy_initialization
         self.keys, kbuf = self._append(self.keys, self._buffers[0], key_states)
         self.values, vbuf = self._append(self.values, self._buffers[1], value_states)
         self._buffers = (kbuf, vbuf)

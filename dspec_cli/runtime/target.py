@@ -29,7 +29,7 @@ from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import ASSETS_DIR, DEFAULT_TARGET_PATH, embedded_path
 from dspec_cli.core.hardware import warn_if_slow_half
 from dspec_cli.core.ragged import flatten, to_grid
-from dspec_cli.core.types import StepOutput
+from dspec_cli.core.types import PrefillOutput, StepOutput
 from dspec_cli.runtime import attention
 from dspec_cli.runtime.kv_cache import (
     PendingStep,
@@ -39,7 +39,7 @@ from dspec_cli.runtime.kv_cache import (
     causal_visibility,
 )
 
-__all__ = ["ASSETS_DIR", "DEFAULT_TARGET_PATH", "StepOutput", "Target", "TargetBatch", "embedded_path"]
+__all__ = ["ASSETS_DIR", "DEFAULT_TARGET_PATH", "PrefillOutput", "StepOutput", "Target", "TargetBatch", "embedded_path", "max_context"]
 
 _MASKABLE = ("sdpa", attention.NAME, "eager")
 _PAD_RATIO, _PAD_SLACK = 1.25, 64  # prefill groups: padded tokens <= ratio × real tokens + slack
@@ -53,7 +53,7 @@ class Target:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = model.config.get_text_config()
-        impl = getattr(model.config, "_attn_implementation", None)
+        impl = attention.attn_implementation(model)
         if impl not in _MASKABLE:
             raise ValueError(f"model attn_implementation must be one of {_MASKABLE}, got {impl!r}")
         attention.use_for(model)  # sdpa -> dspec_sdpa: no K/V copy for grouped-query heads under a mask
@@ -109,7 +109,7 @@ class Target:
             if "scaled_dot_product_attention" in detail:  # the masks dspec passes need SDPA (or eager) attention
                 detail = f"{detail.split('. ')[0]}, which dspec needs (tested: {TESTED})"
             raise DspecError(f"cannot load target {name_or_path!r}: {detail}") from err
-        model.to(device).requires_grad_(False)
+        model.to(device).requires_grad_(False)  # pyright: ignore[reportArgumentType]  # transformers wraps `to` in a decorator pyright misreads
         if chat_template and tokenizer.chat_template is None:
             raise DspecError(f"target {name_or_path!r} has no chat template (chat_template=True)")
         try:
@@ -130,6 +130,11 @@ class Target:
     @property
     def num_layers(self) -> int:
         return self.config.num_hidden_layers
+
+    @property
+    def max_context(self) -> int | None:
+        """Most positions (prompt + generated) the target takes; None when its config states none."""
+        return max_context(self.config)
 
     @property
     def device(self) -> torch.device:
@@ -192,7 +197,7 @@ class Target:
                            kv_layer=kv_layer)
 
     @torch.no_grad()
-    def prefill(self, batch: TargetBatch, prompts: Sequence[Sequence[int]]) -> StepOutput:
+    def prefill(self, batch: TargetBatch, prompts: Sequence[Sequence[int]]) -> PrefillOutput:
         """Append new requests (rows) to ``batch`` in ``prompts`` order; other rows may be mid-generation.
 
         Token-identical prompts run once and their rows are copied; distinct ones run in groups of
@@ -223,7 +228,7 @@ class Target:
         batch.maybe_compact()
         last = torch.cat(logits).index_select(0, torch.tensor(index, device=self.device))
         rows = torch.arange(first_row, first_row + len(prompts), device=self.device)
-        return StepOutput(logits=last, hidden=[hidden[r] for r in index], rows=rows)
+        return PrefillOutput(logits=last, hidden=[hidden[r] for r in index], rows=rows)
 
     def _prefill_group(
         self, batch: TargetBatch, prompts: list[tuple[int, ...]]
@@ -279,8 +284,8 @@ class Target:
     def verify_tree(
         self, batch: TargetBatch, tokens: torch.Tensor, parents: torch.Tensor, lengths: torch.Tensor
     ) -> StepOutput:
-        """Score ragged trees: row r has n_r = ``lengths[r]`` nodes [Σn_r] with row-local ``parents``
-        [Σn_r]: node 0 is the anchor (parent -1), node i > 0 has parent < i. Position = committed
+        """Score ragged trees: row r has n_r = ``lengths[r]`` (lengths [R]) nodes, tokens [Σn_r], with
+        row-local parents [Σn_r]: node 0 is the anchor (parent -1), node i > 0 has parent < i. Position = committed
         length + depth; each node attends to the row's valid cache and to its ancestors."""
         n, q, flat = self._ragged(batch, tokens, lengths)
         if parents.shape != tokens.shape:
@@ -301,7 +306,7 @@ class Target:
         pending = _require_pending(batch, tree=False)
         keep = keep.to(self.device, torch.long)
         keep_list = keep.tolist()
-        if len(keep_list) != batch.num_rows or any(not 0 <= k <= m for k, m in zip(keep_list, pending.n)):
+        if len(keep_list) != batch.num_rows or any(not 0 <= k <= m for k, m in zip(keep_list, pending.n, strict=True)):
             raise ValueError(f"keep must be [R] with 0 <= keep[r] <= n_r={pending.n}, got {keep_list}")
         q = batch.num_slots - pending.start
         kept = torch.arange(q, device=self.device)[None, :] < keep[:, None]
@@ -310,13 +315,15 @@ class Target:
     def commit_path(self, batch: TargetBatch, path: torch.Tensor) -> None:
         """Trees: keep the nodes of ``path`` [R, D] (row-local ids from the root down, -1 padded)."""
         pending = _require_pending(batch, tree=True)
-        rows, q = pending.parents.shape
+        parents = pending.parents
+        assert parents is not None  # a tree step (_require_pending)
+        rows, q = parents.shape
         path = path.to(self.device, torch.long)
         if path.dim() != 2 or path.shape[0] != rows:
             raise ValueError(f"path must be [R={rows}, D], got {tuple(path.shape)}")
         used = path >= 0
         n = _counts(pending.n, self.device)
-        parent = pending.parents.gather(1, path.clamp(0, q - 1))  # [R, D]
+        parent = parents.gather(1, path.clamp(0, q - 1))  # [R, D]
         prev = torch.cat([torch.full_like(path[:, :1], -1), path[:, :-1]], dim=1)
         chain = (parent == prev) & (path < n[:, None])
         prefix = used.int().cummin(dim=1).values == used.int()  # -1 only as trailing padding
@@ -415,8 +422,9 @@ class Target:
         logits = out.logits[:, -1:] if last_only else out.logits
         return logits, _concat(taps, ids.shape[1], self.dtype, self.device, rows=ids.shape[0])
 
-    def _as_mask(self, mask: torch.Tensor) -> torch.Tensor:
+    def _as_mask(self, mask: torch.Tensor | None) -> torch.Tensor:
         """Bool mask for sdpa; additive float mask (0 / dtype min) for eager attention."""
+        assert mask is not None  # a sliding mask exists wherever the layout has sliding layers
         if not self._float_mask:
             return mask
         return torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill(
@@ -464,6 +472,12 @@ def _check_positions(model, params: Mapping) -> None:
     if "position_ids" not in params or getattr(model.config, "alibi", False):
         raise ValueError(f"{name} is not a decoder dspec can run: its positions come from the attention mask "
                          f"(ALiBi), not from position_ids (tested: {TESTED})")
+
+
+def max_context(config) -> int | None:
+    """A transformers text config's context length (``max_position_embeddings``); None when it
+    states none (the config classes of some architectures lack the field)."""
+    return getattr(config, "max_position_embeddings", None) or None
 
 
 def _length_groups(lens: list[int]) -> list[list[int]]:

@@ -309,11 +309,12 @@ class Features:
             return target_features(self.target, batch, self.layer_ids)
         ids = batch["input_ids"]
         lengths = batch["attention_mask"].sum(dim=1).tolist()
-        found = [self.cache.get(i, ids[r, :n]) for r, (i, n) in enumerate(zip(indices, lengths))]
-        if all(f is not None for f in found):
-            return {k: _pad([f[k] for f in found], ids.shape[1]).to(ids.device) for k in ("taps", "last_hidden")}
+        found = [self.cache.get(i, ids[r, :n]) for r, (i, n) in enumerate(zip(indices, lengths, strict=True))]
+        hits = [f for f in found if f is not None]
+        if len(hits) == len(found):
+            return {k: _pad([f[k] for f in hits], ids.shape[1]).to(ids.device) for k in ("taps", "last_hidden")}
         feats = target_features(self.target, batch, self.layer_ids)
-        for r, (i, n) in enumerate(zip(indices, lengths)):
+        for r, (i, n) in enumerate(zip(indices, lengths, strict=True)):
             self.cache.put(i, ids[r, :n], feats["taps"][r, :n], feats["last_hidden"][r, :n])
         return feats
 

@@ -25,7 +25,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,7 @@ from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import EMBEDDED, WEIGHTS_FILE
 from dspec_cli.core.jsonl import write_line
 from dspec_cli.core.outputs import check_output_dir
+from dspec_cli.core.specs import parse_drafter_spec
 from dspec_cli.runtime.drafter import TrainableDrafter
 from dspec_cli.runtime.target import Target
 from dspec_cli.training import sharding
@@ -158,11 +159,13 @@ def _prepare(opts: TrainOptions) -> tuple[Recipe, type, Path, Path | None]:
         raise DspecError("--init-from starts a new run from a drafter's weights; --resume continues a run: use one")
     if opts.init_from is not None and not Path(opts.init_from).is_dir():
         raise DspecError(f"--init-from {opts.init_from}: no such checkpoint folder")
-    if opts.resume and out is None:
-        raise DspecError("--resume needs --output (the folder of the run to continue)")
-    resume_from = latest_checkpoint(out) if opts.resume else None
-    if opts.resume and resume_from is None and out.is_dir() and any(out.iterdir()):
-        raise DspecError(f"--resume: {out} holds no checkpoint (checkpoints/latest) to continue from")
+    resume_from = None
+    if opts.resume:
+        if out is None:
+            raise DspecError("--resume needs --output (the folder of the run to continue)")
+        resume_from = latest_checkpoint(out)
+        if resume_from is None and out.is_dir() and any(out.iterdir()):
+            raise DspecError(f"--resume: {out} holds no checkpoint (checkpoints/latest) to continue from")
     saved = None
     if resume_from is not None:
         saved = Recipe.from_dict(_read_json(resume_from / "recipe.json"), source=str(resume_from / "recipe.json"))
@@ -179,7 +182,10 @@ def _prepare(opts: TrainOptions) -> tuple[Recipe, type, Path, Path | None]:
     name = opts.drafter or recipe.drafter
     if not name:
         raise DspecError(f"give --drafter: recipe {recipe.source} names no drafter ([drafter] name)")
-    cls = plugins.get_drafter_class(name)
+    cls, options = parse_drafter_spec(name)
+    if options:
+        raise DspecError(f"--drafter {name!r}: training takes the drafter's options from the recipe; "
+                         f"give them as overrides (drafter.{next(iter(options))}=...)")
     if recipe.drafter and plugins.get_drafter_class(recipe.drafter) is not cls:
         raise DspecError(f"recipe {recipe.source} is for drafter {recipe.drafter!r}, not {name!r}")
     if not (isinstance(cls, type) and issubclass(cls, TrainableDrafter)):
@@ -191,7 +197,7 @@ def _prepare(opts: TrainOptions) -> tuple[Recipe, type, Path, Path | None]:
             f"recipe {recipe.source} is for target {recipe.target.name!r}, not {opts.target!r} "
             f"(use a recipe for that target, or override target.name={opts.target})"
         )
-    if resume_from is not None:
+    if resume_from is not None and saved is not None:  # saved: the recipe read with resume_from
         state = read_state(resume_from)
         if state.get("drafter") != cls.name:
             raise DspecError(
@@ -285,7 +291,7 @@ class _StopRequest:
 
     def __init__(self):
         self.requested = False
-        self._old: dict[int, object] = {}
+        self._old: dict[int, Any] = {}  # signal -> the handler it had
 
     def __enter__(self) -> _StopRequest:
         try:
@@ -348,7 +354,7 @@ class _Run:
 
     def _load_data(self, target) -> TrainData:
         spec = self.recipe.data
-        ctx = getattr(target.config, "max_position_embeddings", None) or spec.max_length
+        ctx = target.max_context or spec.max_length
         length = min(spec.max_length, ctx)
         data = load_train_data(spec.paths, target.tokenizer, length, spec.min_loss_tokens, spec.limit,
                                self.recipe.chat_template)
@@ -394,14 +400,15 @@ class _Run:
                     "hidden_size": self.target.hidden_size, "dtype": str(self.target.dtype).replace("torch.", "")}
             cache = FeatureCache(self.opts.feature_cache, meta)
         self.features = Features(self.target, self.drafter.target_layer_ids, cache)
-        pad = self.target.tokenizer.pad_token_id
+        pad = self.target.tokenizer.pad_token_id if self.target.tokenizer is not None else None
         self.pad_id = pad if pad is not None else 0
         if self.resume_from is None:
             seed_all(t.seed + rank.rank)
             return 0
         if self.sharded:
 
-            states = sharding.load(self.resume_from, self.loss_module, self.optimizer, self.scheduler)
+            module = cast(torch.nn.Module, self.loss_module)  # sharded: the FSDP module
+            states = sharding.load(self.resume_from, module, self.optimizer, self.scheduler)
         else:
             states = load_checkpoint(self.resume_from, self.drafter, self.optimizer, self.scheduler, device)
         start = read_state(self.resume_from)["step"]
@@ -488,7 +495,7 @@ class _Run:
         if rank.world > 1:
             dist.all_reduce(packed)
         values = packed.tolist()  # the step's one host sync
-        metrics = {k: v / rank.world for k, v in zip(keys, values)}
+        metrics = {k: v / rank.world for k, v in zip(keys, values, strict=False)}  # values: then the extras
         if not math.isfinite(metrics["loss"]):
             raise DspecError(f"loss is {metrics['loss']} at step {step + 1}; lower train.lr or check the data")
         lr = self.scheduler.get_last_lr()[0]
@@ -503,7 +510,7 @@ class _Run:
         return row, stops > 0
 
     def _save(self, step: int, row: dict) -> Path:
-        states = [None] * self.rank.world if self.rank.main else None
+        states: list[Any] | None = [None] * self.rank.world if self.rank.main else None  # per-rank RNG states
         rng = capture_rng(self.device)
         if self.rank.world > 1:
             dist.gather_object(rng, states, dst=0)
@@ -511,7 +518,7 @@ class _Run:
             states = [rng]
         path = self.out / "checkpoints" / f"step_{step}"
         with self._full_state():
-            if self.rank.main:
+            if states is not None:  # rank 0
                 state = {"drafter": self.cls.name, "target": self.recipe.target.name, "total_steps": self.total,
                          "world_size": self.rank.world, "accumulation": self.accum, "samples": len(self.data),
                          "samples_seen": step * self.recipe.train.global_batch, "metrics": row}
@@ -525,7 +532,7 @@ class _Run:
         if not self.sharded:
             return contextlib.nullcontext()
 
-        return gathered(self.loss_module, self.drafter, self.optimizer, self.rank.main)
+        return gathered(cast(torch.nn.Module, self.loss_module), self.drafter, self.optimizer, self.rank.main)
 
     def _card(self, step: int, row: dict) -> dict:
         r, data = self.recipe, self.data
@@ -602,14 +609,16 @@ def _wrap(drafter: TrainableDrafter, device: torch.device, world: int, sharded: 
 def _no_sync(module, sync: bool):
     """No gradient reduction in this forward/backward unless ``sync`` (DDP ``no_sync``; FSDP2
     ``set_requires_gradient_sync``); nothing to do in one process."""
+    no_sync = getattr(module, "no_sync", None)  # DDP
     if sync or not isinstance(module, torch.nn.Module):
         yield
-    elif hasattr(module, "no_sync"):
-        with module.no_sync():
+    elif no_sync is not None:
+        with no_sync():
             yield
     else:
-        module.set_requires_gradient_sync(False)
+        fsdp = cast(Any, module)  # FSDP2's FSDPModule
+        fsdp.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            module.set_requires_gradient_sync(True)
+            fsdp.set_requires_gradient_sync(True)

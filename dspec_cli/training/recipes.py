@@ -205,7 +205,7 @@ def check_type(value: Any, hint: Any, where: str) -> Any:
             item_hints = list(args)
         else:
             item_hints = [args[0] if args else Any] * len(value)
-        items = [check_type(v, h, where) for v, h in zip(value, item_hints)]
+        items = [check_type(v, h, where) for v, h in zip(value, item_hints, strict=True)]
         return tuple(items) if origin is tuple else items
     if hint is float:
         if isinstance(value, int | float) and not isinstance(value, bool):

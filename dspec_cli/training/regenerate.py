@@ -170,7 +170,7 @@ def regenerate(
         raise DspecError("the target's tokenizer has no chat template; regeneration needs a chat model")
     drafter = load_drafter(opts.drafter, target, opts.checkpoint, opts.block_size) if opts.drafter else None
     engine = SpeculativeEngine(target, drafter, cfg)
-    max_ctx = getattr(target.config, "max_position_embeddings", None)
+    max_ctx = target.max_context
     room = opts.max_new_tokens + opts.block_size + 1
     total_turns = sum(sum(m["role"] == "user" for m in c.messages) for c in todo)
     tick = progress("regenerate", total_turns) if progress else (lambda _res: None)
@@ -194,7 +194,7 @@ def regenerate(
                     runnable.append(d)
                 results = engine.generate(prompts, seeds=[turn_seed(opts.seed, d.id, d.turn) for d in runnable],
                                           on_finish=tick) if runnable else []
-                for d, res in zip(runnable, results):
+                for d, res in zip(runnable, results, strict=True):
                     d.history.append({"role": "assistant", "content": _decode(target, engine, res.output_ids)})
                     d.truncated |= res.finish_reason == "length"
                     d.turn += 1

@@ -40,6 +40,7 @@ from dspec_cli.core.data import Conversation
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import DEFAULT_TARGET_PATH
 from dspec_cli.core.jsonl import split_lines, write_line
+from dspec_cli.runtime.target import max_context
 from dspec_cli.training.regenerate import (
     Dialogue,
     RegenerateOptions,
@@ -96,6 +97,7 @@ class _Client:
     async def request(self, method: str, url: str, body: dict | None = None, *, retries: int | None = None) -> dict:
         """The decoded JSON answer; raises RequestFailed naming the last problem."""
         retries = self.sopts.max_retries if retries is None else retries
+        problem = "no attempt"  # retries >= 0: every attempt names its problem
         for attempt in range(retries + 1):
             wait = None
             try:
@@ -158,7 +160,7 @@ def _load_tokenizer(target: str | None):
         raise DspecError(f"cannot load the tokenizer of target {name!r}: {_first_line(err)}") from err
     if tokenizer.chat_template is None:
         raise DspecError("the target's tokenizer has no chat template; regeneration needs a chat model")
-    return tokenizer, getattr(config, "max_position_embeddings", None)
+    return tokenizer, max_context(config)
 
 
 class _Regeneration:

@@ -225,8 +225,9 @@ def paired_metrics(spec: Sequence[Sequence[Timed]], base: Sequence[Sequence[Time
     base_runs = [tokens_per_s(units) for units in base]
     tps = statistics.median(tps_runs)
     busy = stats.draft_seconds + stats.verify_seconds + stats.prefill_seconds + stats.other_seconds
-    latency = [r.end_time - r.start_time for r in results if r.end_time > r.start_time]
-    per_user = sum(len(r.output_ids) / t for r, t in zip(results, latency)) / len(latency) if latency else 0.0
+    timed_results = [r for r in results if r.end_time > r.start_time]  # per user: requests with a duration
+    per_user = (sum(len(r.output_ids) / (r.end_time - r.start_time) for r in timed_results) / len(timed_results)
+                if timed_results else 0.0)
     budgets = [v + 1 for r in results for v in r.verified]
     accepted = acceptance(results, block_size)
     budget = sum(budgets) / len(budgets) if budgets else 1.0
@@ -284,7 +285,7 @@ def run_warnings(run: dict, drift: tuple[float, float, float] | None) -> list[st
     cis = [ci for ci in run.get("speedup_runs_ci95") or [] if ci]
     if len(cis) > 1 and max(lo for lo, _ in cis) > min(hi for _, hi in cis):
         shown = ", ".join(f"{m:.2f}x [{lo:.2f}–{hi:.2f}]" for m, (lo, hi) in
-                          zip(run["speedup_runs"], run["speedup_runs_ci95"]) if m is not None)
+                          zip(run["speedup_runs"], run["speedup_runs_ci95"], strict=True) if m is not None)
         out.append(f"{label}: repeats disagree beyond their 95 % intervals ({shown}): the machine's load changed "
                    "during the run; rerun on a quiet machine")
     if drift is not None and drift[0] > BASELINE_DRIFT:
@@ -312,7 +313,7 @@ def fitting_prompts(target: Target, prompts: Sequence[Sequence[int]], max_new_to
                     *, strict: bool = False, where: str = "prompts") -> tuple[list, int]:
     """The prompt ids that fit the target's context with ``max_new_tokens`` (and a verify block)
     after them, and how many did not. None fitting, or any not fitting with ``strict``, is an error."""
-    max_ctx = getattr(target.config, "max_position_embeddings", None)
+    max_ctx = target.max_context
     if not max_ctx:
         return list(prompts), 0
     room = max_ctx - max_new_tokens - block_size - 1
@@ -377,8 +378,8 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
     target = Target.load(opts.target, dtype=opts.dtype, device=opts.device)
     bound_table = CostTable.load(opts.cost_table, block_size=opts.block_size) if opts.cost_table else None
     schedulers = [_schedulers(opts, target) for _ in opts.drafters]  # per drafter: the draft gate learns its cost
-    drafters = [load_drafter(name, target, ckpt, opts.block_size) for name, ckpt in zip(opts.drafters, checkpoints)]
-    for name, drafter in zip(opts.drafters, drafters):
+    drafters = [load_drafter(name, target, ckpt, opts.block_size) for name, ckpt in zip(opts.drafters, checkpoints, strict=True)]
+    for name, drafter in zip(opts.drafters, drafters, strict=True):
         warn_if_other(name, drafter.chat_template_kwargs, opts.chat_template_kwargs, target.tokenizer)
     runs = []
     for dset, prompts in prompt_sets.items():
@@ -393,7 +394,7 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
             engines = [("baseline", "-", SpeculativeEngine(target, None, cfg))]
             engines += [
                 (name, sname, SpeculativeEngine(target, d, cfg, scheduler=sched))
-                for name, d, scheds in zip(opts.drafters, drafters, schedulers)
+                for name, d, scheds in zip(opts.drafters, drafters, schedulers, strict=True)
                 for sname, sched in scheds
             ]
             if opts.warmup:

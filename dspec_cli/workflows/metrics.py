@@ -20,7 +20,7 @@ def acceptance(results: Sequence[RequestResult], block_size: int) -> dict:
     acc = [0] * block_size  # ... that accepted k
     ver = [0] * block_size  # rounds that verified k
     for res in results:
-        for ell, a in zip(res.verified, res.accepted):
+        for ell, a in zip(res.verified, res.accepted, strict=True):
             rounds += 1
             committed += a + 1
             verified += ell
@@ -35,9 +35,9 @@ def acceptance(results: Sequence[RequestResult], block_size: int) -> dict:
         "tau": committed / rounds if rounds else 0.0,
         "mean_verified": verified / rounds if rounds else 0.0,
         "verified_per_committed": (verified + rounds) / committed if committed else 0.0,
-        "cond_accept": [a / r if r else None for a, r in zip(acc, reach)],
+        "cond_accept": [a / r if r else None for a, r in zip(acc, reach, strict=True)],
         "cond_accept_rounds": reach,  # rounds each cond_accept rests on
-        "survival": [a / v if v else None for a, v in zip(acc, ver)],
+        "survival": [a / v if v else None for a, v in zip(acc, ver, strict=True)],
     }
 
 

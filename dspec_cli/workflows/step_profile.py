@@ -168,7 +168,7 @@ def profile_steps(
         raise DspecError(f"--verify-tokens values must lie in [1, γ + 1 = {gamma + 1}], got {verify_tokens}")
     if repeats < 1 or warmup < 0:
         raise DspecError(f"need --repeats >= 1 and --warmup >= 0, got {repeats}, {warmup}")
-    max_ctx = getattr(target.config, "max_position_embeddings", None)
+    max_ctx = target.max_context
     room = tokens_after_context(gamma, repeats, warmup)
     if max_ctx and contexts[-1] + room > max_ctx:
         raise DspecError(f"--contexts {contexts[-1]} plus {room} tokens generated per cell exceeds the target's "

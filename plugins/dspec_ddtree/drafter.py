@@ -19,7 +19,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Protocol, cast
 
 import torch
 
@@ -73,6 +73,19 @@ class DDTreeConfig(DrafterConfig):
                 raise DspecError(f"{key} must be a number in (0, 1), got {value!r}")
 
 
+class MarginalsDrafter(Protocol):
+    """What a drafter with the ``marginals`` capability provides (dspec_dflash's block drafters)."""
+
+    def block_marginals(self, state: DraftState, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One parallel forward after anchors [R]: base logits U [R, γ, V] and slot features h [R, γ, d]."""
+        ...
+
+    def head_logits(self, logits: torch.Tensor, h: torch.Tensor, prev: torch.Tensor,
+                    head_state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Slot logits U_k [..., V] after the sequential head given the previous tokens prev [...]."""
+        ...
+
+
 def base_class(name: str) -> type[Drafter]:
     """The installed drafter class ``name``, checked by :func:`check_base`."""
     try:
@@ -107,13 +120,14 @@ class DDTreeDrafter(WrappedDrafter):
     """Best-first draft tree (DDTree) over a ``marginals`` drafter; see the module docstring."""
 
     name = "ddtree"
-    config_class = DDTreeConfig
+    config_class: ClassVar[type[DDTreeConfig]] = DDTreeConfig
+    config: DDTreeConfig
     capabilities = frozenset({Capability.tree})
     description = "DDTree: best-first draft tree over a parallel drafter's per-position distributions (dflash, dspark)"
 
     def __init__(self, config: DDTreeConfig, target: Target, base: Drafter):
         check_base(type(base))
-        max_ctx = getattr(target.config, "max_position_embeddings", None)
+        max_ctx = target.max_context
         if max_ctx and config.tree_budget + 1 > max_ctx:
             raise DspecError(
                 f"tree_budget {config.tree_budget} does not fit the target's context of {max_ctx} tokens "
@@ -194,11 +208,11 @@ class DDTreeDrafter(WrappedDrafter):
         frontier nodes at a slot), the tree depth and the children considered per node."""
         if max_len < 1:
             raise ValueError(f"max_len must be >= 1, got {max_len}")
-        cfg = self.config
-        logits, h = self.base.block_marginals(state, anchors)  # [R, γ, V], [R, γ, d]
+        cfg, base = self.config, cast(MarginalsDrafter, self.base)  # check_base: capability "marginals"
+        logits, h = base.block_marginals(state, anchors)  # [R, γ, V], [R, γ, d]
 
-        def expand(slot: int, tokens: torch.Tensor, head_state):
-            return self.base.head_logits(logits[:, slot, None], h[:, slot, None], tokens, head_state)
+        def expand(slot: int, tokens: torch.Tensor, head_state: torch.Tensor | None):
+            return base.head_logits(logits[:, slot, None], h[:, slot, None], tokens, head_state)
 
         return expand, min(max_len, cfg.block_size), min(cfg.tree_topk or cfg.tree_budget, logits.shape[-1])
 

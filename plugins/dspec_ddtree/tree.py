@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from dspec_cli import select_tree
+from dspec_cli import PAD, select_tree
 
 __all__ = ["Expand", "grow_sampled_tree", "grow_tree", "sampled_shape"]
 
@@ -37,7 +37,7 @@ __all__ = ["Expand", "grow_sampled_tree", "grow_tree", "sampled_shape"]
 # children of the W frontier nodes of depth ``slot`` (their tokens; at slot 0 the anchors), given
 # the opaque per-node ``state`` (None at slot 0, else what the previous call returned, with its
 # rows re-gathered along dimension 1 to follow the frontier; it must be a tensor [R, W, ...] or None).
-Expand = Callable[[int, torch.Tensor, object], tuple[torch.Tensor, object]]
+Expand = Callable[[int, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]]
 
 
 def grow_tree(
@@ -191,8 +191,8 @@ def grow_sampled_tree(
     node = torch.zeros(R, 1, dtype=torch.long, device=dev)  # [R, W] local node index (0 = root)
     sid = torch.zeros(R, 1, dtype=torch.long, device=dev)  # [R, W] shape id (-1: not a node)
     used = torch.zeros(R, dtype=torch.long, device=dev)
-    tokens = torch.full((R, N + 1), -1, dtype=torch.long, device=dev)  # column N: discarded writes
-    parents = torch.full_like(tokens, -1)
+    tokens = torch.full((R, N + 1), PAD, dtype=torch.long, device=dev)  # column N: discarded writes
+    parents = torch.full_like(tokens, PAD)
     scores = torch.full((R, N + 1), float("-inf"), device=dev)
     draft_probs = None
     state = None
@@ -237,4 +237,5 @@ def grow_sampled_tree(
             rows = (pick // K).view(R, -1, *([1] * (state.dim() - 2)))
             state = state.gather(1, rows.expand(-1, -1, *state.shape[2:]))
     tokens, parents, scores = tokens[:, :N], parents[:, :N], scores[:, :N]
+    assert draft_probs is not None  # written at the first slot
     return tokens, parents, scores, used, draft_probs[:, : N + 1]

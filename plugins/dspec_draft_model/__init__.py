@@ -15,6 +15,7 @@ padding in both models.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -40,7 +41,7 @@ class DraftModelConfig(DrafterConfig):
 
 @dataclass
 class DraftModelState(DraftState):
-    batch: object = None  # the draft model's TargetBatch
+    batch: Any = None  # the draft model's TargetBatch
     pending: list[torch.Tensor] = field(default_factory=list)  # committed ids not yet in the draft cache, per row
     fed: int = -1  # drafts fed into the draft cache by the last propose (-1: none this round)
 
@@ -73,6 +74,7 @@ def to_vocabulary(logits: torch.Tensor, size: int) -> torch.Tensor:
 class DraftModelDrafter(Drafter):
     name = "draft-model"
     config_class = DraftModelConfig
+    config: DraftModelConfig
     capabilities = frozenset({Capability.draft_probs})
     description = "a separate small causal LM sharing the tokenizer (classic speculative sampling)"
 
@@ -87,7 +89,7 @@ class DraftModelDrafter(Drafter):
     @classmethod
     def from_pretrained(cls, path, target: Target, **overrides) -> DraftModelDrafter:
         """A draft-model "checkpoint" is the draft LM itself: a local path or Hub id."""
-        return cls.build(cls.config_class(model=str(path), **overrides), target)
+        return cls(DraftModelConfig(model=str(path), **overrides), target)
 
     def save_pretrained(self, path) -> None:
         """The draft LM itself (weights and tokenizer): what :meth:`from_pretrained` reads."""
@@ -98,12 +100,13 @@ class DraftModelDrafter(Drafter):
     def init_state(self) -> DraftModelState:
         return DraftModelState(batch=self.model.new_batch())
 
-    def add_requests(self, state, prompts, hidden) -> None:
+    def add_requests(self, state: DraftModelState, prompts: list[torch.Tensor],
+                     hidden: list[torch.Tensor] | None) -> None:
         super().add_requests(state, prompts, hidden)
         self.model.prefill(state.batch, [p.tolist() for p in prompts])
         state.pending.extend(p[:0] for p in prompts)
 
-    def remove_requests(self, state, keep) -> None:
+    def remove_requests(self, state: DraftModelState, keep: list[int]) -> None:
         super().remove_requests(state, keep)
         drop = [r for r in range(len(state.pending)) if r not in set(keep)]
         if drop:
@@ -138,11 +141,11 @@ class DraftModelDrafter(Drafter):
         super().advance(state, committed, counts, hidden)
         chunks = torch.split(committed, counts.tolist())
         if state.fed < 0:  # no propose this round: everything committed is still missing
-            state.pending = [torch.cat([p, c]) for p, c in zip(state.pending, chunks)]
+            state.pending = [torch.cat([p, c]) for p, c in zip(state.pending, chunks, strict=True)]
             return
         kept = (counts - 1).clamp(max=state.fed)  # fed drafts that were accepted
         self.model.rollback(state.batch, state.fed - kept)  # drop rejected drafts from the draft cache
-        state.pending = [c[1 + k :] for c, k in zip(chunks, kept.tolist())]
+        state.pending = [c[1 + k :] for c, k in zip(chunks, kept.tolist(), strict=True)]
         state.fed = -1
 
 

@@ -50,7 +50,7 @@ def read(config: dict, tensors: dict, where: str) -> Converted:
     N = int(config.get("draft_vocab_size") or V)
     if config.get("target_hidden_size") not in (None, d):
         raise DspecError(f"{where}: target_hidden_size {config['target_hidden_size']} differs from hidden_size {d}")
-    nested = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else {}
+    nested = config["eagle_config"] if isinstance(config.get("eagle_config"), dict) else {}
     aux = config.get("eagle_aux_hidden_state_layer_ids") or nested.get("eagle_aux_hidden_state_layer_ids")
     t2d = tensors.pop("t2d", None)
     state, shared = rename_state(tensors, RULES, SHARED, (), where)

@@ -115,7 +115,7 @@ def stdlib_functions(files: list[tuple[str, str]]) -> list[dict]:
 
 def _span(lines: list[str], *bounds: int) -> str:
     """Dedented text of 1-based inclusive line ranges (a1, b1, a2, b2, ...)."""
-    parts = [ln for a, b in zip(bounds[::2], bounds[1::2]) for ln in lines[a - 1:b]]
+    parts = [ln for a, b in zip(bounds[::2], bounds[1::2], strict=False) for ln in lines[a - 1:b]]
     return textwrap.dedent("\n".join(parts))
 
 
@@ -199,7 +199,7 @@ def jargon_entries() -> list[tuple[str, str]]:
     text = gzip.decompress(JARGON.read_bytes()).decode("utf-8", errors="replace")
     parts = re.split(r"\n   :([^:\n]{1,60}):[^\n]*\n", text)
     out = []
-    for term, body in zip(parts[1::2], parts[2::2]):
+    for term, body in zip(parts[1::2], parts[2::2], strict=False):
         body = _clean("\n".join(ln[3:] if ln.startswith("   ") else ln for ln in body.split("\n")))
         if len(body) > 60:
             out.append((term.strip(), body))
@@ -215,7 +215,7 @@ def debian_faq() -> list[tuple[str, str]]:
     text = _gz_text(DEBIAN_FAQ)
     parts = re.split(r"\n(\d+(?:\.\d+)+)\. +([^\n]+(?:\n[^\n ][^\n]*)?)\n\n", text)
     out = []
-    for head, body in zip(parts[2::3], parts[3::3]):
+    for head, body in zip(parts[2::3], parts[3::3], strict=False):
         head = " ".join(head.split())
         body = _clean("\n".join(ln[4:] if ln.startswith("    ") else ln for ln in body.split("\n")))
         if head.endswith("?") and len(body) > 80:

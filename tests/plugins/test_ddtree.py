@@ -10,14 +10,20 @@ import math
 
 import pytest
 import torch
-from dspec_ddtree import DDTreeConfig, DDTreeDrafter, grow_sampled_tree, grow_tree, sampled_shape
+from dspec_ddtree import (
+    DDTreeConfig,
+    DDTreeDrafter,
+    grow_sampled_tree,
+    grow_tree,
+    sampled_shape,
+)
 from test_dflash import PROMPTS, SAMPLINGS, build, plain_greedy
 from test_dspark import ForcedSampler, _state_after_prompt, strong
 from tiny_models import GreedySampler, assert_cli_error, run_cli, tiny_target
 
 from dspec_cli.core.errors import DspecError
-from dspec_cli.core.sampling import logits_to_probs, torch_exponential
 from dspec_cli.core.plugins import get_drafter_class
+from dspec_cli.core.sampling import logits_to_probs, torch_exponential
 from dspec_cli.runtime import engine as engine_module
 from dspec_cli.runtime.engine import GenerationConfig, SpeculativeEngine
 from dspec_cli.runtime.kv_cache import ancestor_visibility
@@ -93,7 +99,7 @@ def spine_oracle(child_logp, anchor: int, depth: int, budget: int, topk: int) ->
 def tree_paths(anchor: int, tokens, parents, scores) -> dict:
     """{path (anchor first): score} of one row of a tree."""
     paths, out = {0: (anchor,)}, {}
-    for i, (t, p, s) in enumerate(zip(tokens.tolist(), parents.tolist(), scores.tolist())):
+    for i, (t, p, s) in enumerate(zip(tokens.tolist(), parents.tolist(), scores.tolist(), strict=True)):
         paths[i + 1] = paths[p] + (t,)
         out[paths[i + 1]] = s
     return out
@@ -302,12 +308,12 @@ def test_children_are_the_sequential_heads_conditionals(target, name):
     tokens, parents = tree.tokens[0].tolist(), tree.parents[0].tolist()
     paths, score = {0: []}, {0: 0.0}
     head_matters = False
-    for i, (x, p) in enumerate(zip(tokens, parents)):
+    for i, (x, p) in enumerate(zip(tokens, parents, strict=True)):
         k = len(paths[p])
         forced = torch.tensor([paths[p] + [0] * (4 - k)])
         q = base.propose(state, anchors, k + 1, ForcedSampler(forced)).draft_probs[0, k]  # [V]
         assert math.isclose(float(scores[0, i]) - score[p], float(q[x].log()), abs_tol=1e-4)
-        siblings = {t for t, pp in zip(tokens, parents) if pp == p}
+        siblings = {t for t, pp in zip(tokens, parents, strict=True) if pp == p}
         assert siblings == set(q.topk(len(siblings)).indices.tolist())
         head_matters |= not math.isclose(float(q[x].log()), float(uncorrected[k, x]), abs_tol=1e-2)
         paths[i + 1], score[i + 1] = paths[p] + [x], float(scores[0, i])
@@ -340,7 +346,7 @@ def test_greedy_equals_plain_greedy(target, base, R):
     greedy = {tuple(p): plain_greedy(target, p, 16) for p in prompts}
     cfg = GenerationConfig(max_new_tokens=16, temperature=0.0, block_size=4, max_batch=R)
     results = SpeculativeEngine(target, ddtree(target, base, tree_budget=32), cfg, stop_ids=[]).generate(prompts)
-    for prompt, res in zip(prompts, results):
+    for prompt, res in zip(prompts, results, strict=True):
         assert res.output_ids == greedy[tuple(prompt)]
     assert {v for r in results for v in r.verified} == {0, 32}  # the budget (0: the last token)
     assert sum(a for r in results for a in r.accepted) > 0
@@ -358,7 +364,7 @@ def test_batch_invariant(target, base):
                                   block_size=4, seed=5)
     outs = [[r.output_ids for r in results] for results in runs]
     for other in outs[1:]:
-        assert sum(a != b for a, b in zip(outs[0], other)) <= 1
+        assert sum(a != b for a, b in zip(outs[0], other, strict=True)) <= 1
     assert sum(a for r in runs[-1] for a in r.accepted) > 0
 
 

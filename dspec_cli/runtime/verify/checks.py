@@ -39,7 +39,7 @@ def positive(name: str, value: float) -> None:
 
 def shape(name: str, x: torch.Tensor, expected: tuple) -> None:
     """Exact shape check (entries of None are free)."""
-    if len(x.shape) != len(expected) or any(e is not None and s != e for s, e in zip(x.shape, expected)):
+    if len(x.shape) != len(expected) or any(e is not None and s != e for s, e in zip(x.shape, expected, strict=True)):
         want = ", ".join("*" if e is None else str(e) for e in expected)
         _fail(name, f"expected shape [{want}], got {list(x.shape)}")
 

@@ -303,7 +303,7 @@ def _rejection_walk(tree: _Tree, depth: int, fanout: int, coins, begin, child, f
             rejected = tried & ~ok
             if rejected.device.type != "cpu" or bool(rejected.any()):
                 rows = rejected[:, None]
-                state = tuple(new if new is old else torch.where(rows, new, old) for new, old in zip(after(), state))
+                state = tuple(new if new is old else torch.where(rows, new, old) for new, old in zip(after(), state, strict=True))
         node_tok = tree.tokens.gather(1, (nxt - 1).clamp(min=0)[:, None]).squeeze(1)
         tokens[:, d] = torch.where(moved, node_tok, torch.where(active, final(d, state), -1))
         path[:, d] = torch.where(active, cur, -1)
