@@ -41,6 +41,7 @@ from dspec_cli.core.types import DraftTree, Proposal, VerifyResult
 from dspec_cli.runtime.drafter import heuristic_confidence
 from dspec_cli.runtime.engine import GenerationConfig, SpeculativeEngine
 from dspec_cli.runtime.verify import verify_chain, verify_tree
+from dspec_cli.runtime.verify.tree import SAMPLED_METHODS
 
 LengthPolicy = Callable[[Proposal], torch.Tensor]
 
@@ -585,8 +586,8 @@ def simulate_tree_speculative(
 ) -> torch.Tensor:
     """Tree speculative decoding (:func:`random_tree` + verify_tree): [num_requests, num_tokens].
 
-    With ``method="sampled"`` the drafter's q of every row (the distribution its children were
-    drawn from) is passed as ``draft_probs``."""
+    With ``method="sampled"`` or ``"traversal"`` the drafter's q of every row (the distribution its
+    children were drawn from) is passed as ``draft_probs``."""
 
     def step(last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         tree = random_tree(drafter, last, depth=depth, branching=branching, generator=generator)
@@ -596,7 +597,7 @@ def simulate_tree_speculative(
         context = torch.cat([last[:, None], tree.tokens], 1)
         target_probs = target.probs(context[row_mask])  # [Σ(N_r+1), V]
         extra = dict(verify_kwargs)
-        if method == "sampled":
+        if method in SAMPLED_METHODS:
             extra["draft_probs"] = drafter.model.probs(context[row_mask])
         res = verify_tree(
             target_probs,

@@ -3,8 +3,14 @@
 Layout (like vLLM): request r proposes ℓ_r >= 0 drafts; its target rows are one per draft
 position followed by its bonus row, so target rows number Σ(ℓ_r + 1) and drafts Σℓ_r.
 
-Randomness, in order of precedence: explicit ``uniforms`` / ``noise`` (bit-for-bit comparable
-across backends), counter-based ``seeds`` / ``offsets`` (per request; ``offsets`` is the
+Chains are verified token by token (``method="token"``: each draft accepted with probability
+min(1, p/q) until the first rejection) or as a block (``method="block"``, Sun et al. 2025:
+:mod:`dspec_cli.runtime.verify.block`), both exact at any temperature; trees by the methods of
+:func:`verify_tree`.
+
+Randomness, in order of precedence: explicit ``uniforms`` (the coins) and ``noise`` or
+``final_uniforms`` (the final token: an Exp(1) vector per request for the exponential race, or
+one uniform per request for the inverse CDF; bit-for-bit comparable across backends), counter-based ``seeds`` / ``offsets`` (per request; ``offsets`` is the
 absolute position of the first draft, so numbers never depend on the batch and never repeat
 across steps), else ``generator`` (torch randomness). Coins are never exactly 0.
 
@@ -29,12 +35,13 @@ from dspec_cli.core.sampling import (
     uniform,
 )
 from dspec_cli.core.types import VerifyResult
-from dspec_cli.runtime.verify import checks, reference
+from dspec_cli.runtime.verify import block, checks, reference
 from dspec_cli.runtime.verify.tree import verify_tree
 
-__all__ = ["VerifyResult", "triton_available", "verify_chain", "verify_greedy", "verify_tree"]
+__all__ = ["CHAIN_METHODS", "VerifyResult", "triton_available", "verify_chain", "verify_greedy", "verify_tree"]
 
 BACKENDS = ("auto", "torch", "triton")
+CHAIN_METHODS = ("token", "block")
 
 
 def triton_available() -> bool:
@@ -46,7 +53,8 @@ def triton_available() -> bool:
 
 
 def _backend(backend: str, device: torch.device):
-    """The module implementing `chain` / `greedy` for this backend and device."""
+    """The module implementing `chain` / `greedy` for this backend and device (the torch
+    reference is :mod:`reference`)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
@@ -59,6 +67,15 @@ def _backend(backend: str, device: torch.device):
 
     triton_backend.check_device(device)
     return triton_backend
+
+
+def _block_backend(impl):
+    """The module implementing `block` next to the chain backend ``impl``."""
+    if impl is reference:
+        return block
+    from dspec_cli.runtime.verify import triton_block
+
+    return triton_block
 
 
 def _ragged_sizes(values, stats, draft_tokens, target, target_name: str, R: int) -> tuple[int, int]:
@@ -100,10 +117,11 @@ def verify_chain(
     draft_probs: torch.Tensor | None,  # [Σℓ_r, V] or None (one-hot drafts)
     num_draft: torch.Tensor,  # [R]
     *,
+    method: str = "token",
     generator: torch.Generator | None = None,
-    uniforms: torch.Tensor | None = None,  # [Σℓ_r] float64 in (0, 1)
-    noise: torch.Tensor | None = None,  # [R, V] Exp(1), > 0
-    final_uniforms: torch.Tensor | None = None,  # [R] float64 in (0, 1): final token by inverse CDF
+    uniforms: torch.Tensor | None = None,  # [Σℓ_r] float64 in (0, 1): one coin per draft
+    noise: torch.Tensor | None = None,  # [R, V] Exp(1), > 0: the final token's exponential race
+    final_uniforms: torch.Tensor | None = None,  # [R] float64 in (0, 1): the final token by inverse CDF
     seeds: torch.Tensor | None = None,  # [R] int64
     offsets: torch.Tensor | None = None,  # [R] int64
     backend: str = "auto",
@@ -111,13 +129,19 @@ def verify_chain(
 ) -> VerifyResult:
     """Chain speculative sampling (lossless at any temperature).
 
-    Draft x_k is accepted with probability min(1, p(x_k)/q(x_k)) (q = 1 for one-hot drafts);
-    at the first rejection the token is drawn from norm(max(0, p - q)) (one-hot: p with x_k
-    removed; p itself if the residual is all zero), else the bonus token from p at row ℓ_r.
-    The final token is drawn by the exponential race argmax(w / noise) (no renormalisation),
-    or, given ``final_uniforms`` (torch backend), by the inverse CDF of w with one uniform per
-    request: the same distribution without a vocabulary-wide noise vector (cheaper on a CPU).
+    ``method="token"``: draft x_k is accepted with probability min(1, p(x_k)/q(x_k)) (q = 1 for
+    one-hot drafts); at the first rejection the token is drawn from norm(max(0, p - q))
+    (one-hot: p with x_k removed; p itself if the residual is all zero), else the bonus token
+    from p at row ℓ_r. ``method="block"``: block verification
+    (:mod:`dspec_cli.runtime.verify.block`), which accepts at least as many drafts in
+    distribution; one-hot drafts (``draft_probs`` None) gain nothing from it and take the token
+    rule. The final token is drawn by the exponential race argmax(w / noise) (no
+    renormalisation), or, given ``final_uniforms`` (torch backend), by the inverse CDF of w with
+    one uniform per request: the same distribution without a vocabulary-wide noise vector
+    (cheaper on a CPU).
     """
+    if method not in CHAIN_METHODS:
+        raise ValueError(f"method: expected one of {CHAIN_METHODS}, got {method!r}")
     checks.tensor("target_probs", target_probs, dim=2, kind="float")
     device, vocab = target_probs.device, target_probs.shape[1]
     checks.tensor("num_draft", num_draft, dim=1, kind="int", device=device)
@@ -159,11 +183,11 @@ def verify_chain(
 
     num_draft, draft_tokens = num_draft.long(), draft_tokens.long()
     uniforms = _chain_coins(num_draft, total, uniforms, generator, seeds, offsets, device)
-    if final_uniforms is None:
-        noise = _chain_noise(R, vocab, noise, generator, seeds, offsets, device)
-    else:
-        noise = final_uniforms.double()  # [R]: the reference draws the final token by inverse CDF
-    return impl.chain(target_probs, draft_tokens, draft_probs, num_draft, uniforms, noise, total, width)
+    args = (target_probs, draft_tokens, draft_probs, num_draft, uniforms)
+    rule = _block_backend(impl).block if method == "block" and draft_probs is not None else impl.chain
+    if final_uniforms is not None:  # torch backend only (checked above)
+        return rule(*args, None, total, width, final_uniforms=final_uniforms.double())
+    return rule(*args, _chain_noise(R, vocab, noise, generator, seeds, offsets, device), total, width)
 
 
 def verify_greedy(
