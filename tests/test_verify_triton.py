@@ -14,8 +14,10 @@ import torch
 pytest.importorskip("triton")
 
 from dspec_cli.core.sampling import torch_exponential, torch_uniform  # noqa: E402
+from dspec_cli.runtime.verify import block as block_reference  # noqa: E402
 from dspec_cli.runtime.verify import reference, verify_chain, verify_greedy  # noqa: E402
 from dspec_cli.runtime.verify import triton as triton_backend  # noqa: E402
+from dspec_cli.runtime.verify import triton_block  # noqa: E402
 
 DEVICE = torch.device(os.environ.get("DSPEC_TEST_DEVICE", "cpu"))
 
@@ -97,6 +99,25 @@ def test_greedy_kernel_matches_reference(R, V, gamma, block):
     drafts = torch.where(follow, best[is_draft_row], x["draft_tokens"])
     args = (x["target_logits"], drafts, x["num_draft"], x["total"], x["width"])
     assert_same(triton_backend.greedy(*args, block_v=block), reference.greedy(*args))
+
+
+@pytest.mark.parametrize("closeness", [0.3, 1.0])
+@pytest.mark.parametrize("R,V,gamma,block", CASES)
+def test_block_kernels_match_reference(R, V, gamma, block, closeness):
+    x = make_inputs(R, V, gamma, seed=R * 100 + V + gamma, closeness=closeness)
+    args = chain_args(x)
+    assert_same(triton_block.block(*args, block_v=block), block_reference.block(*args))
+
+
+def test_block_half_precision_and_counter_randomness():
+    x = make_inputs(5, 200, 4, seed=9, dtype=torch.bfloat16, closeness=0.3)
+    args = chain_args(x)
+    assert_same(triton_block.block(*args, block_v=64), block_reference.block(*args))
+    x = make_inputs(6, 64, 5, seed=10, closeness=0.3)
+    kw = dict(seeds=torch.arange(6, device=DEVICE) + 40, offsets=torch.arange(6, device=DEVICE) * 9, method="block")
+    out = [verify_chain(x["target_probs"], x["draft_tokens"], x["draft_probs"], x["num_draft"], backend=b, **kw)
+           for b in BOTH]
+    assert_same(*out)
 
 
 def test_public_api_backends_agree():

@@ -22,7 +22,8 @@ m_0 · P_target(s) = P_target(s). (When Z_k + 1 − ρ_k = 0, i.e. ρ_k = 1 and 
 h_k is never decisive: P(τ = k) = Z_k = 0; the rule takes h_k = 1.)
 
 Never worse than token verification: ρ_k >= ρ_{k−1} · min(1, p_k(x_k) / q_k(x_k)), so for every
-draft block P(τ >= k) = ρ_k is at least token verification's Π_{j<=k} min(1, p_j(x_j) / q_j(x_j)).
+draft prefix x_≤k, averaged over the drafts after it, P(τ >= k | x_≤k) = ρ_k is at least token
+verification's Π_{j<=k} min(1, p_j(x_j) / q_j(x_j)) (for one fixed block of drafts it can be less).
 For one-hot drafts (q_k = δ_{x_k}) both are Π p_j(x_j): block verification gains nothing there,
 and the verifier uses the token rule. At T = 0 (one-hot p and q) τ is the number of leading
 drafts equal to the target's argmax, as in greedy verification.

@@ -53,7 +53,7 @@ chance that everything after c fails (e_c is the probability that c's subtree pa
 v passes and the earlier siblings failed); with no such child the next token is drawn from v's
 final ν. One target draw per depth, as the other walks.
 
-``child_weight``, ``leftover``, ``rescale`` and ``enter_probs`` are looked up at call time, so
+``proposal``, ``child_weight``, ``rescale`` and ``enter_probs`` are looked up at call time, so
 tests can swap in biased versions.
 """
 
@@ -65,28 +65,25 @@ from dspec_cli.core.types import VerifyResult
 from dspec_cli.runtime.verify.tree_walk import Tree, all_stopped, normalised, outputs
 
 
-def _effective_q(q_hat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """q̂' [R, V], or δ_x where x [R] lies outside q̂''s support (a one-hot draft)."""
+def proposal(q: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For child x [R] drawn from the proposal q [R, V] (unnormalised): the distribution it counts
+    as drawn from, q̂' or δ_x where x lies outside q̂''s support (a one-hot draft), and the
+    proposal of the next sibling, q̂' with x removed (both [R, V])."""
+    q_hat = normalised(q)
+    q_next = q_hat.scatter(1, x[:, None], 0.0)
     outside = q_hat.gather(1, x[:, None]).squeeze(1) <= 0
     if outside.device.type == "cpu" and not bool(outside.any()):  # the usual case; a free read on a CPU
-        return q_hat
+        return q_hat, q_next
     one_hot = torch.zeros_like(q_hat).scatter_(1, x[:, None], 1.0)
-    return torch.where(outside[:, None], one_hot, q_hat)
+    return torch.where(outside[:, None], one_hot, q_hat), q_next
 
 
-def child_weight(nu: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """ρ_x = min(1, ν(x) / q̂'(x)) [R] float64 for child x [R], with ν [R, V] the parent's measure
-    and q [R, V] its proposal (unnormalised); q̂'(x) := 1 outside q̂''s support."""
-    q_x = _effective_q(normalised(q), x).gather(1, x[:, None]).squeeze(1).double()
-    nu_x = nu.gather(1, x[:, None]).squeeze(1).double()
-    return torch.minimum(nu_x / torch.where(q_x > 0, q_x, 1.0), torch.ones_like(nu_x))
-
-
-def leftover(nu: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """After child x [R] failed: the residual r = max(ν − q̂', 0) [R, V] and the next proposal,
-    q̂' with x removed [R, V]."""
-    q_hat = normalised(q)
-    return (nu - _effective_q(q_hat, x)).clamp(min=0), q_hat.scatter(1, x[:, None], 0.0)
+def child_weight(nu: torch.Tensor, q_x: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """ρ_x = min(1, ν(x) / q(x)) [R] float64 for child x [R], with ν [R, V] the parent's measure
+    and q [R, V] the distribution x was drawn from (:func:`proposal`)."""
+    q_at = q_x.gather(1, x[:, None]).squeeze(1).double()
+    nu_at = nu.gather(1, x[:, None]).squeeze(1).double()
+    return torch.minimum(nu_at / torch.where(q_at > 0, q_at, 1.0), torch.ones_like(nu_at))
 
 
 def rescale(r: torch.Tensor, n: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,9 +119,10 @@ def _forward(target_probs: torch.Tensor, draft_probs: torch.Tensor, tree: Tree) 
         parent = tree.p_start + tree.parents[:, i - 1].clamp(min=0)  # [R] flat rows
         own = torch.where(live, tree.p_start + i, rows)  # [R] node i's flat row (padding: the spare row)
         x = tree.tokens[:, i - 1].clamp(min=0)
-        nu_v, q_v, n_v = nu.index_select(0, parent), q.index_select(0, parent), n.index_select(0, parent)
-        rho = child_weight(nu_v, q_v, x)  # [R]
-        r, q_next = leftover(nu_v, q_v, x)
+        nu_v, n_v = nu.index_select(0, parent), n.index_select(0, parent)
+        q_x, q_next = proposal(q.index_select(0, parent), x)
+        rho = child_weight(nu_v, q_x, x)  # [R]
+        r = (nu_v - q_x).clamp(min=0)  # the residual if x fails
         nu_next, n_next = rescale(r, n_v, r.sum(-1, dtype=torch.float64))
         target = torch.where(live, parent, rows)
         nu.index_copy_(0, target, nu_next)

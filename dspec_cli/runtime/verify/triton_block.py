@@ -30,8 +30,11 @@ from dspec_cli.runtime.verify.triton import check_device, interpreting
 
 MAX_BLOCK_V = 4096
 
-# (value, index) argmax with the first index on ties, usable from the interpreter (see triton.py)
+# reductions through the builtin tl.reduce with combines the interpreter recognises, so the kernels
+# also run there when TRITON_INTERPRET is set after `import triton` (see triton.py): the (value,
+# index) argmax with the first index on ties, and the sum
 _ARGMAX = tl.standard._argmax_combine_tie_break_left
+_SUM = tl.standard._sum_combine
 
 
 def _mass_kernel(
@@ -51,7 +54,7 @@ def _mass_kernel(
     n = tl.load(cu_ptr + r + 1) - d_start
     if (k >= 1) & (k < n):  # Z_0 decides nothing; Z_k of k < ℓ only
         p_start = d_start + r
-        rho = tl.zeros([], dtype=tl.float64) + 1.0
+        rho = tl.full([], 1.0, tl.float64)
         for j in range(k):  # ρ_k from the drafts before k
             x = tl.load(draft_tok_ptr + d_start + j)
             p_x = tl.load(target_ptr + (p_start + j) * vocab + x).to(tl.float32)
@@ -64,7 +67,7 @@ def _mass_kernel(
         p = tl.load(target_ptr + (p_start + k) * vocab + offs, mask=m, other=0.0).to(tl.float32)
         q = tl.load(draft_prob_ptr + (d_start + k) * vocab + offs, mask=m, other=0.0).to(tl.float32)
         w = tl.maximum(rho.to(tl.float32) * p - q, 0.0)
-        tl.store(mass_ptr + (d_start + k) * num_blocks + b, tl.sum(w.to(tl.float64), 0))
+        tl.store(mass_ptr + (d_start + k) * num_blocks + b, tl.reduce(w.to(tl.float64), 0, _SUM))
 
 
 def _decide_kernel(
@@ -89,8 +92,8 @@ def _decide_kernel(
     p_start = d_start + r
     out_row = out_tok_ptr + r.to(tl.int64) * out_width
 
-    rho = tl.zeros([], dtype=tl.float64) + 1.0  # ρ_k, k = drafts processed so far
-    rho_acc = tl.zeros([], dtype=tl.float64) + 1.0  # ρ_τ
+    rho = tl.full([], 1.0, tl.float64)  # ρ_k, k = drafts processed so far
+    rho_acc = tl.full([], 1.0, tl.float64)  # ρ_τ
     accepted = 0
     nb = tl.arange(0, BLOCK_NB)
     for k in range(n):
@@ -101,7 +104,7 @@ def _decide_kernel(
                          tl.where(p_x > 0, float("inf"), 0.0))
         rho = tl.where(rho > 0, tl.minimum(rho * ratio, 1.0), 0.0)  # ρ_{k+1}
         blocks = tl.where(k + 1 < n, num_blocks, 0)  # Z_{k+1} (none after the last draft)
-        z = tl.sum(tl.load(mass_ptr + (d_start + k + 1) * num_blocks + nb, mask=nb < blocks, other=0.0), 0)
+        z = tl.reduce(tl.load(mass_ptr + (d_start + k + 1) * num_blocks + nb, mask=nb < blocks, other=0.0), 0, _SUM)
         denom = z + 1.0 - rho
         h = tl.where(k + 1 < n, tl.where(denom > 0, z / tl.where(denom > 0, denom, 1.0), 1.0), rho)
         if tl.load(uniform_ptr + d_start + k) < h:
