@@ -4,11 +4,10 @@ chi-square tests against target sampling live in test_lossless_verify.py."""
 
 import pytest
 import torch
+from test_verify import BACKENDS, as_lists, make_chain
 
 from dspec_cli.core.sampling import logits_to_probs, torch_exponential, torch_uniform
 from dspec_cli.runtime.verify import CHAIN_METHODS, verify_chain, verify_greedy
-
-from test_verify import BACKENDS, as_lists, make_chain
 
 
 @pytest.fixture(params=BACKENDS)

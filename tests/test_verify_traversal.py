@@ -5,12 +5,11 @@ test_lossless_verify.py."""
 
 import pytest
 import torch
+from test_verify_tree import _bad_tree, sampled_case
 
 from dspec_cli import testing as T
 from dspec_cli.core.sampling import logits_to_probs
 from dspec_cli.runtime.verify import verify_chain, verify_tree
-
-from test_verify_tree import _bad_tree, sampled_case
 
 
 def post_order_law(p, q, tokens, parents):
