@@ -362,10 +362,11 @@ def test_batch_invariant(target, base):
     assert sum(a for r in runs[-1] for a in r.accepted) > 0
 
 
-def check_lossless(target, base: str, sampling: dict, R: int | None, per_prompt: int, **options) -> None:
+def check_lossless(target, base: str, sampling: dict, R: int | None, per_prompt: int, verify: dict | None = None,
+                   **options) -> None:
     prompts = [target.render_prompt(PROMPTS[0])]
     results = check_engine_lossless(target, ddtree(target, base, **options), prompts, per_prompt=per_prompt,
-                                    max_batch=R, sampling=sampling, name=f"ddtree:{base} R={R}")
+                                    max_batch=R, sampling=sampling, name=f"ddtree:{base} R={R}", verify=verify)
     assert sum(sum(r.accepted) for r in results) > 0  # tree nodes were really accepted
 
 
@@ -375,14 +376,17 @@ def test_lossless_quick(target, base, sampling):
     check_lossless(target, base, sampling, None, 4000, tree_budget=8, tree_mode="best")
 
 
+@pytest.mark.parametrize("rule", ["sampled", "traversal"])
 @pytest.mark.parametrize("sampling", SAMPLINGS)
-def test_sampled_tree_lossless(target, sampling, monkeypatch):
-    """The sampled tree over DSpark-Markov, verified with its q by recursive rejection sampling."""
+def test_sampled_tree_lossless(target, sampling, rule, monkeypatch):
+    """The sampled tree over DSpark-Markov, verified with its q by recursive rejection sampling
+    ("sampled") or traversal verification."""
     methods = []
     verify = engine_module.verify_tree
     monkeypatch.setattr(engine_module, "verify_tree", lambda *a, **kw: methods.append(kw["method"]) or verify(*a, **kw))
-    check_lossless(target, "dspark-markov", sampling, None, 4000, tree_budget=8, tree_mode="sampled")
-    assert set(methods) == {"sampled"}
+    check_lossless(target, "dspark-markov", sampling, None, 4000, verify=dict(tree_verify=rule), tree_budget=8,
+                   tree_mode="sampled")
+    assert set(methods) == {rule}
 
 
 def test_lossless_check_catches_sampled_siblings_chosen_by_value(target, monkeypatch):
