@@ -254,6 +254,15 @@ class DFlashDrafter(TrainableDrafter):
         bias, head_state = head.step_bias(head_state, prev, h)
         return logits + bias, head_state  # float logits + a half-precision bias: float (exact promotion)
 
+    def head_confidence(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
+        """Raw confidence [...] (float, uncalibrated) that a draft in the slot of features h [..., d]
+        is accepted once its prefix is, from the confidence head and the previous token prev [...]
+        (for tree builders: prev is the parent node's token); None without a confidence head."""
+        conf_head, head = self.net.confidence, self.net.head
+        if conf_head is None:
+            return None
+        return torch.sigmoid(conf_head(h, head.embed(prev) if head is not None else None).float())
+
     @torch.no_grad()
     def propose(self, state: BlockDraftState, anchors: torch.Tensor, max_len: int, sampler: Sampler) -> Proposal:
         """One parallel forward, then min(max_len, γ) draws with the run's sampler: q_k =
@@ -286,8 +295,7 @@ class DFlashDrafter(TrainableDrafter):
             probs = torch.stack(qs, 1) if qs else None  # [R, γ, V]
         conf = None
         if conf_head is not None:  # one pass over the block: slot k sees h_k and x_{k−1} only
-            prevs = torch.cat([anchors[:, None], drafts[:, :-1]], 1)  # [R, γ]: x_{k−1}
-            conf = torch.sigmoid(conf_head(h, head.embed(prevs) if head is not None else None).float())  # raw
+            conf = self.head_confidence(h, torch.cat([anchors[:, None], drafts[:, :-1]], 1))  # raw, x_{k−1} [R, γ]
         return Proposal(
             tokens=drafts,
             lengths=torch.full((R,), gamma, dtype=torch.long, device=anchors.device),
