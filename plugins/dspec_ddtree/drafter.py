@@ -58,8 +58,8 @@ class DDTreeConfig(DrafterConfig):
     tree_budget: int = 32  # draft nodes per tree (the root/anchor not counted)
     tree_topk: int = 0  # children considered per node; 0 = tree_budget (capped by the vocabulary)
     # "best": the tree_budget best prefixes (DDTree; sample-and-match verification);
-    # "sampled": children sampled without replacement from the run's q, verified with q by
-    # recursive rejection sampling (at T = 0 the best-first tree is used).
+    # "sampled": children sampled without replacement from the run's q, verified with q (the run's
+    # tree_verify rule: traversal verification or recursive rejection; at T = 0 the best-first tree).
     tree_mode: str = "sampled"
     # sampled trees have a static shape (sampled_shape) from two rates: the chance that a node's
     # first child is accepted, and that a later sibling is once the siblings before it were rejected

@@ -169,7 +169,7 @@ def grow_sampled_tree(
     shape: torch.Tensor,  # [S + 1, K] long: :func:`sampled_shape`
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A sampled draft tree of the static ``shape`` cut at ``depth``, for lossless verification
-    with ``verify_tree(method="sampled")``.
+    with ``verify_tree(method="traversal")`` or ``method="sampled"``.
 
     Depth by depth, the frontier nodes' child distributions q = ``probs(expand(...))`` are
     computed and node v's m_v children (its children in ``shape``, at most the size of q_v's
