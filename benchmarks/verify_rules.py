@@ -84,7 +84,7 @@ def summary(record: dict[str, list[float]]) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.verify_rules", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.verify_rules", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--drafter", action="append", required=True, help="drafter spec (repeatable), as dspec bench's")
     ap.add_argument("--dataset", action="append", default=[], help="prompt file or builtin (repeatable)")
     ap.add_argument("--target", default=None)

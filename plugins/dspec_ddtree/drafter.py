@@ -243,6 +243,8 @@ class DDTreeDrafter(WrappedDrafter):
             conf = conf.gather(-1, slot[..., None]).squeeze(-1)
         survival = node_survival(parents, conf, self.config.tree_rescue, depth)
         valid = torch.arange(N, device=tokens.device) < num_nodes[:, None]
+        if self.cost_table is None:  # unreachable: DDTreeConfig requires cost_table with tree_shape=confidence
+            raise DspecError("tree_shape=confidence needs cost_table=PATH")
         sps = self.cost_table.sps_curve(R * (N + 1), None, tokens.device)
         return admit_candidates(survival, valid, sps)
 

@@ -184,10 +184,17 @@ def verify_chain(
     num_draft, draft_tokens = num_draft.long(), draft_tokens.long()
     uniforms = _chain_coins(num_draft, total, uniforms, generator, seeds, offsets, device)
     args = (target_probs, draft_tokens, draft_probs, num_draft, uniforms)
-    rule = _block_backend(impl).block if method == "block" and draft_probs is not None else impl.chain
     if final_uniforms is not None:  # torch backend only (checked above)
-        return rule(*args, None, total, width, final_uniforms=final_uniforms.double())
-    return rule(*args, _chain_noise(R, vocab, noise, generator, seeds, offsets, device), total, width)
+        fu = final_uniforms.double()
+        if method == "block" and draft_probs is not None:
+            return block.block(target_probs, draft_tokens, draft_probs, num_draft, uniforms, None, total, width,
+                               final_uniforms=fu)
+        return reference.chain(*args, None, total, width, final_uniforms=fu)
+    noise = _chain_noise(R, vocab, noise, generator, seeds, offsets, device)
+    if method == "block" and draft_probs is not None:
+        return _block_backend(impl).block(target_probs, draft_tokens, draft_probs, num_draft, uniforms, noise, total,
+                                          width)
+    return impl.chain(*args, noise, total, width)
 
 
 def verify_greedy(

@@ -170,6 +170,8 @@ def verify_tree(
     coins = _node_coins(tree, uniforms, seeds, offsets, generator, total)
     if method == "recursive":
         return _recursive(target_probs, tree, depth, fanout, coins, draw)
+    if draft_probs is None:  # unreachable: checked above; for the type checker
+        raise ValueError(f"draft_probs: required by method {method!r}")
     if method == "sampled":
         return _sampled(target_probs, draft_probs, tree, depth, fanout, coins, draw)
     return traversal.walk(target_probs, draft_probs, tree, depth, coins, draw)
