@@ -79,7 +79,8 @@ def _block_backend(impl):
 
 
 def _ragged_sizes(values, stats, draft_tokens, target, target_name: str, R: int) -> tuple[int, int]:
-    """(Σℓ, max ℓ) from the synced stats, checked against the draft and target row counts."""
+    """(Σℓ, max ℓ) from the synced stats, checked against the draft [Σℓ] and target [Σ(ℓ+1), V]
+    row counts."""
     total, width = (int(values[i]) for i in stats)
     if draft_tokens.numel() != total:
         raise ValueError(f"draft_tokens: has {draft_tokens.numel()} entries but num_draft sums to {total}")
@@ -89,7 +90,8 @@ def _ragged_sizes(values, stats, draft_tokens, target, target_name: str, R: int)
 
 
 def _chain_coins(num_draft, total, uniforms, generator, seeds, offsets, device) -> torch.Tensor:
-    """Coins [Σℓ] float64 from the highest-precedence source."""
+    """Coins [Σℓ] float64 from the highest-precedence source: uniforms [Σℓ], else seeds and
+    offsets [R] int64 (num_draft [R]), else the generator."""
     if uniforms is None:
         if seeds is not None:
             R = num_draft.numel()
@@ -102,7 +104,8 @@ def _chain_coins(num_draft, total, uniforms, generator, seeds, offsets, device) 
 
 
 def _chain_noise(R: int, vocab: int, noise, generator, seeds, offsets, device) -> torch.Tensor:
-    """Final-token noise [R, V] float32 from the highest-precedence source."""
+    """Final-token noise [R, V] float32 from the highest-precedence source: noise [R, V], else
+    seeds and offsets [R] int64, else the generator."""
     if noise is None:
         if seeds is not None:
             noise = exponential(seeds, offsets, vocab, NOISE_SALT)

@@ -19,15 +19,21 @@ from dspec_cli.core.sampling import sample_from_probs, sample_inverse_cdf
 from dspec_cli.core.types import VerifyResult
 
 
-def acceptance_prob(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
-    """min(1, p(x)/q(x)) in float64; q(x) = 0 gives 1 if p(x) > 0 else 0 (no division by 0)."""
+def acceptance_prob(
+    p_x: torch.Tensor,  # [...] target probability of each draft
+    q_x: torch.Tensor,  # [...] its draft probability
+) -> torch.Tensor:
+    """min(1, p(x)/q(x)) [...] in float64; q(x) = 0 gives 1 if p(x) > 0 else 0 (no division by 0)."""
     p64, q64 = p_x.double(), q_x.double()
     ratio = p64 / torch.where(q_x > 0, q64, torch.ones_like(q64))
     return torch.where(q_x > 0, ratio.clamp(max=1.0), (p_x > 0).double())
 
 
-def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Unnormalised residual max(0, p - q) [.., V]."""
+def residual(
+    p: torch.Tensor,  # [..., V] target probabilities
+    q: torch.Tensor,  # [..., V] draft probabilities
+) -> torch.Tensor:
+    """Unnormalised residual max(0, p - q) [..., V]."""
     return (p - q).clamp(min=0)
 
 
@@ -44,7 +50,7 @@ def final_draw(
     return sample_from_probs(weights, noise)
 
 
-def layout(num_draft: torch.Tensor, total: int, width: int):
+def layout(num_draft: torch.Tensor, total: int, width: int):  # num_draft [R] long
     """Flattened ragged layout as padded grids.
 
     Returns d_start [R] (first draft of each request), p_start [R] (its first target row),
@@ -59,8 +65,13 @@ def layout(num_draft: torch.Tensor, total: int, width: int):
     return d_start, p_start, d_idx, valid
 
 
-def committed(drafts: torch.Tensor, accepted: torch.Tensor, final: torch.Tensor, width: int) -> torch.Tensor:
-    """[R, width+1]: accepted drafts [R, width], then the final token [R] at column accepted; -1 after."""
+def committed(
+    drafts: torch.Tensor,  # [R, width] long
+    accepted: torch.Tensor,  # [R] long
+    final: torch.Tensor,  # [R] long
+    width: int,
+) -> torch.Tensor:
+    """[R, width+1]: the accepted drafts, then the final token at column ``accepted``; -1 after."""
     k = torch.arange(width, device=drafts.device)
     out = torch.full((accepted.numel(), width + 1), -1, dtype=torch.long, device=drafts.device)
     out[:, :width] = torch.where(k < accepted[:, None], drafts, -1)

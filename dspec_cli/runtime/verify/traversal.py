@@ -105,8 +105,9 @@ def enter_probs(pi: torch.Tensor, later: torch.Tensor) -> torch.Tensor:
 
 
 def _forward(target_probs: torch.Tensor, draft_probs: torch.Tensor, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every node's final measure ν (flat rows [Σ(N_r+1) + 1, V], like target_probs plus a row for
-    padded nodes' writes) and stop probability h [R, M+1] float64 (the root's 1)."""
+    """From target_probs, draft_probs [Σ(N_r+1), V]: every node's final measure ν (flat rows
+    [Σ(N_r+1) + 1, V], like target_probs plus a row for padded nodes' writes) and stop
+    probability h [R, M+1] float64 (the root's 1)."""
     M = tree.valid.shape[1]
     rows = target_probs.shape[0]
     nu = torch.cat([target_probs.float(), target_probs.new_zeros(1, target_probs.shape[1]).float()])  # ν_v = ρ_v·p_v

@@ -179,8 +179,9 @@ def verify_tree(
 
 def _depth_draw(final_draw: str, noise, seeds, offsets, generator, R: int, vocab: int, device):
     """draw(d, weights [R, V]) -> tokens [R]: the target draw at depth d, by the exponential race
-    with noise [R, V] drawn lazily (or given), or by the inverse CDF with one uniform per row
-    (the same distribution without a vocabulary-wide noise vector: cheaper on a CPU)."""
+    with noise [R, V] drawn lazily (or row d of the given noise [R, D+1, V]), or by the inverse
+    CDF with one uniform per row (the same distribution without a vocabulary-wide noise vector:
+    cheaper on a CPU). seeds, offsets: [R] int64 or None."""
     if final_draw == "inverse_cdf":
         if seeds is not None:
             return lambda d, w: sample_inverse_cdf(w, uniform(seeds, offsets + d, NOISE_SALT))
@@ -193,7 +194,8 @@ def _depth_draw(final_draw: str, noise, seeds, offsets, generator, R: int, vocab
 
 
 def _node_coins(tree: Tree, uniforms, seeds, offsets, generator, total: int) -> torch.Tensor:
-    """Coins [R, M] (one per node, padded): node i at (seed, offset) with salt NODE_SALT + i."""
+    """Coins [R, M] (one per node, padded) from uniforms [ΣN_r], else node i at (seed, offset)
+    ([R] int64 each) with salt NODE_SALT + i, else the generator."""
     if uniforms is not None:
         return uniforms.double()[tree.flat] if total else torch.full_like(tree.valid, 0.5, dtype=torch.float64)
     if seeds is not None:
@@ -201,7 +203,7 @@ def _node_coins(tree: Tree, uniforms, seeds, offsets, generator, total: int) -> 
     return torch_uniform(tree.valid.shape, generator=generator, device=tree.valid.device)
 
 
-def _match(target_probs, tree: Tree, depth: int, draw) -> VerifyResult:
+def _match(target_probs, tree: Tree, depth: int, draw) -> VerifyResult:  # target_probs [Σ(N_r+1), V]
     R, device = tree.valid.shape[0], tree.valid.device
     tokens, path = outputs(R, depth, device)
     cur = torch.zeros(R, dtype=torch.long, device=device)  # current node (local index)
@@ -222,6 +224,7 @@ def _match(target_probs, tree: Tree, depth: int, draw) -> VerifyResult:
 
 
 def _recursive(target_probs, tree: Tree, depth: int, fanout: int, coins, draw) -> VerifyResult:
+    """target_probs [Σ(N_r+1), V], coins [R, M]."""
     def begin(rows):
         p = target_probs.index_select(0, rows).float()  # [R, V]
         return p, p  # (p, residual p' unnormalised)
@@ -261,6 +264,7 @@ def sibling_reject(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> tuple[t
 
 
 def _sampled(target_probs, draft_probs, tree: Tree, depth: int, fanout: int, coins, draw) -> VerifyResult:
+    """target_probs, draft_probs [Σ(N_r+1), V], coins [R, M]."""
     def begin(rows):
         p = target_probs.index_select(0, rows).float()  # [R, V]
         return p, p, draft_probs.index_select(0, rows).float()  # (p, residuals p', q')

@@ -73,8 +73,8 @@ Final = Callable[[int, tuple], torch.Tensor]
 
 def rejection_walk(tree: Tree, depth: int, fanout: int, coins: torch.Tensor, begin: Begin, child: Child,
                    final: Final) -> VerifyResult:
-    """At the current node try its children in node order, one coin [R, M] each, and move to the
-    first accepted; else draw the final token and stop."""
+    """At the current node try its children in node order, one coin each (coins [R, M], padded
+    like ``tree``), and move to the first accepted; else draw the final token and stop."""
     R, device = tree.valid.shape[0], tree.valid.device
     tokens, path = outputs(R, depth, device)
     cur = torch.zeros(R, dtype=torch.long, device=device)
