@@ -94,7 +94,7 @@ def _decide_kernel(
 
     rho = tl.full([], 1.0, tl.float64)  # ρ_k, k = drafts processed so far
     rho_acc = tl.full([], 1.0, tl.float64)  # ρ_τ
-    accepted = 0
+    accepted = tl.full([], 0, tl.int64)  # τ
     nb = tl.arange(0, BLOCK_NB)
     for k in range(n):
         x = tl.load(draft_tok_ptr + d_start + k)
@@ -107,12 +107,11 @@ def _decide_kernel(
         z = tl.reduce(tl.load(mass_ptr + (d_start + k + 1) * num_blocks + nb, mask=nb < blocks, other=0.0), 0, _SUM)
         denom = z + 1.0 - rho
         h = tl.where(k + 1 < n, tl.where(denom > 0, z / tl.where(denom > 0, denom, 1.0), 1.0), rho)
-        if tl.load(uniform_ptr + d_start + k) < h:
-            accepted = k + 1
-            rho_acc = rho
+        hit = tl.load(uniform_ptr + d_start + k) < h  # τ = the last k whose coin is below h_k
+        accepted = tl.where(hit, k + 1, accepted)
+        rho_acc = tl.where(hit, rho, rho_acc)
     for j in range(n):
-        if j < accepted:
-            tl.store(out_row + j, tl.load(draft_tok_ptr + d_start + j))
+        tl.store(out_row + j, tl.load(draft_tok_ptr + d_start + j), mask=j < accepted)
 
     rejected = accepted < n
     q_len = tl.where(rejected, vocab, 0)  # q row length to read (0: bonus, no residual)
