@@ -3,8 +3,8 @@
     python -m benchmarks.verify [--json PATH] [--backends torch,triton] [--quick]
     python -m benchmarks.verify --kernels [--json PATH] [--dtype bfloat16] [--dry-run]
 
-Times verify_chain (with draft probabilities and one-hot) and verify_greedy for every backend
-over R x γ x V, with every request drafting γ tokens, explicit randomness and validate=False
+Times verify_chain (token verification with draft probabilities and one-hot, block verification)
+and verify_greedy for every backend over R x γ x V, with every request drafting γ tokens, explicit randomness and validate=False
 (the hot path; --validate adds the checks). Reports the median of the repeats after warm-up,
 synchronising CUDA around each call. Triton runs only on CUDA.
 
@@ -46,7 +46,7 @@ from dspec_cli.runtime.verify import (
 
 FULL_GRID = dict(R=(1, 16, 64, 256), gamma=(4, 7, 16), V=(32000, 151936))
 QUICK_GRID = dict(R=(1, 16, 64), gamma=(4,), V=(32000,))
-KINDS = ("chain", "chain-onehot", "greedy")
+KINDS = ("chain", "chain-block", "chain-onehot", "greedy")
 
 
 def _inputs(R: int, gamma: int, V: int, device, generator: torch.Generator) -> dict:
@@ -71,9 +71,9 @@ def _inputs(R: int, gamma: int, V: int, device, generator: torch.Generator) -> d
 def _call(kind: str, x: dict, backend: str, validate: bool):
     if kind == "greedy":
         return verify_greedy(x["logits"], x["draft_tokens"], x["num_draft"], backend=backend, validate=validate)
-    q = x["draft_probs"] if kind == "chain" else None
+    q = None if kind == "chain-onehot" else x["draft_probs"]
     return verify_chain(
-        x["target_probs"], x["draft_tokens"], q, x["num_draft"],
+        x["target_probs"], x["draft_tokens"], q, x["num_draft"], method="block" if kind == "chain-block" else "token",
         uniforms=x["uniforms"], noise=x["noise"], backend=backend, validate=validate,
     )  # fmt: skip
 

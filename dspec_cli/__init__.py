@@ -77,6 +77,7 @@ _API = {
     "best_path": "dspec_cli.runtime.tree_select",
     "select_tree": "dspec_cli.runtime.tree_select",
     "Scheduler": "dspec_cli.runtime.schedule",
+    "admit_candidates": "dspec_cli.runtime.schedule",
     "Target": "dspec_cli.runtime.target",
     "TargetBatch": "dspec_cli.runtime.target",
     "GenerationConfig": "dspec_cli.runtime.engine",

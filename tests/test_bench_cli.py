@@ -13,7 +13,8 @@ from tiny_models import tiny_tokenizer
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from dspec_cli.core.hardware import CostTable
-from dspec_cli.runtime.engine import RequestResult, RunStats
+from dspec_cli.runtime.engine import GenerationConfig, RequestResult, RunStats
+from dspec_cli.workflows.bench import verify_report
 
 
 def test_bench_runs_and_writes_json(model_dir, tmp_path, capsys):
@@ -36,6 +37,39 @@ def test_bench_runs_and_writes_json(model_dir, tmp_path, capsys):
     assert dm["tau"] == pytest.approx(1 + dm["mean_verified"])  # the target drafting for itself: all accepted
     assert dm["cond_accept"] == [1.0, 1.0, 1.0]
     assert data["env"]["torch"] == torch.__version__
+
+
+@pytest.mark.parametrize("rules", [[], ["token"], ["block", "sampled"]])
+def test_bench_records_the_verification_rule(model_dir, tmp_path, capsys, rules):
+    report = tmp_path / "bench.json"
+    code, out, _ = run(
+        ["bench", "--target", str(model_dir), "--drafter", "draft-model", "--checkpoint", str(model_dir),
+         "--num-prompts", "1", "--max-new-tokens", "8", "--block-size", "3", "--json", str(report),
+         *[a for r in rules for a in ("--verify", r)]],
+        capsys,
+    )
+    assert code == 0
+    (dm,) = json.loads(report.read_text())["runs"]
+    chain_rule = "token" if "token" in rules else "block"
+    assert dm["verify"] == chain_rule and set(dm["verify_rounds"]) == {chain_rule} and "verify_note" not in dm
+    assert chain_rule in out
+
+
+def test_verify_report_notes_the_token_fallback():
+    """Drafts without probabilities (prompt lookup) are verified token by token when block
+    verification is asked for (the default): the report says so."""
+    report = verify_report({"token": 5}, GenerationConfig())
+    assert report["verify"] == "token" and "one-hot drafts" in report["verify_note"]
+    assert "verify_note" not in verify_report({"token": 5}, GenerationConfig(chain_verify="token"))
+    assert verify_report({}, GenerationConfig()) == {"verify": "-", "verify_rounds": {}}
+    assert verify_report({"match": 1, "traversal": 9}, GenerationConfig())["verify"] == "traversal"
+
+
+@pytest.mark.parametrize("rules,message", [(["tokens"], "--verify: unknown rule 'tokens'; chains: token, block"),
+                                           (["token", "block"], "--verify: 'token' and 'block' are both rules")])
+def test_bad_verify_rule(model_dir, capsys, rules, message):
+    _bad(["bench", "--target", str(model_dir), "--drafter", "prompt-lookup", *[a for r in rules for a in ("--verify", r)]],
+         capsys, message)
 
 
 def test_progress_bar_starts_with_its_first_task_and_is_off_in_logs():

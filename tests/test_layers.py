@@ -32,6 +32,7 @@ RANK = {"core": 0, "nn": 1, "checkpoints": 2, "runtime": 3, "training": 4, "work
 LAZY_ALLOWED = {
     # triton is an optional dependency and its import is slow: loaded on first Triton verify
     ("dspec_cli.runtime.verify", "dspec_cli.runtime.verify.triton"),
+    ("dspec_cli.runtime.verify", "dspec_cli.runtime.verify.triton_block"),
 }
 PLUGIN_API = ("dspec_cli", "dspec_cli.nn", "dspec_cli.checkpoints.layouts")
 LOADERS = ("from_pretrained", "load_default")  # drafter constructors from a checkpoint or the embedded default

@@ -26,9 +26,11 @@ from dspec_cli.core.sampling import (  # noqa: E402
     torch_uniform,
 )
 from dspec_cli.core.types import VerifyResult  # noqa: E402
+from dspec_cli.runtime.verify import block as block_reference  # noqa: E402
 from dspec_cli.runtime.verify import (  # noqa: E402
     reference,
     sample_logits,
+    triton_block,  # noqa: E402
     verify_chain,
     verify_chain_logits,
     verify_greedy,
@@ -187,6 +189,25 @@ def test_all_zero_drafts_and_empty_batch():
                                  torch.zeros(0, dtype=torch.float64, device=DEVICE), torch.ones(0, 5, device=DEVICE), 0, 0)
     assert empty.tokens.shape == (0, 1)
     assert triton_backend.draw(torch.zeros(0, 5, device=DEVICE), 1.0, None).shape == (0,)
+
+
+@pytest.mark.parametrize("closeness", [0.3, 1.0])
+@pytest.mark.parametrize("R,V,gamma,block", CASES)
+def test_block_kernels_match_reference(R, V, gamma, block, closeness):
+    x = make_inputs(R, V, gamma, seed=R * 100 + V + gamma, closeness=closeness)
+    args = chain_args(x)
+    assert_same(triton_block.block(*args, block_v=block), block_reference.block(*args))
+
+
+def test_block_half_precision_and_counter_randomness():
+    x = make_inputs(5, 200, 4, seed=9, dtype=torch.bfloat16, closeness=0.3)
+    args = chain_args(x)
+    assert_same(triton_block.block(*args, block_v=64), block_reference.block(*args))
+    x = make_inputs(6, 64, 5, seed=10, closeness=0.3)
+    kw = dict(seeds=torch.arange(6, device=DEVICE) + 40, offsets=torch.arange(6, device=DEVICE) * 9, method="block")
+    out = [verify_chain(x["target_probs"], x["draft_tokens"], x["draft_probs"], x["num_draft"], backend=b, **kw)
+           for b in BOTH]
+    assert_same(*out)
 
 
 # -- the public API on both backends --------------------------------------------------------

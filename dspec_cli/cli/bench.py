@@ -46,13 +46,14 @@ def render_table(report: dict, console: Console) -> None:
     from dspec_cli.workflows.bench import drafted_share, format_speedup
 
     table = Table(title=f"dspec bench · target {report['target']} · {report['env']['device']} · {report['env']['dtype']}")
-    for col in ("dataset", "prompts", "drafter", "scheduler", "R", "τ", "tok/s", "per user", "base tok/s", "speedup", "bound", "budget", "cond. accept by position", "draft %", "drafted"):
-        left = col in ("dataset", "drafter", "scheduler", "cond. accept by position")
+    for col in ("dataset", "prompts", "drafter", "scheduler", "verify", "R", "τ", "tok/s", "per user", "base tok/s", "speedup", "bound", "budget", "cond. accept by position", "draft %", "drafted"):
+        left = col in ("dataset", "drafter", "scheduler", "verify", "cond. accept by position")
         table.add_column(col, justify="left" if left else "right", no_wrap=col in ("dataset", "drafter", "scheduler"))
     for run in report["runs"]:
         cond = " ".join(_fmt(c, ".2f") for c in run["cond_accept"])
         table.add_row(
-            run["dataset"], _prompts(run), run["drafter"], run["scheduler"], str(run["concurrency"]), _fmt(run["tau"]),
+            run["dataset"], _prompts(run), run["drafter"], run["scheduler"], run.get("verify", "-"),
+            str(run["concurrency"]), _fmt(run["tau"]),
             _fmt(run["tokens_per_s"], ".1f"), _fmt(run["per_user_tokens_per_s"], ".1f"),
             _fmt(run["baseline_tokens_per_s"], ".1f"), format_speedup(run), _bound(run), _fmt(run["mean_verify_budget"]), cond,
             _fmt(100 * run["draft_time_share"], ".0f"), _percent(drafted_share(run)),
@@ -93,6 +94,7 @@ def bench_command(
     plots: Optional[Path] = opt.plots("acceptance.png; with several concurrencies also load.png"),
     chat_template_kwargs: Optional[str] = opt.chat_template_kwargs(),
     suite: Optional[str] = typer.Option(None, "--suite", help="paper = the paper's nine evaluation sets with their caps (see `dspec datasets`); prints τ per domain."),
+    verify: list[str] = typer.Option([], "--verify", help="Verification rule (repeatable): token or block for chains with draft probabilities (default block), sampled or traversal for trees of sampled siblings (default traversal). See docs/verification.md."),
 ) -> None:
     """Measure τ, acceptance by position and speedup over plain decoding of the same target."""
     from dspec_cli.workflows.bench import BenchOptions, run_bench
@@ -113,6 +115,7 @@ def bench_command(
         seed=seed, concurrency=opt.int_list(concurrency, "--concurrency"), device=device, dtype=dtype,
         schedulers=scheduler, cost_table=str(cost_table) if cost_table else None, strict=strict, repeats=repeats,
         chat_template_kwargs=opt.template_kwargs(chat_template_kwargs),
+        verify=verify,
     )
     err = Console(stderr=True)
     with CommandProgress(err, unit="requests") as bar:

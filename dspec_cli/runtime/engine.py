@@ -35,7 +35,13 @@ from dspec_cli.runtime.drafter import Drafter
 from dspec_cli.runtime.drafter_lag import DrafterLag
 from dspec_cli.runtime.schedule import FixedScheduler, Scheduler
 from dspec_cli.runtime.target import Target, TargetBatch
-from dspec_cli.runtime.verify import verify_chain, verify_greedy, verify_tree
+from dspec_cli.runtime.verify import (
+    CHAIN_METHODS,
+    verify_chain,
+    verify_greedy,
+    verify_tree,
+)
+from dspec_cli.runtime.verify.tree import SAMPLED_METHODS
 
 
 @dataclass
@@ -47,6 +53,8 @@ class GenerationConfig:
     block_size: int = 7  # γ: most draft tokens verified per round
     max_batch: int = 1  # concurrent requests (continuous batching)
     seed: int = 0
+    chain_verify: str = "block"  # chains with draft probabilities: "token" or "block" (docs/verification.md)
+    tree_verify: str = "traversal"  # trees of sampled siblings: "sampled" (recursive rejection) or "traversal"
 
     def __post_init__(self) -> None:
         if self.block_size < 0:  # 0 = no drafting (plain decoding)
@@ -61,6 +69,10 @@ class GenerationConfig:
             raise DspecError(f"--top-k must be >= 0, got {self.top_k}")
         if self.max_batch < 1:
             raise DspecError(f"concurrency must be >= 1, got {self.max_batch}")
+        if self.chain_verify not in CHAIN_METHODS:
+            raise DspecError(f"--verify: chains are verified by {' or '.join(CHAIN_METHODS)}, got {self.chain_verify!r}")
+        if self.tree_verify not in SAMPLED_METHODS:
+            raise DspecError(f"--verify: sampled trees are verified by {' or '.join(SAMPLED_METHODS)}, got {self.tree_verify!r}")
 
     @property
     def greedy(self) -> bool:
@@ -95,6 +107,7 @@ class RunStats:
     rounds: int = 0
     drafted_rounds: int = 0  # rounds with a proposal (the rest were plain steps: no drafter, gate closed, budget 0)
     verify_tokens: int = 0  # tokens sent to the target in verify passes
+    verify_rules: dict[str, int] = field(default_factory=dict)  # drafted rounds by verification rule
 
 
 class RoundSampler:
@@ -286,10 +299,13 @@ class SpeculativeEngine:
             return _plain_step(self._sample(out.logits, rows.seeds, rows.rounds * ROUND_STRIDE, NOISE_SALT))
         drafts = ragged(grid[:, 1:], ell, ell_list)
         if cfg.greedy:
+            self._count_rule("greedy")
             return verify_greedy(out.logits, drafts, ell, validate=False)
         probs = sampling.logits_to_probs(out.logits, cfg.temperature, cfg.top_k, cfg.top_p)
         q = None if proposal is None or proposal.draft_probs is None else ragged(proposal.draft_probs[:, :width], ell,
                                                                                    ell_list)
+        method = cfg.chain_verify if q is not None else "token"  # one-hot drafts: block = token in law
+        self._count_rule(method)
         base = rows.rounds * ROUND_STRIDE  # [R]
         dev = base.device
         at = base[:, None] + torch.arange(width + 1, device=dev)  # [R, 1 + width]: final at base, draft k at base + k
@@ -297,14 +313,14 @@ class SpeculativeEngine:
         u = sampling.uniform(rows.seeds[:, None], at, salt=salts)  # one call for the coins and the final draw
         coins = ragged(u[:, 1:], ell, ell_list)
         if self._inverse_cdf:
-            return verify_chain(probs, drafts, q, ell, uniforms=coins, final_uniforms=u[:, 0], validate=False)
+            return verify_chain(probs, drafts, q, ell, method=method, uniforms=coins, final_uniforms=u[:, 0], validate=False)
         noise = sampling.exponential(rows.seeds, base, probs.shape[-1], salt=NOISE_SALT)
-        return verify_chain(probs, drafts, q, ell, uniforms=coins, noise=noise, validate=False)
+        return verify_chain(probs, drafts, q, ell, method=method, uniforms=coins, noise=noise, validate=False)
 
     def _verify_tree(self, rows: _Rows, proposal: Proposal, nodes: torch.Tensor):
-        """Verify one draft tree per row in one target pass: recursive rejection over sampled
-        siblings ("sampled") when the tree carries draft probabilities and T > 0, else the
-        sample-and-match walk."""
+        """Verify one draft tree per row in one target pass: the configured rule for sampled
+        siblings (``tree_verify``: "traversal" or "sampled") when the tree carries draft
+        probabilities and T > 0, else the sample-and-match walk."""
         cfg, dev = self.config, self.target.device
         tree = proposal.tree
         assert tree is not None  # a tree round
@@ -325,8 +341,10 @@ class SpeculativeEngine:
         q = None
         if tree.draft_probs is not None and not cfg.greedy:
             q = tree.draft_probs.to(dev)[flat_row, flat_pos]  # [total, V], aligned with probs
+        method = "match" if q is None else cfg.tree_verify
+        self._count_rule(method)
         res = verify_tree(
-            probs, tokens[is_node], parents[is_node], nodes, method="match" if q is None else "sampled",
+            probs, tokens[is_node], parents[is_node], nodes, method=method,
             draft_probs=q, seeds=rows.seeds, offsets=rows.rounds * ROUND_STRIDE, validate=False,
             final_draw="inverse_cdf" if self._inverse_cdf else "race",
         )  # fmt: skip
@@ -419,6 +437,9 @@ class SpeculativeEngine:
         if self._inverse_cdf:
             return sampling.sample_inverse_cdf(probs, sampling.uniform(seeds, offsets, salt=salt))
         return sampling.sample_from_probs(probs, sampling.exponential(seeds, offsets, probs.shape[-1], salt=salt))
+
+    def _count_rule(self, rule: str) -> None:
+        self.stats.verify_rules[rule] = self.stats.verify_rules.get(rule, 0) + 1
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
         cfg = self.config

@@ -93,6 +93,18 @@ def early_stop_count(values: torch.Tensor, num_valid: torch.Tensor, num_rows: in
     return improves.long().cumprod(0).sum()
 
 
+def admit_candidates(a: torch.Tensor, valid: torch.Tensor, sps: torch.Tensor) -> torch.Tensor:
+    """Algorithm 1 over any candidates: a [R, C] survival values, valid [R, C] -> the admitted
+    mask [R, C]: candidates in descending order of a (row-major on ties) up to the first that does
+    not raise Θ = (R + Σa)·SPS(R + count) (sps indexed by B). Prefix-closed whenever a never rises
+    along a row's prefix order and that order is the row's index order (e.g. draft-tree nodes,
+    parents and earlier siblings first)."""
+    values, order = a.masked_fill(~valid, -1.0).flatten().sort(descending=True, stable=True)
+    count = early_stop_count(values.clamp(min=0), valid.sum(), a.shape[0], sps)
+    keep = torch.arange(values.shape[0], device=a.device) < count
+    return torch.zeros_like(keep).scatter_(0, order, keep).view_as(valid)
+
+
 def global_capacity(values: torch.Tensor, num_valid: torch.Tensor, num_rows: int, sps: torch.Tensor) -> torch.Tensor:
     """Unconstrained search: the K in [0, #valid] maximising Θ (first maximum, a [] count);
     values [Rγ], num_valid [] and sps [B_max + 1] as in :func:`early_stop_count`."""

@@ -70,13 +70,14 @@ def assert_continuations_match(samples: torch.Tensor, exact: Continuations, *, a
 
 def check_engine_lossless(target, drafter, prompts: Sequence[Sequence[int]], *, per_prompt: int, sampling: dict,
                           block_size: int = 3, max_batch: int | None = None, seed: int = 11, scheduler=None,
-                          name: str = "engine") -> list:
+                          name: str = "engine", verify: dict | None = None) -> list:
     """End-to-end check: the first 3 tokens the engine generates for each prompt (``per_prompt``
     seeded samples, 4 new tokens so round 1 verifies up to 2 drafts) match exact target
-    sampling at ``sampling``. Returns every request result, for extra assertions."""
+    sampling at ``sampling``; ``verify`` sets the engine's rules (``chain_verify``,
+    ``tree_verify``; default: the engine's). Returns every request result, for extra assertions."""
 
     cfg = GenerationConfig(max_new_tokens=4, block_size=block_size, max_batch=max_batch or per_prompt, seed=seed,
-                           **sampling)
+                           **sampling, **(verify or {}))
     engine = SpeculativeEngine(target, drafter, cfg, scheduler=scheduler, stop_ids=[])
     out = []
     for i, prompt in enumerate(prompts):

@@ -5,12 +5,14 @@ its structural invariants on the way."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
 
 from dspec_cli.core.types import PAD, DraftTree, VerifyResult
 from dspec_cli.runtime.verify import verify_chain, verify_tree
+from dspec_cli.runtime.verify.tree import SAMPLED_METHODS
 from dspec_cli.testing.policies import LengthPolicy
 from dspec_cli.testing.toy import ToyDrafter, ToyLM, sample_categorical
 
@@ -218,22 +220,30 @@ def simulate_tree_speculative(
     x0: int | torch.Tensor = 0,
     method: str = "match",
     generator: torch.Generator,
+    tree_policy: Callable[[DraftTree], DraftTree] | None = None,
     **verify_kwargs,
 ) -> torch.Tensor:
     """Tree speculative decoding (:func:`random_tree` + verify_tree): [num_requests, num_tokens].
 
-    With ``method="sampled"`` the drafter's q of every row (the distribution its children were
-    drawn from) is passed as ``draft_probs``."""
+    With ``method="sampled"`` or ``"traversal"`` the drafter's q of every row (the distribution its
+    children were drawn from) is passed as ``draft_probs``. ``tree_policy`` (the tree analogue of
+    a length policy) maps each drafted tree, with ``draft_probs`` [R, N+1, V] set and padded
+    parents -1, to the tree that is verified (e.g. a budget that cuts it)."""
 
     def step(last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         tree = random_tree(drafter, last, depth=depth, branching=branching, generator=generator)
+        if tree_policy is not None:
+            context = torch.cat([last[:, None], tree.tokens.clamp(min=0)], 1)
+            pad = torch.arange(tree.tokens.shape[1]) >= tree.num_nodes[:, None]
+            tree = tree_policy(dataclasses.replace(tree, parents=tree.parents.masked_fill(pad, PAD),
+                                                   draft_probs=drafter.model.probs(context.flatten()).view(*context.shape, -1)))
         N = tree.tokens.shape[1]
         node_mask = torch.arange(N) < tree.num_nodes[:, None]  # [Ra, N]
         row_mask = torch.cat([torch.ones_like(node_mask[:, :1]), node_mask], 1)  # [Ra, N+1]
         context = torch.cat([last[:, None], tree.tokens], 1)
         target_probs = target.probs(context[row_mask])  # [Σ(N_r+1), V]
         extra = dict(verify_kwargs)
-        if method == "sampled":
+        if method in SAMPLED_METHODS:
             extra["draft_probs"] = drafter.model.probs(context[row_mask])
         res = verify_tree(
             target_probs,

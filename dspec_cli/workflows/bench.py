@@ -57,7 +57,36 @@ class BenchOptions:
     warmup: bool = True
     repeats: int = 1  # passes over the prompts, every unit paired with plain decoding
     chat_template_kwargs: dict = field(default_factory=default_kwargs)  # how prompts are rendered
+    verify: Sequence[str] = ()  # verification rules by name (verify_config); () = the engine's defaults
     extra: dict = field(default_factory=dict)
+
+
+VERIFY_RULES = {"token": "chain_verify", "block": "chain_verify", "sampled": "tree_verify", "traversal": "tree_verify"}
+
+
+def verify_config(names: Sequence[str]) -> dict:
+    """GenerationConfig fields for ``--verify`` names: token or block for chains, sampled or
+    traversal for sampled trees (at most one of each)."""
+    fields: dict[str, str] = {}
+    for name in names:
+        key = VERIFY_RULES.get(name)
+        if key is None:
+            raise DspecError(f"--verify: unknown rule {name!r}; chains: token, block; sampled trees: sampled, traversal")
+        if fields.get(key, name) != name:
+            raise DspecError(f"--verify: {fields[key]!r} and {name!r} are both rules for the same drafts; give one")
+        fields[key] = name
+    return fields
+
+
+def verify_report(rules: dict[str, int], config: GenerationConfig) -> dict:
+    """The verification a run used: ``verify`` (the rule of most drafted rounds: token, block,
+    greedy, match, sampled or traversal; "-" without drafts), the drafted rounds per rule and, where
+    the configured block rule could not apply, why."""
+    out = {"verify": max(rules, key=lambda r: rules[r]) if rules else "-", "verify_rounds": dict(rules)}
+    if config.chain_verify == "block" and "token" in rules:
+        out["verify_note"] = ("no draft probabilities (one-hot drafts): verified token by token; block verification "
+                              "needs q and accepts the same as the token rule for one-hot drafts")
+    return out
 
 
 def environment(target: Target) -> dict:
@@ -158,7 +187,13 @@ def total_stats(runs: Sequence[Timed]) -> RunStats:
     total = RunStats()
     for run in runs:
         for f in fields(RunStats):
-            setattr(total, f.name, getattr(total, f.name) + getattr(run.stats, f.name))
+            value = getattr(run.stats, f.name)
+            if isinstance(value, dict):  # counts by key
+                merged = getattr(total, f.name)
+                for key, n in value.items():
+                    merged[key] = merged.get(key, 0) + n
+            else:
+                setattr(total, f.name, getattr(total, f.name) + value)
     return total
 
 
@@ -366,8 +401,9 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
             raise DspecError(f"--scheduler {name} needs --cost-table (write one with `dspec profile-hardware --json PATH`)")
     if opts.cost_table:
         CostTable.load(opts.cost_table, block_size=opts.block_size)  # a missing or malformed table fails before any model loads
+    rules = verify_config(opts.verify)
     GenerationConfig(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, top_k=opts.top_k,
-                     top_p=opts.top_p, block_size=opts.block_size)  # sampling options checked up front
+                     top_p=opts.top_p, block_size=opts.block_size, **rules)  # sampling options checked up front
     resolve_device(opts.device)
     parse_dtype(opts.dtype)
     datasets = list(opts.datasets) or [BUILTIN]
@@ -389,7 +425,7 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
         for conc in opts.concurrency:
             cfg = GenerationConfig(
                 max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, top_k=opts.top_k,
-                top_p=opts.top_p, block_size=opts.block_size, max_batch=conc, seed=opts.seed,
+                top_p=opts.top_p, block_size=opts.block_size, max_batch=conc, seed=opts.seed, **rules,
             )
             engines = [("baseline", "-", SpeculativeEngine(target, None, cfg))]
             engines += [
@@ -420,6 +456,7 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
                     "top_p": opts.top_p,
                     "top_k": opts.top_k,
                     "block_size": opts.block_size,
+                    **verify_report(total_stats([t for unit in spec for t in unit]).verify_rules, cfg),
                     **paired_metrics(spec, timed[0], opts.block_size, bound_table, conc),
                     "baseline_drift": drift[0] if drift else None,
                 }

@@ -265,6 +265,15 @@ class DFlashDrafter(TrainableDrafter):
         bias, head_state = head.step_bias(head_state, prev, h)
         return logits + bias, head_state  # float logits + a half-precision bias: float (exact promotion)
 
+    def head_confidence(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
+        """Raw confidence [...] (float, uncalibrated) that a draft in the slot of features h [..., d]
+        is accepted once its prefix is, from the confidence head and the previous token prev [...]
+        (for tree builders: prev is the parent node's token); None without a confidence head."""
+        conf_head, head = self.net.confidence, self.net.head
+        if conf_head is None:
+            return None
+        return torch.sigmoid(conf_head(h, head.embed(prev) if head is not None else None).float())
+
     @torch.no_grad()
     def propose(self, state: BlockDraftState, anchors: torch.Tensor, max_len: int, sampler: Sampler) -> Proposal:
         """DFlash's proposal after ``anchors`` [R]: one parallel forward, then every slot drawn at
@@ -283,11 +292,7 @@ class DFlashDrafter(TrainableDrafter):
         """The proposal of drafts [R, γ] drawn from probs [R, γ, V] (None: deterministic) after
         anchors [R], with the confidence head's raw c_k (if any) from slot features h [R, γ, d]
         and x_{k−1} only, in one pass over the block."""
-        conf_head, head = self.net.confidence, self.net.head
-        conf = None
-        if conf_head is not None:
-            prevs = torch.cat([anchors[:, None], drafts[:, :-1]], 1)  # [R, γ]: x_{k−1}
-            conf = torch.sigmoid(conf_head(h, head.embed(prevs) if head is not None else None).float())
+        conf = self.head_confidence(h, torch.cat([anchors[:, None], drafts[:, :-1]], 1))  # raw, x_{k−1} [R, γ]
         lengths = torch.full((anchors.shape[0],), drafts.shape[1], dtype=torch.long, device=anchors.device)
         return Proposal(tokens=drafts, lengths=lengths, draft_probs=probs, confidence=conf)
 

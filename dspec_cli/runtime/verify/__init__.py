@@ -3,8 +3,14 @@
 Layout (like vLLM): request r proposes ℓ_r >= 0 drafts; its target rows are one per draft
 position followed by its bonus row, so target rows number Σ(ℓ_r + 1) and drafts Σℓ_r.
 
-Randomness, in order of precedence: explicit ``uniforms`` / ``noise`` (bit-for-bit comparable
-across backends), counter-based ``seeds`` / ``offsets`` (per request; ``offsets`` is the
+Chains are verified token by token (``method="token"``: each draft accepted with probability
+min(1, p/q) until the first rejection) or as a block (``method="block"``, Sun et al. 2025:
+:mod:`dspec_cli.runtime.verify.block`), both exact at any temperature; trees by the methods of
+:func:`verify_tree`.
+
+Randomness, in order of precedence: explicit ``uniforms`` (the coins) and ``noise`` or
+``final_uniforms`` (the final token: an Exp(1) vector per request for the exponential race, or
+one uniform per request for the inverse CDF; bit-for-bit comparable across backends), counter-based ``seeds`` / ``offsets`` (per request; ``offsets`` is the
 absolute position of the first draft, so numbers never depend on the batch and never repeat
 across steps), else ``generator`` (torch randomness). Coins are never exactly 0.
 
@@ -33,10 +39,11 @@ from dspec_cli.core.sampling import (
     uniform,
 )
 from dspec_cli.core.types import VerifyResult
-from dspec_cli.runtime.verify import checks, reference
+from dspec_cli.runtime.verify import block, checks, reference
 from dspec_cli.runtime.verify.tree import verify_tree
 
 __all__ = [
+    "CHAIN_METHODS",
     "VerifyResult",
     "sample_logits",
     "triton_available",
@@ -47,6 +54,7 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "torch", "triton")
+CHAIN_METHODS = ("token", "block")
 
 
 def triton_available() -> bool:
@@ -71,6 +79,15 @@ def _backend(backend: str, device: torch.device) -> ModuleType:
 
     triton_backend.check_device(device)
     return triton_backend
+
+
+def _block_backend(impl: ModuleType) -> ModuleType:
+    """The module implementing `block` next to the chain backend ``impl``."""
+    if impl is reference:
+        return block
+    from dspec_cli.runtime.verify import triton_block
+
+    return triton_block
 
 
 def _ragged_sizes(c: checks.Checks, num_draft, draft_tokens, target, target_name: str, validate: bool,
@@ -128,10 +145,11 @@ def verify_chain(
     draft_probs: torch.Tensor | None,  # [Σℓ_r, V] or None (one-hot drafts)
     num_draft: torch.Tensor,  # [R]
     *,
+    method: str = "token",
     generator: torch.Generator | None = None,
-    uniforms: torch.Tensor | None = None,  # [Σℓ_r] float64 in (0, 1)
-    noise: torch.Tensor | None = None,  # [R, V] Exp(1), > 0
-    final_uniforms: torch.Tensor | None = None,  # [R] float64 in (0, 1): final token by inverse CDF
+    uniforms: torch.Tensor | None = None,  # [Σℓ_r] float64 in (0, 1): one coin per draft
+    noise: torch.Tensor | None = None,  # [R, V] Exp(1), > 0: the final token's exponential race
+    final_uniforms: torch.Tensor | None = None,  # [R] float64 in (0, 1): the final token by inverse CDF
     seeds: torch.Tensor | None = None,  # [R] int64
     offsets: torch.Tensor | None = None,  # [R] int64
     backend: str = "auto",
@@ -139,15 +157,19 @@ def verify_chain(
 ) -> VerifyResult:
     """Chain speculative sampling (lossless at any temperature).
 
-    Draft x_k is accepted with probability min(1, p(x_k)/q(x_k)) (q = 1 for one-hot drafts);
-    at the first rejection the token is drawn from norm(max(0, p - q)) (one-hot: p with x_k
-    removed; p itself if the residual is all zero), else the bonus token from p at row ℓ_r.
-    The final token is drawn by the exponential race argmax(w / noise) (no renormalisation),
-    or, given ``final_uniforms`` (torch backend), by the inverse CDF of w with one uniform per
-    request: the same distribution without a vocabulary-wide noise vector (cheaper on a CPU).
+    ``method="token"``: draft x_k is accepted with probability min(1, p(x_k)/q(x_k)) (q = 1 for
+    one-hot drafts); at the first rejection the token is drawn from norm(max(0, p - q))
+    (one-hot: p with x_k removed; p itself if the residual is all zero), else the bonus token
+    from p at row ℓ_r. ``method="block"``: block verification
+    (:mod:`dspec_cli.runtime.verify.block`), which accepts at least as many drafts in
+    distribution; one-hot drafts (``draft_probs`` None) gain nothing from it and take the token
+    rule. The final token is drawn by the exponential race argmax(w / noise) (no
+    renormalisation), or, given ``final_uniforms`` (torch backend), by the inverse CDF of w with
+    one uniform per request: the same distribution without a vocabulary-wide noise vector
+    (cheaper on a CPU).
     """
     return _chain(
-        target_probs, None, draft_tokens, draft_probs, num_draft, generator=generator, uniforms=uniforms,
+        target_probs, None, draft_tokens, draft_probs, num_draft, method=method, generator=generator, uniforms=uniforms,
         noise=noise, final_uniforms=final_uniforms, seeds=seeds, offsets=offsets, backend=backend,
         validate=validate, max_draft=None,
     )  # fmt: skip
@@ -162,6 +184,7 @@ def verify_chain_logits(
     temperature: float | torch.Tensor = 1.0,
     top_k: int | torch.Tensor = 0,
     top_p: float | torch.Tensor = 1.0,
+    method: str = "token",
     generator: torch.Generator | None = None,
     uniforms: torch.Tensor | None = None,  # [Σℓ_r] float64 in (0, 1)
     noise: torch.Tensor | None = None,  # [R, V] Exp(1), > 0
@@ -173,7 +196,8 @@ def verify_chain_logits(
     validate: bool = True,
 ) -> VerifyResult:
     """:func:`verify_chain` against ``logits_to_probs(target_logits, temperature, top_k, top_p)``;
-    temperature 0 is :func:`verify_greedy` (the same tokens; draft probabilities are not read).
+    temperature 0 is :func:`verify_greedy` (the same tokens; draft probabilities are not read);
+    ``method`` as in :func:`verify_chain`.
 
     On the Triton backend with temperature alone (scalar top_k = 0, top_p = 1) the target
     probabilities are never written: the kernels reduce softmax statistics per row and read the
@@ -183,13 +207,14 @@ def verify_chain_logits(
     if _scalar(temperature) and float(temperature) == 0:
         return _greedy(target_logits, draft_tokens, num_draft, backend, validate, max_draft)
     fused = _scalar(temperature) and _scalar(top_k) and _scalar(top_p) and int(top_k) == 0 and float(top_p) == 1
+    fused = fused and (method == "token" or draft_probs is None)  # the block kernels read probabilities
     if fused and final_uniforms is None and _backend(backend, target_logits.device) is not reference:
         checks.positive("temperature", float(temperature))
         target, temp = target_logits, float(temperature)
     else:
         target, temp = logits_to_probs(target_logits, temperature, top_k, top_p), None
     return _chain(
-        target, temp, draft_tokens, draft_probs, num_draft, generator=generator, uniforms=uniforms, noise=noise,
+        target, temp, draft_tokens, draft_probs, num_draft, method=method, generator=generator, uniforms=uniforms, noise=noise,
         final_uniforms=final_uniforms, seeds=seeds, offsets=offsets, backend=backend, validate=validate,
         max_draft=max_draft,
     )  # fmt: skip
@@ -206,9 +231,12 @@ def _chain(
     draft_probs: torch.Tensor | None,
     num_draft: torch.Tensor,
     *,
-    generator, uniforms, noise, final_uniforms, seeds, offsets, backend: str, validate: bool, max_draft: int | None,
+    method: str, generator, uniforms, noise, final_uniforms, seeds, offsets, backend: str, validate: bool,
+    max_draft: int | None,
 ) -> VerifyResult:
     """Checks, randomness and dispatch of both chain verifications."""
+    if method not in CHAIN_METHODS:
+        raise ValueError(f"method: expected one of {CHAIN_METHODS}, got {method!r}")
     name = "target_probs" if temperature is None else "target_logits"
     checks.tensor(name, target, dim=2, kind="float")
     device, vocab = target.device, target.shape[1]
@@ -253,10 +281,19 @@ def _chain(
 
     num_draft, draft_tokens = num_draft.long(), draft_tokens.long()
     uniforms = _chain_coins(num_draft, total, uniforms, generator, seeds, offsets, device)
-    if final_uniforms is None:
-        noise = _chain_noise(R, vocab, noise, generator, seeds, offsets, device)
-    else:
-        noise = final_uniforms.double()  # [R]: the reference draws the final token by inverse CDF
+    block_q = draft_probs if method == "block" else None  # one-hot drafts: block = token in law
+    if final_uniforms is not None:  # torch backend only (checked above)
+        fu = final_uniforms.double()
+        if block_q is not None:
+            return block.block(target, draft_tokens, block_q, num_draft, uniforms, None, total, width,
+                               final_uniforms=fu)
+        return reference.chain(target, draft_tokens, draft_probs, num_draft, uniforms, None, total, width,
+                               final_uniforms=fu)
+    noise = _chain_noise(R, vocab, noise, generator, seeds, offsets, device)
+    if block_q is not None:
+        if isinstance(noise, CounterNoise):
+            noise = noise.tensor(vocab)
+        return _block_backend(impl).block(target, draft_tokens, block_q, num_draft, uniforms, noise, total, width)
     rest = (draft_tokens, draft_probs, num_draft, uniforms, noise, total, width)
     if temperature is not None:  # the Triton backend (verify_chain_logits chose it)
         return impl.chain_logits(target, temperature, *rest)
