@@ -91,9 +91,13 @@ def measure(target: Target, layer_ids, mask_id: int, layers: int, rank: int, blo
             drafter.net.to(dev, target.dtype)
             state = drafter.init_state()
             drafter.add_requests(state, prompts, hidden)
-            sampler = lambda: RoundSampler(GenerationConfig(temperature=1.0), seeds, rounds, block)  # noqa: E731
-            total = _time(lambda: drafter.propose(state, anchors, block, sampler()), dev, warmup, repeats)
-            backbone = _time(lambda: drafter._block_hidden(state, anchors), dev, warmup, repeats)
+            def propose(drafter=drafter, state=state, block=block):
+                sampler = RoundSampler(GenerationConfig(temperature=1.0), seeds, rounds, block)
+                return drafter.propose(state, anchors, block, sampler)
+
+            total = _time(propose, dev, warmup, repeats)
+            backbone = _time(lambda drafter=drafter, state=state: drafter.block_hidden(state, anchors), dev, warmup,
+                             repeats)
             out.append({"drafter": name, "block_size": block, "rows": rows, "context": context,
                         "propose_ms": total, "backbone_ms": backbone, "loop_ms": total - backbone})
         ref = next(r["propose_ms"] for r in out if r["drafter"] == "dflash" and r["block_size"] == block)

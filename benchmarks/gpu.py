@@ -232,7 +232,7 @@ def _count_syncs(engine, prompts, device: torch.device) -> list[int]:
 
 
 def part_syncs(args) -> dict:
-    from dspec_cli.core.plugins import get_drafter_class
+    from dspec_cli.checkpoints import load_drafter
     from dspec_cli.runtime.engine import GenerationConfig, SpeculativeEngine
     from dspec_cli.runtime.target import Target
 
@@ -241,7 +241,7 @@ def part_syncs(args) -> dict:
                                                  "def fib(n):", "Name three rivers.")]
     out = []
     for name in ("plain", "dspark-markov", "ddtree"):
-        drafter = None if name == "plain" else get_drafter_class(name).load_default(target)
+        drafter = None if name == "plain" else load_drafter(name, target)
         for temperature in (0.0, 1.0):
             cfg = GenerationConfig(max_new_tokens=24, temperature=temperature, max_batch=4, seed=0)
             engine = SpeculativeEngine(target, drafter, cfg, stop_ids=())
@@ -258,7 +258,12 @@ def part_syncs(args) -> dict:
 def part_kernels(args) -> dict:
     from dspec_cli.core.sampling import logits_to_probs
     from dspec_cli.runtime.graphs import GraphRunner
-    from dspec_cli.runtime.verify import triton_available, verify_chain, verify_chain_grid, verify_greedy_grid
+    from dspec_cli.runtime.verify import (
+        triton_available,
+        verify_chain,
+        verify_chain_grid,
+        verify_greedy_grid,
+    )
 
     dev = torch.device(args.device)
     vocab, gamma = (8192 if args.small else 151_936), 7
@@ -273,23 +278,29 @@ def part_kernels(args) -> dict:
         ell = torch.full((rows,), gamma, device=dev)
         u = torch.rand(rows, gamma, device=dev, dtype=torch.float64, generator=g).clamp(1e-9, 1 - 1e-9)
         noise = -torch.rand(rows, vocab, device=dev, generator=g).clamp_min(1e-9).log()
-        read_ms = median_ms(lambda: probs.sum(), dev)
+        read_ms = median_ms(lambda probs=probs: probs.sum(), dev)
         runner = GraphRunner(mode)
         cases = {
-            "chain": lambda p, x, qq: verify_chain_grid(p, x, qq, ell, uniforms=u, noise=noise).tokens,
-            "one-hot": lambda p, x, qq: verify_chain_grid(p, x, None, ell, uniforms=u, noise=noise).tokens,
-            "greedy": lambda p, x, qq: verify_greedy_grid(p, x, ell).tokens,
+            "chain": lambda p, x, qq, ell=ell, u=u, noise=noise: verify_chain_grid(
+                p, x, qq, ell, uniforms=u, noise=noise).tokens,
+            "block": lambda p, x, qq, ell=ell, u=u, noise=noise: verify_chain_grid(
+                p, x, qq, ell, method="block", uniforms=u, noise=noise).tokens,
+            "one-hot": lambda p, x, qq, ell=ell, u=u, noise=noise: verify_chain_grid(
+                p, x, None, ell, uniforms=u, noise=noise).tokens,
+            "greedy": lambda p, x, qq, ell=ell: verify_greedy_grid(p, x, ell).tokens,
         }
         row = {"R": rows, "gamma": gamma, "vocab": vocab, "read_logits_ms": read_ms,
-               "argmax_ms": median_ms(lambda: probs.argmax(-1), dev)}
+               "argmax_ms": median_ms(lambda probs=probs: probs.argmax(-1), dev)}
         for name, fn in cases.items():
-            ms = median_ms(lambda fn=fn, name=name: runner((name, rows), fn, [probs, drafts, q], rows), dev)
+            ms = median_ms(lambda fn=fn, name=name, runner=runner, rows=rows, probs=probs, drafts=drafts, q=q:
+                           runner((name, rows), fn, [probs, drafts, q], rows), dev)
             row[f"torch_{name}_ms"], row[f"torch_{name}_x_read"] = ms, ms / read_ms
         if triton_available() and dev.type == "cuda":
             flat_p, flat_q, flat_x, flat_u = probs.flatten(0, 1), q.flatten(0, 1), drafts.flatten(), u.flatten()
             for name, qq in (("chain", flat_q), ("one-hot", None)):
-                ms = median_ms(lambda qq=qq: verify_chain(flat_p, flat_x, qq, ell, uniforms=flat_u, noise=noise,
-                                                          backend="triton", validate=False), dev)
+                ms = median_ms(lambda qq=qq, flat_p=flat_p, flat_x=flat_x, ell=ell, flat_u=flat_u, noise=noise:
+                               verify_chain(flat_p, flat_x, qq, ell, uniforms=flat_u, noise=noise, backend="triton",
+                                            validate=False), dev)
                 row[f"triton_{name}_ms"], row[f"triton_{name}_x_read"] = ms, ms / read_ms
         out.append(row)
         print("kernels", {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
@@ -297,8 +308,8 @@ def part_kernels(args) -> dict:
 
 
 def part_embedded(args) -> dict:
+    from dspec_cli.checkpoints import load_drafter
     from dspec_cli.core.data import load_prompts
-    from dspec_cli.core.plugins import get_drafter_class
     from dspec_cli.runtime.target import Target
 
     target = Target.load(None, device=args.device, dtype="bfloat16" if args.device != "cpu" else "float32")
@@ -313,7 +324,7 @@ def part_embedded(args) -> dict:
                 continue
             base = engine_round_ms(target, None, rows, temperature, "auto", new_tokens, prompts)
             for name in ("dspark-markov", "ddtree") if rows == 1 else ("dspark-markov",):
-                drafter = get_drafter_class(name).load_default(target)
+                drafter = load_drafter(name, target)
                 run = engine_round_ms(target, drafter, rows, temperature, "auto", new_tokens, prompts)
                 out.append({"drafter": name, "R": rows, "temperature": temperature, "tau": run["tau"],
                             "tokens_per_s": run["tokens_per_s"], "plain_tokens_per_s": base["tokens_per_s"],

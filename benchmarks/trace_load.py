@@ -42,7 +42,6 @@ from benchmarks.drafter_latency import build_target
 from benchmarks.table import load_table
 from dspec_cli.core.calibration import Calibration
 from dspec_cli.core.hardware import CostTable
-from dspec_cli.workflows.target_profile import profile_target
 from dspec_cli.core.plugins import get_drafter_class
 from dspec_cli.core.specs import parse_scheduler_spec
 from dspec_cli.core.types import Proposal, Sampler, StepOutput
@@ -50,8 +49,15 @@ from dspec_cli.runtime.drafter import Drafter, DraftState, WrappedDrafter
 from dspec_cli.runtime.engine import GenerationConfig, SpeculativeEngine
 from dspec_cli.runtime.schedule import build_scheduler
 from dspec_cli.runtime.target import Target, TargetBatch
-from dspec_cli.workflows.bench import environment, run_interleaved, run_metrics, warm_up
+from dspec_cli.workflows.bench import (
+    environment,
+    paired_metrics,
+    prompt_units,
+    run_paired,
+    warm_up,
+)
 from dspec_cli.workflows.calibrate import Rounds, load_traces
+from dspec_cli.workflows.target_profile import profile_target
 
 PROFILE_GRID = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 
@@ -198,12 +204,12 @@ def main(argv=None) -> None:
         warm_up(engines, ids[:conc])
         # one extra full pass, dropped: on the first H200 sweep the first pass ran up to 2x slower
         # than the second (new shapes), for the baseline and the drafters alike
-        timed = [reps[1:] for reps in run_interleaved(engines, ids, args.repeats + 1, conc, "random", None)]
-        for (name, spec, eng), reps in zip(engines[1:], timed[1:]):
+        timed = [reps[1:] for reps in run_paired(engines, prompt_units(ids, args.seed, conc), args.repeats + 1)]
+        for (name, spec, _), reps in zip(engines[1:], timed[1:], strict=True):
             runs.append({
                 "drafter": name, "scheduler": spec, "dataset": "random", "concurrency": conc, "num_prompts": len(ids),
                 "max_new_tokens": args.max_new_tokens, "temperature": 0.0, "block_size": block,
-                **run_metrics(reps, timed[0], eng.stats, block),
+                **paired_metrics(reps, timed[0], block),
                 "trace_tau_full_verification": replay.full_tau,
             })  # fmt: skip
             print(load_table(runs[-1:]).splitlines()[-1], f"({time.perf_counter() - t0:.0f} s)", flush=True)

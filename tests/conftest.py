@@ -1,11 +1,18 @@
-"""Test-suite settings: tiny models run fastest single-threaded (no oversubscription)."""
+"""Test-suite settings: tiny models run fastest single-threaded (no oversubscription); Triton
+kernels run on CPU tensors in Triton's interpreter."""
 
+import os
 import types
 
 import pytest
 import torch
 
 torch.set_num_threads(1)
+
+# Triton binds its language to the interpreter when this is set before `import triton`, so it is
+# set here, before any test module loads. DSPEC_TEST_DEVICE=cuda runs the kernels compiled.
+if os.environ.get("DSPEC_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -66,15 +66,15 @@ def _infer_hidden(drafter, ids, taps, anchors):
     bb.extend_cache(cache, torch.cat([taps[0, :a] for a in anchors]), counts, max(anchors))
     state = drafter.init_state()
     state.cache = cache
-    return drafter._block_hidden(state, ids[0, anchors])  # [N, B, d]
+    return drafter.block_hidden(state, ids[0, anchors])  # [N, B, d]
 
 
 def test_training_forward_matches_inference(drafter, sequence):
     ids, taps = sequence
     anchors = [2, 7, 11, ids.shape[1] - 2]
     with torch.no_grad():
-        train = drafter._lm_logits(_train_hidden(drafter, ids, taps, torch.tensor([anchors])))
-        infer = drafter._lm_logits(_infer_hidden(drafter, ids, taps, anchors))
+        train = drafter.lm_logits(_train_hidden(drafter, ids, taps, torch.tensor([anchors])))
+        infer = drafter.lm_logits(_infer_hidden(drafter, ids, taps, anchors))
     torch.testing.assert_close(train, infer, atol=1e-4, rtol=0)
 
 
@@ -147,7 +147,7 @@ def _manual_greedy_rounds(target, drafter, prompts, rounds):
     for _ in range(rounds):
         keys = [k.clone() for k in state.cache.keys]
         prop = drafter.propose(state, anchors, B, sampler)
-        assert all(torch.equal(k, k2) for k, k2 in zip(keys, state.cache.keys))  # block K/V never stored
+        assert all(torch.equal(k, k2) for k, k2 in zip(keys, state.cache.keys, strict=True))  # block K/V never stored
         n = prop.lengths + 1
         tokens = torch.cat([anchors[:, None], prop.tokens], 1).flatten()
         o = target.verify(batch, tokens, n)
@@ -173,7 +173,7 @@ def test_cache_holds_exactly_the_committed_context(target, drafter):
         fresh.add_rows(1)
         bb.extend_cache(fresh, taps, torch.tensor([len(seq)]), len(seq))
         assert int(state.cache.lengths[r]) == len(seq)
-        for k_inc, k_new in zip(state.cache.keys + state.cache.values, fresh.keys + fresh.values):
+        for k_inc, k_new in zip(state.cache.keys + state.cache.values, fresh.keys + fresh.values, strict=True):
             torch.testing.assert_close(k_inc[r, :, : len(seq)], k_new[0, :, : len(seq)], atol=1e-4, rtol=0)
 
 
@@ -200,8 +200,8 @@ def assert_training_matches_inference(drafter, target) -> None:
     _, taps = target.forward_full(ids, drafter.target_layer_ids)
     anchors = [3, 9, ids.shape[1] - 2]
     with torch.no_grad():
-        train = drafter._lm_logits(_train_hidden(drafter, ids, taps[None], torch.tensor([anchors])))
-        infer = drafter._lm_logits(_infer_hidden(drafter, ids, taps[None], anchors))
+        train = drafter.lm_logits(_train_hidden(drafter, ids, taps[None], torch.tensor([anchors])))
+        infer = drafter.lm_logits(_infer_hidden(drafter, ids, taps[None], anchors))
     torch.testing.assert_close(train, infer, atol=1e-4, rtol=0)
 
 
@@ -235,7 +235,7 @@ def test_training_path_matches_inference_in_both_block_layouts(target, sequence,
     with torch.no_grad():
         out = drafter.block_outputs(batch, features, torch.tensor([anchors]), torch.ones(1, 3, dtype=torch.bool))
         h = _infer_hidden(drafter, ids, taps, anchors)  # [N, γ, d]
-        base, state, logits, conf = drafter._lm_logits(h), None, [], []
+        base, state, logits, conf = drafter.lm_logits(h), None, [], []
         for k in range(B):
             prev = ids[0, [a + k for a in anchors]]  # teacher-forced x_{a+k}
             step, state = drafter.head_logits(base[:, k], h[:, k], prev, state)

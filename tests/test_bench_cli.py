@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 
 import pytest
 import torch
@@ -14,7 +13,8 @@ from tiny_models import tiny_tokenizer
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from dspec_cli.core.hardware import CostTable
-from dspec_cli.runtime.engine import RequestResult, RunStats
+from dspec_cli.runtime.engine import GenerationConfig, RequestResult, RunStats
+from dspec_cli.workflows.bench import verify_report
 
 
 def test_bench_runs_and_writes_json(model_dir, tmp_path, capsys):
@@ -37,6 +37,39 @@ def test_bench_runs_and_writes_json(model_dir, tmp_path, capsys):
     assert dm["tau"] == pytest.approx(1 + dm["mean_verified"])  # the target drafting for itself: all accepted
     assert dm["cond_accept"] == [1.0, 1.0, 1.0]
     assert data["env"]["torch"] == torch.__version__
+
+
+@pytest.mark.parametrize("rules", [[], ["token"], ["block", "sampled"]])
+def test_bench_records_the_verification_rule(model_dir, tmp_path, capsys, rules):
+    report = tmp_path / "bench.json"
+    code, out, _ = run(
+        ["bench", "--target", str(model_dir), "--drafter", "draft-model", "--checkpoint", str(model_dir),
+         "--num-prompts", "1", "--max-new-tokens", "8", "--block-size", "3", "--json", str(report),
+         *[a for r in rules for a in ("--verify", r)]],
+        capsys,
+    )
+    assert code == 0
+    (dm,) = json.loads(report.read_text())["runs"]
+    chain_rule = "token" if "token" in rules else "block"
+    assert dm["verify"] == chain_rule and set(dm["verify_rounds"]) == {chain_rule} and "verify_note" not in dm
+    assert chain_rule in out
+
+
+def test_verify_report_notes_the_token_fallback():
+    """Drafts without probabilities (prompt lookup) are verified token by token when block
+    verification is asked for (the default): the report says so."""
+    report = verify_report({"token": 5}, GenerationConfig())
+    assert report["verify"] == "token" and "one-hot drafts" in report["verify_note"]
+    assert "verify_note" not in verify_report({"token": 5}, GenerationConfig(chain_verify="token"))
+    assert verify_report({}, GenerationConfig()) == {"verify": "-", "verify_rounds": {}}
+    assert verify_report({"match": 1, "traversal": 9}, GenerationConfig())["verify"] == "traversal"
+
+
+@pytest.mark.parametrize("rules,message", [(["tokens"], "--verify: unknown rule 'tokens'; chains: token, block"),
+                                           (["token", "block"], "--verify: 'token' and 'block' are both rules")])
+def test_bad_verify_rule(model_dir, capsys, rules, message):
+    _bad(["bench", "--target", str(model_dir), "--drafter", "prompt-lookup", *[a for r in rules for a in ("--verify", r)]],
+         capsys, message)
 
 
 def test_progress_bar_starts_with_its_first_task_and_is_off_in_logs():
@@ -104,9 +137,12 @@ def test_vocabulary_mismatch(model_dir, tmp_path, capsys):
     cfg = Qwen3Config(vocab_size=500, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=16)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(other)
-    tiny_tokenizer().save_pretrained(other)
+    tok = tiny_tokenizer()
+    tok.add_tokens(["<|extra|>"])  # padded rows alone pair (tests/test_draft_model.py); another tokenizer does not
+    tok.save_pretrained(other)
+    capsys.readouterr()  # the saving's own output
     _bad(["bench", "--target", str(model_dir), "--drafter", "draft-model", "--checkpoint", str(other)], capsys,
-         "draft model vocabulary (500) does not match the target's (384)")
+         "draft model tokenizer differs from the target's tokenizer")
 
 
 def test_missing_dataset_file(model_dir, capsys):
@@ -174,72 +210,146 @@ def test_concurrency_zero(model_dir, capsys):
 
 
 class _ClockEngine:
-    """A stand-in engine: each run emits 10 tokens and advances a fake clock by its cost
-    (3x during the machine's 'slow phase', the second repeat)."""
+    """A stand-in engine: each run emits 10 tokens per prompt and advances a fake clock by its cost
+    times the machine's load of the moment."""
 
-    def __init__(self, name: str, cost: float, log: list, now: list):
-        self.name, self.cost, self.log, self.now = name, cost, log, now
+    def __init__(self, name: str, cost: float, log: list, clock: dict):
+        self.name, self.cost, self.log, self.clock = name, cost, log, clock
         self.stats = RunStats()
 
-    def generate(self, ids, on_finish=None):
-        self.log.append(self.name)
-        self.now[0] += self.cost * (3 if 4 <= len(self.log) <= 6 else 1)
-        return [RequestResult(0, [1], output_ids=[2] * 10)]
+    def generate(self, ids, seeds, on_finish=None):
+        self.log.append((self.name, seeds[0]))
+        seconds = self.cost * self.clock["load"]()
+        self.clock["now"] += seconds
+        self.stats.forward_seconds = 0.5 * seconds
+        return [RequestResult(0, p, output_ids=[2] * 10) for p in ids]
 
 
-def test_repeats_rotate_engine_order_and_speedup_is_paired(monkeypatch):
-    """Repeat r starts at engine r mod n, and speedup is the median of per-repeat ratios, so a
-    slow phase of the machine that hits one whole repeat does not move it."""
-    import dspec_cli.workflows.bench as bench
+def test_runs_alternate_unit_by_unit_and_speedup_is_paired():
+    """Every engine runs a unit of prompts before the next unit starts, in an order that rotates;
+    speedup is the median of per-unit ratios, so a load that changes between units (but not within
+    one) does not move it, while the unpaired tokens/s do move."""
+    from dspec_cli.workflows import bench
 
-    log, now = [], [0.0]
-    engines = [(n, "-", _ClockEngine(n, c, log, now)) for n, c in (("base", 1.0), ("a", 0.5), ("b", 2.0))]
-    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
-    timed = bench.run_interleaved(engines, [[1]], 3, 1, "builtin", None)
-    assert log == ["base", "a", "b", "a", "b", "base", "b", "base", "a"]
-    a = bench.run_metrics(timed[1], timed[0], RunStats(), 3)
-    b = bench.run_metrics(timed[2], timed[0], RunStats(), 3)
-    assert a["speedup_runs"] == pytest.approx([2.0, 2.0, 2.0]) and a["speedup"] == pytest.approx(2.0)
-    assert b["speedup_runs"] == pytest.approx([0.5, 0.5, 0.5]) and len(b["drafted_round_share_runs"]) == 3
-    assert a["tokens_per_s_runs"] == pytest.approx([20.0, 20 / 3, 20.0])
-    assert bench.format_speedup(a) == "2.00x (2.00–2.00)"
-    assert a["speedup_geomean"] == pytest.approx(2.0) and a["speedup_ci95"] == pytest.approx([2.0, 2.0])
-    assert "speedup_ci95" not in bench.run_metrics(timed[1][:1], timed[0][:1], RunStats(), 3)
+    log, loads, reads = [], iter([1, 3, 2, 5]), [0]
+    load = {"value": 1.0}
+    clock = {"now": 0.0, "load": lambda: load["value"]}
+    engines = [(n, "-", _ClockEngine(n, c, log, clock)) for n, c in (("base", 1.0), ("a", 0.5), ("b", 2.0))]
+
+    def tick():  # read twice per run; a unit's first run draws the load, which holds for the unit
+        if reads[0] % 6 == 0:
+            load["value"] = next(loads)
+        reads[0] += 1
+        return clock["now"]
+
+    units = bench.prompt_units([[1]] * 4, seed=0, rows=2)
+    assert [seeds for _, seeds in units] == [[0, 1], [2, 3]]
+    timed = bench.run_paired(engines, units, 2, clock=tick)
+    assert log == [("base", 0), ("a", 0), ("b", 0), ("a", 2), ("b", 2), ("base", 2),
+                   ("a", 0), ("b", 0), ("base", 0), ("b", 2), ("base", 2), ("a", 2)]
+    a = bench.paired_metrics(timed[1], timed[0], 3)
+    b = bench.paired_metrics(timed[2], timed[0], 3)
+    assert a["speedup_runs"] == pytest.approx([2.0, 2.0]) and a["speedup"] == pytest.approx(2.0)
+    assert b["speedup"] == pytest.approx(0.5) and a["pairs"] == 4 and len(b["drafted_round_share_runs"]) == 2
+    assert a["tokens_per_s_runs"] == pytest.approx([40 / (0.5 * 1 + 0.5 * 3), 40 / (0.5 * 2 + 0.5 * 5)])
+    assert a["speedup_bound"] == pytest.approx(4.0) and a["speedup_bound_source"] == "paired"  # forwards: half the time
+    assert a["speedup_ci95"] is None and bench.format_speedup(a) == "2.00x"  # 4 pairs: too few for an interval
+    assert bench.format_speedup({**a, "speedup_ci95": [1.5, 2.5]}) == "2.00x [1.50–2.50]"
 
 
-def test_speedup_bound_prices_verification_against_plain_steps():
-    """τ · plain-step cost / verify-step cost: from the cost table where given, else measured."""
-    import dspec_cli.workflows.bench as bench
+def test_median_interval_is_the_order_statistic_interval():
+    from scipy.stats import binom
 
-    def reps(forward_seconds, rounds):
-        return [([], 1.0, RunStats(forward_seconds=forward_seconds, verify_seconds=2 * forward_seconds, rounds=rounds))]
+    from dspec_cli.workflows.metrics import median_ci95
 
-    measured = bench.speedup_bound(2.5, 8, 1, reps(3.0, 10), reps(1.0, 10))  # a verify forward costs 3 plain ones
-    assert measured == {"speedup_bound": pytest.approx(2.5 / 3), "speedup_bound_source": "measured"}
+    assert median_ci95([1.0] * 5) is None  # 2 / 2^5 > 5 %: no distribution-free 95 % interval
+    for n in (6, 10, 36, 72, 200):
+        interval = median_ci95([float(i) for i in range(1, n + 1)])
+        assert interval is not None
+        low, high = interval
+        k = int(low)
+        assert high == n + 1 - k
+        assert binom.cdf(k - 1, n, 0.5) <= 0.025 < binom.cdf(k, n, 0.5)  # the widest tail within 2.5 %
+
+
+def test_bound_is_never_below_the_speedup_and_warnings_say_what_to_do():
+    from dspec_cli.workflows import bench
+
+    def timed(seconds, forward, tokens=10, prefill=0.0):
+        return bench.Timed([RequestResult(0, [1], output_ids=[2] * tokens)], seconds,
+                           RunStats(forward_seconds=forward, prefill_seconds=prefill, rounds=4))
+
+    speedups, bounds = bench.paired_ratios([timed(1.0, 0.4), timed(2.0, 1.9), timed(1.0, 0.0)],
+                                           [timed(2.0, 2.0), timed(3.0, 3.0), timed(1.0, 1.0)])
+    assert speedups == pytest.approx([2.0, 1.5, 1.0]) and bounds == pytest.approx([5.0, 3 / 1.9 * 2 / 2, math.inf])
+    assert all(b >= s for s, b in zip(speedups, bounds, strict=True))
     table = CostTable(device="cpu", device_name="x", dtype="float32", model="m", torch="t", grid=[1, 4, 8, 16],
                       contexts=[128], measured={"128": [100.0, 90.0, 50.0, 30.0]})
-    tabled = bench.speedup_bound(2.5, 8, 1, reps(3.0, 10), reps(1.0, 10), table)
-    assert tabled["speedup_bound"] == pytest.approx(2.5 * table.sps(8) / table.sps(1))
-    assert tabled["speedup_bound_source"] == "cost_table"
-    assert bench.speedup_bound(2.5, 8, 1, reps(0.0, 0), reps(1.0, 10))["speedup_bound"] is None
+    assert bench.cost_table_bound(2.5, 8, 1, table) == pytest.approx(2.5 * table.sps(8) / table.sps(1))
+    run = {"dataset": "gsm8k", "drafter": "dspark", "scheduler": "hardware", "concurrency": 1,
+           "speedup": 2.2, "speedup_bound": 1.3, "speedup_bound_source": "cost_table",
+           "speedup_runs": [1.2, 2.2], "speedup_runs_ci95": [[1.1, 1.3], [2.0, 2.4]]}
+    over, disagree, drift = bench.run_warnings(run, (0.6, 100.0, 160.0))
+    assert "speedup 2.20x exceeds its bound 1.30x" in over and "dspec profile-hardware" in over
+    assert "repeats disagree" in disagree and "1.20x [1.10–1.30], 2.20x [2.00–2.40]" in disagree
+    assert "moved by 60 %" in drift and "stop it and rerun" in drift
+    assert bench.run_warnings({**run, "speedup": 1.2, "speedup_runs_ci95": [[1.1, 1.3], [1.2, 1.4]]}, (0.1, 1, 1)) == []
     phases = bench.phase_ms_per_round(RunStats(draft_seconds=0.2, verify_seconds=0.5, forward_seconds=0.3,
                                                accept_seconds=0.1, update_seconds=0.1, rounds=100))
     assert phases == pytest.approx({"draft": 2.0, "verify": 5.0, "forward": 3.0, "accept": 1.0, "update": 1.0,
                                     "prefill": 0.0, "other": 0.0})
+    base = [[timed(1.0, 1.0, prefill=0.1), timed(1.0, 1.0, prefill=0.1)], [timed(2.0, 2.0, prefill=0.2)] * 2]
+    assert bench.baseline_drift(base) == pytest.approx((1.0, 5.0, 10.0))  # 9 decode tokens in 0.9 s, then 1.8 s
 
 
-def test_ratio_interval_is_a_t_interval_on_log_ratios():
-    from dspec_cli.workflows.metrics import ratio_interval, t975
+class _NoisyClock:
+    """A synthetic machine: time passes only when the engine reads the clock (a fixed cost per
+    read), scaled by the load of the moment. ``load(pair)`` draws a load per unit of prompts, so it
+    holds while plain and speculative decoding of the same unit run, and changes between units."""
 
-    mean, low, high = ratio_interval([math.exp(0.1), math.exp(-0.1)] * 2)
-    half = 3.182 * statistics.stdev([0.1, -0.1] * 2) / 2  # t_0.975 with 3 degrees of freedom
-    assert (mean, low, high) == pytest.approx((1.0, math.exp(-half), math.exp(half)))
-    assert ratio_interval([1.3]) is None
-    assert t975(100) == pytest.approx(1.984, abs=1e-3) and t975(30) == 2.042
+    def __init__(self, load):
+        self.now, self.reads, self.load, self.factor = 0.0, 0, load, 1.0
+
+    def engine(self) -> float:
+        self.now += 1e-3 * self.factor
+        return self.now
+
+    def bench(self) -> float:  # read twice per run; a unit's first run starts every 4th read
+        if self.reads % 4 == 0:
+            self.factor = self.load(self.reads // 4)
+        self.reads += 1
+        return self.now
+
+
+def test_noisy_timer_warns_and_the_paired_median_holds(model_dir, monkeypatch):
+    """Through the real engine and a synthetic clock: a load that changes from prompt to prompt and
+    doubles in the second repeat leaves the paired speedup where a quiet machine puts it, and
+    the report warns that plain decoding's speed moved; the quiet run warns of nothing."""
+    import random
+    import types
+
+    import dspec_cli.runtime.engine as engine_mod
+    from dspec_cli.workflows.bench import BenchOptions, run_bench
+
+    opts = BenchOptions(drafters=["draft-model"], checkpoints=[str(model_dir)], target=str(model_dir),
+                        num_prompts=8, max_new_tokens=6, block_size=3, repeats=2, dtype="float32", warmup=False)
+    rng = random.Random(0)
+    reports = {}
+    for name, load in {"quiet": lambda _: 1.0, "noisy": lambda unit: rng.uniform(1, 4) * (1 + (unit >= 8))}.items():
+        clock = _NoisyClock(load)
+        monkeypatch.setattr(engine_mod, "time", types.SimpleNamespace(perf_counter=clock.engine))
+        (reports[name],) = run_bench(opts, clock=clock.bench)["runs"]
+    quiet, noisy = reports["quiet"], reports["noisy"]
+    assert noisy["speedup"] == pytest.approx(quiet["speedup"]) and quiet["speedup_ci95"] is not None
+    assert noisy["speedup_bound"] >= noisy["speedup"]
+    slow, fast = sorted(noisy["baseline_tokens_per_s_runs"])
+    assert slow < 0.7 * fast  # plain decoding ran at half speed in the second repeat
+    assert quiet["warnings"] == [] and quiet["baseline_drift"] == pytest.approx(0.0, abs=1e-6)
+    assert any("plain decoding's speed moved" in w for w in noisy["warnings"])
 
 
 def test_tables_show_the_drafted_share_of_every_repeat():
-    import dspec_cli.workflows.bench as bench
+    from dspec_cli.workflows import bench
 
     assert bench.drafted_share({"drafted_round_share": 0.0, "drafted_round_share_runs": [0.0, 0.3, 0.0]}) == pytest.approx(0.1)
     assert bench.drafted_share({"drafted_round_share": 0.25}) == 0.25  # reports from before the field

@@ -108,7 +108,7 @@ def test_sts_repairs_miscalibration():
     cal = calibrate(rounds, "toy")
     before, after = cal.metrics["before"], cal.metrics["after"]
     assert after["ece_mean"] < before["ece_mean"] / 4
-    assert all(a <= b + 1e-9 for a, b in zip(after["ece"], before["ece"]))
+    assert all(a <= b + 1e-9 for a, b in zip(after["ece"], before["ece"], strict=True))
     assert cal.temperatures[0] == pytest.approx(2.0, rel=0.15)  # the inverse of the distortion
     assert after["auroc"][0] == pytest.approx(before["auroc"][0])  # order-preserving at position 1
 
@@ -286,3 +286,29 @@ def test_calibrate_default_drafter_output_is_a_complete_checkpoint(tmp_path, cap
     code, _, err = run(args + ["--checkpoint", str(out), "--in-place", "--force"], capsys)
     assert code == 0, err
     assert Calibration.load(out, drafter="dspark-markov", block_size=3) and (out / "model.safetensors").read_bytes() == before
+
+
+def test_calibrate_from_traces_with_plots(tmp_path, capsys):
+    """--traces FILE --plots DIR: no target is loaded, the plots are titled by the traces."""
+    rounds, _ = synthetic(400, [0.6, 0.8, 1.2], seed=5)
+    traces, plots, sts = tmp_path / "t.jsonl", tmp_path / "plots", tmp_path / "sts.json"
+    save_traces(traces, rounds, drafter="dspark-markov", block_size=3)
+    code, stdout, err = run(["calibrate", "--drafter", "dspark", "--traces", str(traces), "--plots", str(plots),
+                             "--sweep-threshold", "--sglang-sts", str(sts)], capsys)
+    assert code == 0, err
+    assert (plots / "reliability.png").stat().st_size > 1000 and (plots / "threshold_sweep.png").is_file()
+    assert json.loads(sts.read_text())["temperatures"] == fit_sts(rounds)
+    assert "ECE before" in stdout and f"wrote {plots / 'reliability.png'}" in err
+
+
+def test_calibrate_takes_drafter_specs(tmp_path, capsys):
+    """Drafter options (NAME,KEY=VALUE) as bench takes them; a wrapper without confidences is refused."""
+    traces = tmp_path / "t.jsonl"
+    save_traces(traces, synthetic(400, [1.0, 1.0], seed=6)[0], drafter="dspark-markov", block_size=2)
+    code, _, err = run(["calibrate", "--drafter", "dspark,markov_rank=8", "--traces", str(traces), "--sglang-sts",
+                        str(tmp_path / "sts.json")], capsys)
+    assert code == 0, err
+    _bad(["calibrate", "--drafter", "dspark,no_such_key=1", "--traces", str(traces), "--sglang-sts",
+          str(tmp_path / "x.json")], capsys, "unknown option(s) no_such_key")
+    _bad(["calibrate", "--drafter", "ddtree:dspark,tree_budget=8", "--output", str(tmp_path / "o")], capsys,
+         "drafter 'ddtree' has no confidence signal")

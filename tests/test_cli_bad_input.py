@@ -1,12 +1,13 @@
-"""Bad input, one table: every row must exit non-zero with one ``Error: ...`` line on stderr (Click's
-usage errors: exit 2 and their usage text), no traceback, and no file created, changed or
-half-written. Rows run in-process; most fail before any model loads."""
+"""Bad input, one table: every row must exit non-zero (usage errors: 2) with exactly one ``Error:
+...`` line on stderr, no traceback, and no file created, changed or half-written. Rows run
+in-process; most fail before any model loads."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import shutil
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +24,7 @@ class Case:
     id: str
     args: str  # the command line; {d} = the folder of input files, {t} = an empty folder for outputs
     match: str  # in the one stderr line
-    usage: bool = False  # a Click usage error (exit 2, usage text)
+    usage: bool = False  # a usage error (unknown option, wrong type): exit 2
     patch: dict = field(default_factory=dict)  # "module:attribute" -> replacement (interruptions, Hub)
     code: int | None = None  # the expected exit status (default: any non-zero)
     loads: bool = False  # reaches model loading (otherwise loading a model fails the row)
@@ -44,9 +45,13 @@ def _interrupted_training(opts, progress):
     return TrainResult(Path(opts.output or "runs/x"), 3, 10, False, {"loss": 1.0}, interrupted=True)
 
 
+REPO = Path(__file__).resolve().parents[1]
 BENCH = "bench -d prompt-lookup --num-prompts 1 --max-new-tokens 4"
 CAL = "calibrate -d dspark --num-prompts 1 --max-new-tokens 4"
 SCHED = "schedule --cost-table {d}/cost.json --traces {d}/traces.jsonl"
+REGEN = "data regenerate --dataset {d}/good.jsonl -o {t}/r.jsonl"
+TRAIN = "train --recipe {r}/recipes/tiny/dspark-markov.toml"
+PROC = "/proc/no/such"  # a path no process can create (not even root): writability is proven, not assumed
 
 CASES = [
     # -- input files
@@ -63,9 +68,29 @@ CASES = [
     Case("cost-table-bad-json", BENCH + " -s hardware --cost-table {d}/bad_json.jsonl", "not valid JSON"),
     Case("traces-missing", "schedule --cost-table {d}/cost.json --traces {d}/nope.jsonl", "file not found"),
     Case("traces-bad-line", "schedule --cost-table {d}/cost.json --traces {d}/no_turns.jsonl", "no_turns.jsonl:1: expected"),
-    Case("calibration-missing", SCHED + " --calibration {d}/nope.json", "calibration file"),
+    Case("calibration-missing", SCHED + " --calibration {d}/nope.json", "--calibration {d}/nope.json: file not found"),
     Case("recipe-missing", "train --recipe {d}/nope.toml -o {t}/run", "nope.toml"),
     Case("regenerate-output-is-input", "data regenerate --dataset {d}/good.jsonl -o {d}/good.jsonl", "--output must differ"),
+    Case("dataset-lone-surrogate", BENCH + " --dataset {d}/surrogate.jsonl", "surrogate.jsonl:2: holds a lone surrogate \\ud800"),
+    Case("calibrate-lone-surrogate", CAL + " -o {t}/c --dataset {d}/surrogate.jsonl", "surrogate.jsonl:2: holds a lone"),
+    Case("regenerate-lone-surrogate", "data regenerate --dataset {d}/surrogate_conv.jsonl -o {t}/r.jsonl",
+         "surrogate_conv.jsonl:1: holds a lone surrogate \\udc00"),
+    Case("cost-table-binary", BENCH + " -s hardware --cost-table {d}/binary.bin", "--cost-table {d}/binary.bin: not a text file"),
+    Case("cost-table-folder", BENCH + " -s hardware --cost-table {d}/folder", "--cost-table {d}/folder: is a folder"),
+    Case("cost-table-not-a-table", BENCH + " -s hardware --cost-table {d}/object.json", "not a cost table (missing key(s)"),
+    Case("cost-table-bad-types", BENCH + " -s hardware --cost-table {d}/bad_grid.json", "--cost-table {d}/bad_grid.json: "),
+    Case("schedule-cost-table-binary", "schedule --cost-table {d}/binary.bin --traces {d}/traces.jsonl", "--cost-table {d}/binary.bin: not a text file"),
+    Case("calibration-binary", SCHED + " --calibration {d}/binary.bin", "--calibration {d}/binary.bin: not a text file"),
+    Case("calibration-bad-json", SCHED + " --calibration {d}/bad_json.jsonl", "--calibration {d}/bad_json.jsonl: not valid JSON"),
+    Case("calibration-not-calibration", SCHED + " --calibration {d}/object.json", "expected an object with 'temperatures'"),
+    Case("traces-binary", "schedule --cost-table {d}/cost.json --traces {d}/binary.bin", "binary.bin:1: not valid UTF-8"),
+    Case("recipe-binary", "train --recipe {d}/binary.bin -o {t}/run", "--recipe {d}/binary.bin: not a text file"),
+    Case("recipe-bad-toml", "train --recipe {d}/bad.toml -o {t}/run", "--recipe {d}/bad.toml: not valid TOML"),
+    Case("regenerate-recipe-binary", "data regenerate --recipe {d}/binary.bin", "--recipe {d}/binary.bin: not a text file"),
+    Case("train-second-data-file", TRAIN + " -o {t}/run data.path=[\"{d}/good.jsonl\",\"{d}/nope.jsonl\"]",
+         "nope.jsonl' (data.path) not found; create it with `dspec data regenerate --recipe"),
+    Case("checkpoint-config-binary", "bench -d dspark --checkpoint {d}/ckpt_binary_config --num-prompts 1",
+         "checkpoint config {d}/ckpt_binary_config/config.json: not a text file", loads=True),
     # -- options
     Case("unknown-drafter", "bench -d nope", "unknown drafter 'nope'"),
     Case("unknown-drafter-option", "bench -d dspark,speed=2", "unknown option(s) speed"),
@@ -92,6 +117,23 @@ CASES = [
     Case("missing-required", "bench", "Missing option '--drafter'", usage=True),
     Case("unknown-flag", "bench -d prompt-lookup --bogus", "No such option: --bogus", usage=True),
     Case("not-an-integer", "bench -d prompt-lookup --num-prompts many", "Invalid value for '--num-prompts'", usage=True),
+    Case("unknown-command", "benchmark", "No such command 'benchmark'. Did you mean 'bench'? (see 'dspec -h')", usage=True),
+    Case("unknown-subcommand", "data regen", "No such command 'regen'. Did you mean 'regenerate'? (see 'dspec data -h')", usage=True),
+    Case("misspelt-drafter", "bench -d dsprak", "did you mean 'dspark'?"),
+    Case("misspelt-scheduler", BENCH + " -s hardwar", "did you mean 'hardware'?"),
+    # -- NaN and infinity: every float option refuses them (one parser), as do float spec options
+    Case("temperature-nan", BENCH + " --temperature nan", "'--temperature': 'nan' is not a finite number", usage=True),
+    Case("temperature-inf", BENCH + " --temperature inf", "'--temperature': 'inf' is not a finite number", usage=True),
+    Case("top-p-nan", BENCH + " --top-p nan", "'--top-p': 'nan' is not a finite number", usage=True),
+    Case("temperature-not-a-number", BENCH + " --temperature warm", "'warm' is not a number", usage=True),
+    Case("calibrate-temperature-inf", CAL + " -o {t}/c --temperature inf", "'inf' is not a finite number", usage=True),
+    Case("calibrate-top-p-minus-inf", CAL + " -o {t}/c --top-p -inf", "'-inf' is not a finite number", usage=True),
+    Case("schedule-threshold-nan", SCHED + " --threshold nan", "'--threshold': 'nan' is not a finite number", usage=True),
+    Case("regenerate-temperature-nan", REGEN + " --temperature NaN", "'NaN' is not a finite number", usage=True),
+    Case("regenerate-top-p-inf", REGEN + " --top-p Infinity", "'Infinity' is not a finite number", usage=True),
+    Case("regenerate-timeout-inf", REGEN + " --request-timeout inf", "'--request-timeout': 'inf' is not a finite number", usage=True),
+    Case("scheduler-option-nan", BENCH + " -s hardware,probe_share=nan --cost-table {d}/cost.json",
+         "probe_share must be a finite number, got 'nan'"),
     # -- output paths: refused before any model loads
     Case("json-parent-is-file", BENCH + " --json {d}/afile.txt/b.json", "afile.txt is a file, not a folder"),
     Case("json-is-folder", BENCH + " --json {d}/folder", "--json {d}/folder: is a folder"),
@@ -102,6 +144,10 @@ CASES = [
     Case("calibrate-traces-exist", CAL + " -o {t}/c --save-traces {d}/good.jsonl", "exists; pass --overwrite"),
     Case("calibrate-output-is-checkpoint", CAL + " --checkpoint {d}/ckpt_corrupt -o {d}/ckpt_corrupt", "pass --in-place"),
     Case("calibrate-no-confidence", "calibrate -d prompt-lookup -o {t}/c", "has no confidence signal"),
+    Case("json-is-socket", BENCH + " --json {d}/socket", "--json {d}/socket: is a socket; give a file path"),
+    Case("export-output-not-empty", "export {d}/ckpt_corrupt --format vllm --output {d}/folder",
+         "--output {d}/folder: folder is not empty; pass --overwrite"),
+    Case("json-no-such-device", "drafters --json /dev/full", "cannot write /dev/full: No space left on device"),
     # -- checkpoints
     Case("checkpoint-missing", "bench -d dspark --checkpoint {d}/nope", "no such file or folder"),
     Case("checkpoint-no-config", "bench -d dspark --checkpoint {d}/folder --num-prompts 1", "config.json", loads=True),
@@ -126,6 +172,28 @@ CASES = [
 ]
 if not torch.cuda.is_available():
     CASES.append(Case("device-cuda-missing", BENCH + " --device cuda", "--device cuda:"))
+if Path("/proc/self").is_dir():  # every command proves its output paths before any work
+    CASES += [
+        Case(f"unwritable-{name}", f"{args} {PROC}/{path}", f"{option} {PROC}/{path}: cannot write in /proc")
+        for name, args, option, path in [
+            ("bench-json", BENCH + " --json", "--json", "b.json"),
+            ("bench-plots", BENCH + " --plots", "--plots", "plots"),
+            ("calibrate-output", CAL + " -o", "--output", "c"),
+            ("calibrate-traces", CAL + " -o {t}/c --save-traces", "--save-traces", "t.jsonl"),
+            ("regenerate-output", "data regenerate --dataset {d}/good.jsonl -o", "--output", "r.jsonl"),
+            ("regenerate-json", REGEN + " --json", "--json", "r.json"),
+            ("train-output", TRAIN + " -o", "--output", "run"),
+            ("train-feature-cache", TRAIN + " -o {t}/run --feature-cache", "--feature-cache", "cache"),
+            ("profile-json", "profile-hardware --json", "--json", "cost.json"),
+            ("profile-plots", "profile-hardware --plots", "--plots", "plots"),
+            ("schedule-json", SCHED + " --json", "--json", "s.json"),
+            ("export-output", "export {d}/ckpt_corrupt --format vllm --output", "--output", "e"),
+            ("export-json", "export {d}/ckpt_corrupt --format vllm --output {t}/e --json", "--json", "e.json"),
+            ("push-json", "push {d}/ckpt_corrupt --repo-id alice/x --json", "--json", "p.json"),
+            ("drafters-json", "drafters --json", "--json", "d.json"),
+            ("datasets-json", "datasets --json", "--json", "d.json"),
+        ]
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +217,17 @@ def inputs(tmp_path_factory) -> Path:
     ckpt = d / "ckpt_corrupt"
     shutil.copytree(embedded_path("drafters") / "dspark-markov", ckpt)
     (ckpt / "model.safetensors").write_bytes(b"not safetensors")
+    (d / "ckpt_binary_config").mkdir()
+    (d / "ckpt_binary_config" / "config.json").write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")
+    (d / "binary.bin").write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe")
+    (d / "surrogate.jsonl").write_text('{"turns": ["hello"]}\n{"turns": ["\\ud800"]}\n')
+    (d / "surrogate_conv.jsonl").write_text('{"messages": [{"role": "user", "content": "a\\udc00"}]}\n')
+    (d / "object.json").write_text('{"a": 1}\n')
+    (d / "bad_grid.json").write_text(json.dumps({"device": "cpu", "device_name": "x", "dtype": "float32", "model": "m",
+                                                 "torch": "t", "grid": "abc", "contexts": [8], "sps": {"8": [1.0]}}))
+    (d / "bad.toml").write_text("x = = 1\n")
+    with socket.socket(socket.AF_UNIX) as sock:  # the socket file stays after close
+        sock.bind(str(d / "socket"))
     return d
 
 
@@ -173,21 +252,28 @@ def test_bad_input(case, inputs, tmp_path, capsys, monkeypatch, request):
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "out"
     out.mkdir()
-    args = case.args.format(d=inputs, t=out).split()
+    args = case.args.format(d=inputs, t=out, r=REPO).split()
     before = _snapshot(inputs, tmp_path)
     code, _, err = run_cli(args, capsys)
     match = case.match.format(d=inputs, t=out)
     assert code != 0 and "Traceback" not in err, err
-    if case.code is not None:
-        assert code == case.code, err
-    if case.usage:
-        assert code == 2 and match in err, err
-    else:
-        lines = [ln for ln in err.splitlines() if ln.strip()]
-        assert len(lines) == 1 and match in lines[0], err
-        assert lines[0].startswith("Error: ") or code == 130, err
+    assert code == (case.code or (2 if case.usage else 1)), err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and match in lines[0], err
+    assert lines[0].startswith("Error: ") or code == 130, err
     assert _snapshot(inputs, tmp_path) == before  # nothing created, changed or half-written
 
 
 def test_table_is_large_enough():
-    assert len(CASES) >= 40
+    assert len(CASES) >= 80
+
+
+def test_every_float_option_refuses_nan_in_the_table():
+    """The float options of every command appear in a NaN / infinity row above."""
+    from test_cli_conventions import _commands, _options
+
+    floats = {(c, n) for c, cmd in _commands().items() for n, p in _options(cmd).items()
+              if "float" in str(p.type_descriptor.annotation)}
+    covered = {(c, n) for c, n in floats if any(
+        c.split()[0] in case.args.split()[0] and n in case.args and "finite" in case.match for case in CASES)}
+    assert len(floats) >= 8 and floats == covered

@@ -1,9 +1,11 @@
 """Command-line conventions: -h, help text on every option, one option vocabulary, progress lines
-in logs, warnings as one line, Ctrl-C as exit 130."""
+in logs, warnings as one line, Ctrl-C as exit 130, help without loading the model libraries."""
 
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -133,3 +135,24 @@ def test_device_auto_picks_cuda_and_bfloat16_when_present(monkeypatch):
         resolve_device("cuda")
     with pytest.raises(DspecError, match="unknown device"):
         resolve_device("gpu0")
+
+
+def test_shell_completion_completes_commands_and_options(capsys, monkeypatch):
+    """`dspec --install-completion` installs Typer's completion; the completion answers from the app."""
+    for words, cword, expected in (("dspec ben", "1", "bench"), ("dspec bench --temp", "2", "--temperature")):
+        monkeypatch.setenv("_DSPEC_COMPLETE", "complete_bash")
+        monkeypatch.setenv("COMP_WORDS", words)
+        monkeypatch.setenv("COMP_CWORD", cword)
+        code, out, _ = run_cli([], capsys)
+        assert code == 0 and out.split() == [expected]
+    monkeypatch.delenv("_DSPEC_COMPLETE")
+    code, out, _ = run_cli(["-h"], capsys)
+    assert "--install-completion" in out
+
+
+def test_help_loads_no_model_library():
+    """Command modules import their workflow inside the command: ``dspec --help`` stays fast."""
+    code = ("import sys; from dspec_cli.cli import _register_commands; _register_commands(); "
+            "print(sorted(m for m in ('torch', 'transformers', 'matplotlib') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -51,7 +51,7 @@ def test_greedy_equals_plain_greedy(target, name):
     drafter = make_drafter(name, target) if name else None
     cfg = GenerationConfig(max_new_tokens=20, temperature=0.0, block_size=4, max_batch=3)
     results = SpeculativeEngine(target, drafter, cfg, stop_ids=[]).generate(prompts)
-    for prompt, res in zip(prompts, results):
+    for prompt, res in zip(prompts, results, strict=True):
         assert res.output_ids == plain_greedy(target, prompt, 20)
         assert res.finish_reason == "length"
 
@@ -84,7 +84,7 @@ def test_stop_tokens_and_budget(target):
     free = SpeculativeEngine(target, make_drafter("prompt-lookup", target), cfg, stop_ids=[]).generate(prompts)
     stop = free[0].output_ids[5]
     stopped = SpeculativeEngine(target, make_drafter("prompt-lookup", target), cfg, stop_ids=[stop]).generate(prompts)
-    for a, b in zip(free, stopped):
+    for a, b in zip(free, stopped, strict=True):
         assert len(a.output_ids) == 15
         if stop in a.output_ids:
             cut = a.output_ids.index(stop) + 1
@@ -103,14 +103,20 @@ def test_bad_input(target):
         GenerationConfig(block_size=-1)
 
 
-@pytest.mark.parametrize("name", ["prompt-lookup", "draft-model"])
-@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9)])
-def test_lossless_end_to_end(target, name, sampling):
+T1, T07 = dict(temperature=1.0), dict(temperature=0.7, top_p=0.9)
+
+
+# prompt lookup has no draft probabilities: it takes the token rule whatever is asked
+@pytest.mark.parametrize("name,rule,sampling", [("prompt-lookup", "block", T1), ("prompt-lookup", "block", T07),
+                                                ("draft-model", "block", T1), ("draft-model", "block", T07),
+                                                ("draft-model", "token", T1)])
+def test_lossless_end_to_end(target, name, rule, sampling):
     """3-token continuations from the engine match exact target sampling (chi-square, 24k samples)."""
     prompts = [target.render_prompt(p) for p in PROMPTS[:3]]
     drafter = make_drafter(name, target, block_size=3)
     # 4 new tokens: round 1 verifies up to 2 drafts, so tokens 2-3 exercise draft positions 1-2
-    results = check_engine_lossless(target, drafter, prompts, per_prompt=8000, max_batch=4000, sampling=sampling, name=name)
+    results = check_engine_lossless(target, drafter, prompts, per_prompt=8000, max_batch=4000, sampling=sampling,
+                                    name=f"{name} {rule}", verify=dict(chain_verify=rule))
     assert sum(sum(r.verified) for r in results) > 0  # drafts were really verified
 
 
@@ -165,7 +171,7 @@ def test_tree_greedy_equals_plain_greedy(target):
     prompts = [target.render_prompt(p) for p in PROMPTS]
     cfg = GenerationConfig(max_new_tokens=20, temperature=0.0, block_size=2, max_batch=3)
     results = SpeculativeEngine(target, BigramTreeDrafter(target), cfg, stop_ids=[]).generate(prompts)
-    for prompt, res in zip(prompts, results):
+    for prompt, res in zip(prompts, results, strict=True):
         assert res.output_ids == plain_greedy(target, prompt, 20)
     assert sum(a for r in results for a in r.accepted) > 0  # some tree nodes were accepted
 
@@ -185,19 +191,44 @@ def test_tree_lossless_end_to_end(target, sampling):
         assert sum(a for r in results for a in r.accepted) > 0
 
 
-def test_end_to_end_test_catches_a_biased_verifier(target, monkeypatch):
-    """The same end-to-end check must fail when the verifier is wrong (min(1, q/p))."""
-    from dspec_cli.runtime.verify import reference
+@pytest.mark.parametrize("rule", ["token", "block"])
+def test_end_to_end_test_catches_a_biased_verifier(target, rule, monkeypatch):
+    """The same end-to-end check must fail when the verifier is wrong (token: min(1, q/p); block:
+    the final token drawn from p instead of the residual)."""
+    from dspec_cli.runtime.verify import block, reference
 
-    monkeypatch.setattr(reference, "acceptance_prob", lambda p_x, q_x: torch.clamp(q_x / p_x.clamp_min(1e-30), max=1.0))
+    if rule == "token":
+        monkeypatch.setattr(reference, "acceptance_prob", lambda p_x, q_x: torch.clamp(q_x / p_x.clamp_min(1e-30), max=1.0))
+    else:
+        monkeypatch.setattr(block, "residual_weights", lambda p, q, rho: p.float())
     prompt = target.render_prompt(PROMPTS[0])
     drafter = make_drafter("draft-model", target, block_size=3)
-    cfg = GenerationConfig(max_new_tokens=4, block_size=3, max_batch=4000, seed=11)
-    results = SpeculativeEngine(target, drafter, cfg, stop_ids=[]).generate([prompt] * 8000, seeds=range(8000))
+    n = 8000 if rule == "token" else 16000  # the block bias is subtler on this pair of models
+    cfg = GenerationConfig(max_new_tokens=4, block_size=3, max_batch=4000, seed=11, chain_verify=rule)
+    results = SpeculativeEngine(target, drafter, cfg, stop_ids=[]).generate([prompt] * n, seeds=range(n))
     samples = torch.tensor([r.output_ids[:3] for r in results])
     exact = exact_continuations(target, prompt, depth=3, min_prob=2e-4)
     with pytest.raises(AssertionError, match="distribution mismatch"):
         assert_continuations_match(samples, exact, name="biased")
+
+
+def test_drafts_without_probabilities_take_the_token_rule(target):
+    """Prompt lookup proposes no q: block verification (the default) falls back to the token rule,
+    which accepts the same for one-hot drafts; T = 0 is greedy verification."""
+    prompt = target.render_prompt("one two three four one two three four one two three four one two three")
+    drafter = make_drafter("prompt-lookup", target, block_size=3)
+    for temperature, rule in ((1.0, "token"), (0.0, "greedy")):
+        cfg = GenerationConfig(max_new_tokens=16, block_size=3, temperature=temperature)
+        engine = SpeculativeEngine(target, drafter, cfg, stop_ids=[])
+        engine.generate([prompt] * 4)
+        assert set(engine.stats.verify_rules) == {rule}
+
+
+def test_bad_verify_rules():
+    with pytest.raises(DspecError, match="chains are verified by token or block, got 'traversal'"):
+        GenerationConfig(chain_verify="traversal")
+    with pytest.raises(DspecError, match="sampled trees are verified by sampled or traversal, got 'block'"):
+        GenerationConfig(tree_verify="block")
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.0])

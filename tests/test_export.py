@@ -45,8 +45,9 @@ def test_export_round_trip(target, model_dir, tmp_path, capsys, variant, fmt):
     assert code == 0
     argv = shlex.split(stdout.strip())
     model, tgt = str(out.resolve()), str(model_dir.resolve())
+    template = ["--default-chat-template-kwargs", '{"enable_thinking": false}']  # the mode it was trained in
     if fmt == "vllm":
-        assert argv[:3] == ["vllm", "serve", tgt] and argv[3] == "--speculative-config"
+        assert argv[:3] == ["vllm", "serve", tgt] and argv[3] == "--speculative-config" and argv[5:] == template
         adaptive = {"enable_adaptive_verification": True} if method == "dspark" else {}
         assert json.loads(argv[4]) == {"method": method, "model": model, "num_speculative_tokens": GAMMA, **adaptive}
     else:
@@ -54,13 +55,13 @@ def test_export_round_trip(target, model_dir, tmp_path, capsys, variant, fmt):
             assert argv.pop(0) == "SGLANG_RAGGED_VERIFY_MODE=compact"
         assert argv[:3] == ["python", "-m", "sglang.launch_server"]
         assert argv[3:] == ["--model-path", tgt, "--speculative-algorithm", algorithm,
-                            "--speculative-draft-model-path", model, *flags]
+                            "--speculative-draft-model-path", model, *flags, *template]
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["layout"] == layout and report["command"] == stdout.strip()
     assert json.loads((out / "config.json").read_text())["architectures"] == [layout]
     cls = get_drafter_class(name)
     ours, back = cls.from_pretrained(ckpt, target), cls.from_pretrained(out, target)  # interop loader
-    for a, b in zip(proposal(target, ours), proposal(target, back)):
+    for a, b in zip(proposal(target, ours), proposal(target, back), strict=True):
         assert (a is None and b is None) or torch.equal(a, b)
 
 

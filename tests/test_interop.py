@@ -243,7 +243,7 @@ def test_original_dflash_layout_is_the_anchor_layout_shifted(target):
     prompt = torch.tensor(target.render_prompt("hello"))
     _, taps = target.forward_full(prompt[None], ours.target_layer_ids)
     states = ours.init_state(), zl.init_state()
-    for d, s in zip((ours, zl), states):
+    for d, s in zip((ours, zl), states, strict=True):
         d.add_requests(s, [prompt], [taps])
     anchors = torch.tensor([7])
     torch.testing.assert_close(zl.block_logits(states[1], anchors), ours.block_logits(states[0], anchors)[:, 1:])
@@ -290,7 +290,7 @@ def test_round_trip(target, tmp_path, name, overrides, layout):
     back = get_drafter_class(name).from_pretrained(tmp_path / "foreign", target)
     mine, theirs = ours.net.state_dict(), back.net.state_dict()
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
-    for a, b in zip(proposal(target, ours), proposal(target, back)):
+    for a, b in zip(proposal(target, ours), proposal(target, back), strict=True):
         assert (a is None and b is None) or torch.equal(a, b)
 
 

@@ -125,7 +125,7 @@ def test_gemma4_round_trip(target, tmp_path, name):
         assert back.config.layer_style == "gemma4"
         mine, theirs = first.net.state_dict(), back.net.state_dict()
         assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
-        for a, b in zip(proposal(target, first), proposal(target, back)):
+        for a, b in zip(proposal(target, first), proposal(target, back), strict=True):
             assert (a is None and b is None) or torch.equal(a, b)
 
 

@@ -11,6 +11,9 @@
 * Plugins import only the public API: ``dspec_cli``, ``dspec_cli.nn``,
   ``dspec_cli.checkpoints.layouts``, their own package and other plugins' package roots.
 * At most 12 modules directly in ``dspec_cli/``.
+* Drafters come from checkpoints through ``load_drafter`` only: outside ``checkpoints/`` no call
+  of a ``from_pretrained`` / ``load_default`` except a drafter class's own delegation (inside a
+  method of that name) and transformers' classes.
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ RANK = {"core": 0, "nn": 1, "checkpoints": 2, "runtime": 3, "training": 4, "work
 LAZY_ALLOWED = {
     # triton is an optional dependency and its import is slow: loaded on first Triton verify
     ("dspec_cli.runtime.verify", "dspec_cli.runtime.verify.triton"),
+    ("dspec_cli.runtime.verify", "dspec_cli.runtime.verify.triton_block"),
 }
 PLUGIN_API = ("dspec_cli", "dspec_cli.nn", "dspec_cli.checkpoints.layouts")
+LOADERS = ("from_pretrained", "load_default")  # drafter constructors from a checkpoint or the embedded default
 MAX_TOP_LEVEL_MODULES = 12
 
 
@@ -77,7 +82,7 @@ def edges(base: Path, folder: Path, prefixes: tuple[str, ...], known: set[str]) 
         source = module_name(path, base)
         tree = ast.parse(path.read_text(), str(path))
 
-        def visit(node: ast.AST, lazy: bool, typing_only: bool) -> None:
+        def visit(node: ast.AST, lazy: bool, typing_only: bool, source: str = source, path: Path = path) -> None:
             for child in ast.iter_child_nodes(node):
                 if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
                     visit(child, True, typing_only)
@@ -202,6 +207,40 @@ def test_package_top_level_stays_small():
     assert len(modules) <= MAX_TOP_LEVEL_MODULES, modules
 
 
+def _root_name(node: ast.expr) -> str | None:
+    while isinstance(node, (ast.Attribute, ast.Call, ast.Subscript)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def stray_drafter_loads(base: Path, folders: list[Path]) -> list[str]:
+    """Calls of ``X.from_pretrained`` / ``X.load_default`` that bypass ``load_drafter``."""
+    bad = []
+    for folder in folders:
+        for path in sorted(folder.rglob("*.py")):
+            if (PACKAGE / "checkpoints") in path.parents:
+                continue
+            tree = ast.parse(path.read_text(), str(path))
+            hf = {"transformers"} | {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                                     and (n.module or "").split(".")[0] == "transformers" for a in n.names}
+
+            def visit(node: ast.AST, function: str, rel: str, hf: set[str] = hf) -> None:
+                for child in ast.iter_child_nodes(node):
+                    name = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+                    call = child.func if isinstance(child, ast.Call) else None
+                    if (isinstance(call, ast.Attribute) and call.attr in LOADERS and function not in LOADERS
+                            and _root_name(call.value) not in hf):
+                        bad.append(f"{rel}:{child.lineno} calls {call.attr} (use dspec_cli.checkpoints.load_drafter)")
+                    visit(child, name, rel)
+
+            visit(tree, "", str(path.relative_to(base)))
+    return bad
+
+
+def test_drafters_load_through_load_drafter():
+    assert stray_drafter_loads(ROOT, [PACKAGE, PLUGINS, ROOT / "benchmarks"]) == []
+
+
 # -- the checker itself can fail ------------------------------------------------------------
 
 
@@ -232,3 +271,17 @@ def test_checker_finds_cycles(tmp_path):
     found = cycles(_edges_of(tmp_path, {"dspec_cli/core/a.py": "from dspec_cli.core import b\n",
                                         "dspec_cli/core/b.py": "from dspec_cli.core.a import f\n"}))
     assert found == [["dspec_cli.core.a", "dspec_cli.core.b"]]
+
+
+def test_checker_finds_stray_drafter_loads(tmp_path):
+    (tmp_path / "a.py").write_text(
+        "from transformers import AutoTokenizer\n"
+        "def run(cls, path, target):\n"
+        "    AutoTokenizer.from_pretrained(path)\n"  # transformers: fine
+        "    return cls.from_pretrained(path, target)\n"  # bypasses load_drafter
+        "class D:\n"
+        "    @classmethod\n"
+        "    def load_default(cls, target):\n"
+        "        return cls.from_pretrained('x', target)\n"  # a drafter's own delegation: fine
+    )
+    assert stray_drafter_loads(tmp_path, [tmp_path]) == ["a.py:4 calls from_pretrained (use dspec_cli.checkpoints.load_drafter)"]

@@ -12,7 +12,9 @@ paper's Appendix A must fail the same check.
 import pytest
 import torch
 
+import dspec_cli.runtime.verify.block as block_verify
 import dspec_cli.runtime.verify.reference as reference
+import dspec_cli.runtime.verify.traversal as traversal_verify
 import dspec_cli.runtime.verify.tree as tree_verify
 from dspec_cli import testing as T
 from dspec_cli.core.sampling import torch_uniform
@@ -167,15 +169,16 @@ def _greedy_verifier(target_probs, draft_tokens, draft_probs, num_draft, *, gene
     return verify_greedy(target_probs, draft_tokens, num_draft, **kw)
 
 
-@pytest.mark.parametrize("verifier", ["chain", "greedy"])
+@pytest.mark.parametrize("verifier", ["chain", "block", "greedy"])
 @pytest.mark.parametrize("drafter_greedy", [False, True])
 def test_greedy_target_is_reproduced_exactly(verifier, drafter_greedy):
     target, drafter = _markov(70, dict(temperature=0.0), {}, greedy=drafter_greedy)
     anchors = torch.arange(2000) % 16
+    kw = dict(method="block") if verifier == "block" else {}
     tokens = T.simulate_speculative(
         target, drafter, num_requests=2000, gamma=4, num_tokens=12, x0=anchors,
-        verifier=verify_chain if verifier == "chain" else _greedy_verifier,
-        generator=_gen(71), backend="torch",
+        verifier=_greedy_verifier if verifier == "greedy" else verify_chain,
+        generator=_gen(71), backend="torch", **kw,
     )
     assert torch.equal(tokens, T.greedy_target(target, num_tokens=12, x0=anchors, num_requests=2000))
 
@@ -264,16 +267,20 @@ SAMPLED_CASES = {  # (target, drafter) Markov chains at T = 1 unless stated
     "draft_top_k": lambda: (T.ToyLM.random(V, generator=_gen(124)), T.ToyDrafter(T.ToyLM.random(V, generator=_gen(125), top_k=2))),
     "target_top_p": lambda: (T.ToyLM.random(V, generator=_gen(126), top_p=0.8), T.ToyDrafter(T.ToyLM.random(V, generator=_gen(127)))),
     "identical": lambda: (T.ToyLM.random(V, generator=_gen(128)), T.ToyDrafter(T.ToyLM.random(V, generator=_gen(128)))),
+    "t0.7_top_p0.9": lambda: (
+        T.ToyLM.random(V, generator=_gen(129), temperature=0.7, top_p=0.9),
+        T.ToyDrafter(T.ToyLM.random(V, generator=_gen(130), temperature=1.2)),
+    ),
 }
 
 
 def _sampled_tree_tokens(case: str, shape, seed: int, num_tokens: int = 2, num_requests: int = R,
-                         **verify_kwargs) -> torch.Tensor:
+                         method: str = "sampled", **verify_kwargs) -> torch.Tensor:
     target, drafter = SAMPLED_CASES[case]()
     depth, branching = shape
     return T.simulate_tree_speculative(
         target, drafter, num_requests=num_requests, depth=depth, branching=branching, num_tokens=num_tokens, x0=1,
-        method="sampled", generator=_gen(seed), **verify_kwargs,
+        method=method, generator=_gen(seed), **verify_kwargs,
     )
 
 
@@ -335,3 +342,126 @@ def test_wrong_sampled_tree_verification_is_caught(bias, monkeypatch):
     assert _sampled_first_token_p_value("broad", 190) > 1e-4  # control: the real verifier passes
     SAMPLED_BIASES[bias](monkeypatch)
     assert _sampled_first_token_p_value("broad", 190) < 1e-12
+
+
+# --------------------------------------------------------------------------------------
+# Block verification of chains (verify_chain(method="block")).
+# --------------------------------------------------------------------------------------
+
+BLOCK_CASES = ["dirichlet", "t0.7_top_p0.9"]
+
+
+def _block_tokens(case: str, gamma: int, seed: int, num_tokens: int = 2, **kw) -> torch.Tensor:
+    target, drafter = IID_CASES[case]()
+    return T.simulate_speculative(target, drafter, num_requests=R, gamma=gamma, num_tokens=num_tokens,
+                                  generator=_gen(seed), backend="torch", method="block", **kw)
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 7])
+@pytest.mark.parametrize("case", BLOCK_CASES)
+def test_chain_block_iid(case, gamma):
+    tokens = _block_tokens(case, gamma, 400 + 10 * gamma + BLOCK_CASES.index(case))
+    _assert_first_two(tokens, IID_CASES[case]()[0], 0, f"block {case}, γ={gamma}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gamma", [2, 4, 7])
+@pytest.mark.parametrize("case", [c for c in IID_CASES if c not in BLOCK_CASES])
+def test_chain_block_iid_sweep(case, gamma):
+    tokens = _block_tokens(case, gamma, 500 + 10 * gamma + list(IID_CASES).index(case))
+    _assert_first_two(tokens, IID_CASES[case]()[0], 0, f"block {case}, γ={gamma}")
+
+
+@pytest.mark.parametrize("case", ["t0.7_top_p0.9", "causal_throughput"])
+def test_chain_block_markov(case):
+    spec = dict(MARKOV_CASES[case])
+    seed = 450 + list(MARKOV_CASES).index(case)
+    gamma, policy = spec.pop("gamma"), spec.pop("policy", None)
+    target, drafter = _markov(seed, **spec)
+    length_policy = T.throughput_length_policy([1.0, 0.9, 0.84, 0.8, 0.77, 0.75, 0.73, 0.72]) if policy else None
+    tokens = T.simulate_speculative(
+        target, drafter, num_requests=R, gamma=gamma, num_tokens=2, x0=3, length_policy=length_policy,
+        generator=_gen(seed), backend="torch", method="block",
+    )
+    _assert_first_two(tokens, target, 3, f"block {case}")
+
+
+def test_chain_block_final_token_by_inverse_cdf():
+    tokens = _block_tokens("dirichlet", 3, 460, verifier=_inverse_cdf_verifier)
+    _assert_first_two(tokens, IID_CASES["dirichlet"]()[0], 0, "block, inverse CDF")
+
+
+def _token_rule_weights(p_x, q_x):
+    ratio = torch.where(q_x > 0, p_x.double() / q_x.double(), 1.0).clamp(max=1.0)
+    return torch.cat([torch.ones_like(ratio[:, :1]), ratio.cumprod(1)], 1)  # Π min(1, p/q): no carry-over
+
+
+def _stop_without_denominator(rho, mass, num_draft):
+    k = torch.arange(1, mass.shape[1] + 1)
+    z = torch.cat([mass[:, 1:], torch.zeros_like(mass[:, :1])], 1)
+    return torch.where(k < num_draft[:, None], z, torch.where(k == num_draft[:, None], rho[:, 1:], 0.0))
+
+
+BLOCK_BIASES = {  # each a plausible slip in implementing the paper's Algorithm 2
+    "residual_without_weight": ("residual_weights", lambda p, q, rho: (p.float() - q.float()).clamp(min=0)),
+    "stop_without_denominator": ("stop_probs", _stop_without_denominator),
+    "token_rule_weights": ("prefix_weights", _token_rule_weights),
+}
+
+
+@pytest.mark.parametrize("bias", list(BLOCK_BIASES))
+def test_wrong_block_verification_is_caught(bias, monkeypatch):
+    monkeypatch.setattr(block_verify, *BLOCK_BIASES[bias])
+    tokens = _block_tokens("dirichlet", 3, 470, num_tokens=1)
+    assert T.gof_test(tokens[:, 0], T.exact_target_joint(IID_CASES["dirichlet"]()[0], 0, 1)).p_value < 1e-12
+
+
+# --------------------------------------------------------------------------------------
+# Traversal verification of sampled trees (verify_tree(method="traversal")).
+# --------------------------------------------------------------------------------------
+
+TRAVERSAL_DEFAULT = [("broad", (3, 2)), ("t0.7_top_p0.9", (2, 3)), ("draft_top_k", (2, 3)), ("peaked", (4, 1))]
+
+
+@pytest.mark.parametrize("case,shape", TRAVERSAL_DEFAULT)
+def test_tree_traversal(case, shape):
+    tokens = _sampled_tree_tokens(case, shape, 600 + 10 * list(SAMPLED_CASES).index(case) + shape[1], method="traversal")
+    _assert_first_two(tokens, SAMPLED_CASES[case]()[0], 1, f"tree traversal {case} {shape}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [(3, 2), (2, 3), (4, 1), (2, 5)])
+@pytest.mark.parametrize("case", list(SAMPLED_CASES))
+def test_tree_traversal_sweep(case, shape):
+    if (case, shape) in TRAVERSAL_DEFAULT:
+        pytest.skip("in the default suite")
+    tokens = _sampled_tree_tokens(case, shape, 700 + 10 * list(SAMPLED_CASES).index(case) + shape[1], method="traversal")
+    _assert_first_two(tokens, SAMPLED_CASES[case]()[0], 1, f"tree traversal {case} {shape}")
+
+
+def test_tree_traversal_by_inverse_cdf():
+    tokens = _sampled_tree_tokens("broad", (2, 3), 650, method="traversal", final_draw="inverse_cdf")
+    _assert_first_two(tokens, SAMPLED_CASES["broad"]()[0], 1, "tree traversal, inverse CDF")
+
+
+def test_tree_traversal_at_temperature_zero_is_greedy():
+    target, drafter = _markov(660, dict(temperature=0.0), dict(temperature=0.0), vocab=V)
+    anchors = torch.arange(3000) % V
+    tokens = T.simulate_tree_speculative(target, drafter, num_requests=3000, depth=3, branching=2, num_tokens=8,
+                                         x0=anchors, method="traversal", generator=_gen(661))
+    assert torch.equal(tokens, T.greedy_target(target, num_tokens=8, x0=anchors, num_requests=3000))
+
+
+TRAVERSAL_BIASES = {  # each a plausible slip in carrying block verification down a tree
+    "no_rescale": ("rescale", lambda r, n, z: (r, z)),  # forgets to condition on the failed child
+    "enter_with_pass_prob": ("enter_probs", lambda pi, later: pi),  # forgets that the parent passes
+    "rejected_kept_in_q": ("proposal", lambda q, x: (traversal_verify.normalised(q),) * 2),
+}
+
+
+@pytest.mark.parametrize("bias", list(TRAVERSAL_BIASES))
+def test_wrong_traversal_verification_is_caught(bias, monkeypatch):
+    monkeypatch.setattr(traversal_verify, *TRAVERSAL_BIASES[bias])
+    tokens = _sampled_tree_tokens("broad", (3, 2), 690, method="traversal")
+    joint = T.exact_target_joint(SAMPLED_CASES["broad"]()[0], 1, 2)
+    assert T.gof_test(tokens, joint).p_value < 1e-12

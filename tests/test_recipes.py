@@ -24,6 +24,8 @@ HUB = {
     "qwen3-14b": ("Qwen/Qwen3-14B", [1, 10, 19, 28, 37], 151669),
     "gemma4-12b": ("google/gemma-4-12B-it", [5, 17, 29, 41, 46], 4),
 }
+# the serving engines' variants (docs/interop.md): z-lab's DFlash block, EAGLE-3 on three taps without q/k norms
+SERVABLE = {"dflash": {"anchor_predicts": False}, "eagle3": {"qk_norm": False}}
 DRAFTERS = ("dflash", "dspark-markov", "dspark-rnn", "eagle3")
 ALL = sorted(RECIPES.glob("*/*.toml"))
 
@@ -52,7 +54,9 @@ def test_hub_recipes_carry_the_paper_settings(folder):
         r = load_recipe(RECIPES / folder / f"{drafter}.toml")
         d, t = r.drafter_section, r.train
         assert r.target.name == name and r.target.dtype == "bfloat16"
-        assert d["block_size"] == 7 and d["target_layer_ids"] == layer_ids
+        taps = [layer_ids[0], layer_ids[2], layer_ids[4]] if drafter == "eagle3" else layer_ids
+        assert d["block_size"] == 7 and d["target_layer_ids"] == taps
+        assert all(d[k] == v for k, v in SERVABLE.get(drafter, {}).items())
         assert d["num_layers"] == (1 if drafter == "eagle3" else 5)
         if drafter != "eagle3":
             assert d["mask_token_id"] == mask and d["num_anchors"] == 512

@@ -112,6 +112,25 @@ def test_context_overflow_shortens_or_skips(tmp_path, target):
     assert [m["role"] for m in line["conversations"]] == ["user", "assistant"]
 
 
+def test_answers_cut_at_max_new_tokens_are_kept_and_counted(tmp_path, target, monkeypatch):
+    from dspec_cli.runtime.engine import SpeculativeEngine
+
+    generate = SpeculativeEngine.generate
+    lengths: dict[int, bool] = {}  # per answered turn: stopped at max_new_tokens
+
+    def spy(self, prompts, **kw):
+        results = generate(self, prompts, **kw)
+        lengths.update({len(lengths) + i: r.finish_reason == "length" for i, r in enumerate(results)})
+        return results
+
+    monkeypatch.setattr(SpeculativeEngine, "generate", spy)
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"id": str(i), "turns": [f"Tell me about {i}."]}) + "\n" for i in range(6)))
+    stats = regenerate(RegenerateOptions(prompts=str(path), output=tmp_path / "o.jsonl", max_new_tokens=3,
+                                         concurrency=6, seed=1), target=target)
+    assert stats.written == 6 and stats.truncated == sum(lengths.values()) >= 1
+
+
 def test_bad_input_lines_name_file_and_line(tmp_path, target):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"turns": ["ok"]}\n{"conversations": [{"role": "tool", "content": "x"}]}\n')

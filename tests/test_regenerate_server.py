@@ -16,8 +16,8 @@ import pytest
 from test_regenerate import write_prompts
 from tiny_models import assert_cli_error, run_cli
 
-from dspec_cli.training import regenerate_server as rs
 from dspec_cli.core.files import DEFAULT_TARGET_PATH
+from dspec_cli.training import regenerate_server as rs
 from dspec_cli.training.regenerate import RegenerateOptions
 from dspec_cli.training.regenerate_server import (
     ServerOptions,
@@ -180,8 +180,8 @@ def test_retries_back_off_and_failures_are_retried_next_run(tmp_path, monkeypatc
     monkeypatch.setattr(rs, "_sleep", record)
     fake = FakeServer()
     fake.script = {"What is 0 plus 0?": [429, 503], "Tell me about the sea, part 1.": [400]}
-    sopts = ServerOptions(["http://fake"], concurrency=1, max_retries=2, chat_template_kwargs={"flag": 1})
-    opts = _opts(tmp_path, top_k=20, temperature=0.7)
+    sopts = ServerOptions(["http://fake"], concurrency=1, max_retries=2)
+    opts = _opts(tmp_path, top_k=20, temperature=0.7, chat_template_kwargs={"flag": 1})
     stats = regenerate_with_servers(opts, sopts, transport=httpx.MockTransport(fake))
     assert sleeps == [2.0, 2.0]  # Retry-After honoured, twice, then the conversation went through
     assert stats.written == 5 and stats.failed == 1

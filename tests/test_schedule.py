@@ -410,7 +410,18 @@ def test_engine_greedy_identity_and_budgets(target, name):
     got = SpeculativeEngine(target, drafter, cfg, scheduler=sched, stop_ids=[]).generate(prompts)
     assert [r.output_ids for r in got] == [r.output_ids for r in fixed]
     assert sum(sum(r.verified) for r in got) < sum(sum(r.verified) for r in fixed)  # the budget binds
-    assert all(len(c) == v for r in got for c, v in zip(r.confidence, r.verified))
+    assert all(len(c) == v for r in got for c, v in zip(r.confidence, r.verified, strict=False))  # drafted rounds
+
+
+def test_engine_keeps_a_fixed_context_and_tracks_it_otherwise(target):
+    prompts = [target.render_prompt(p) for p in ("The quick brown fox", "def add(a, b):")]
+    cfg = GenerationConfig(max_new_tokens=6, temperature=0.0, block_size=3, max_batch=2)
+    costs = table([1.0] * 4 + [0.9] * 4 + [0.5] * 8)
+    fixed, tracked = build_scheduler("hardware", costs, context=1000.0), build_scheduler("hardware", costs)
+    for sched in (fixed, tracked):
+        SpeculativeEngine(target, draft_model(target), cfg, scheduler=sched, stop_ids=[]).generate(prompts)
+    assert fixed.context == 1000.0
+    assert tracked.context is not None and tracked.context < 100  # the batch's mean context of the last round
 
 
 @pytest.mark.parametrize("layout", ["packed", "padded"])

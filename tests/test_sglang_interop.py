@@ -244,7 +244,7 @@ def test_shipped_dspark_for_sglang(tmp_path, capsys):
     argv = shlex.split(stdout.strip())
     sts_path, sps_path = str((out / "sglang" / sglang_sts.STS_FILE).resolve()), str((out / "sglang" / sglang_sps.SPS_FILE).resolve())
     assert argv[0] == "SGLANG_RAGGED_VERIFY_MODE=compact" and argv[1:4] == ["python", "-m", "sglang.launch_server"]
-    flags = dict(zip(argv[4::2], argv[5::2]))
+    flags = dict(zip(argv[4::2], argv[5::2], strict=False))
     assert flags["--speculative-algorithm"] == "DSPARK" and flags["--speculative-draft-model-path"] == str(out.resolve())
     assert flags["--speculative-dspark-block-size"] == "7"
     assert flags["--speculative-dspark-sps-table-path"] == sps_path

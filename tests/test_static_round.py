@@ -59,13 +59,13 @@ def test_one_host_read_per_round(target, drafters, name, temperature, monkeypatc
     R = 1 and with continuous batching (rows joining, leaving, padded to a bucket); no host data
     is copied to the device inside a round."""
     reads: list[int] = []
-    counter = None
+    live: list = []  # the running counter, read by the patched round
     real = SpeculativeEngine._round
 
     def counted(self, rows, results):
-        before = counter.total if counter else 0
+        before = live[0].total if live else 0
         real(self, rows, results)
-        reads.append((counter.total if counter else 0) - before)
+        reads.append((live[0].total if live else 0) - before)
 
     monkeypatch.setattr(SpeculativeEngine, "_round", counted)
     for max_batch in (1, 3):
@@ -73,9 +73,10 @@ def test_one_host_read_per_round(target, drafters, name, temperature, monkeypatc
             _, engine = _run(target, drafters[name], temperature=temperature, max_batch=max_batch)  # warm
         reads.clear()
         with count_host_reads() as counter:
+            live.append(counter)
             _run(target, drafters[name], temperature=temperature, max_batch=max_batch, engine=engine)
+        live.clear()
         assert reads and max(reads) == 1, (max_batch, reads, counter.sites.most_common(5))
-        counter = None
 
 
 def _same_tokens(target, drafter, graphs: str, temperatures=(0.0, 1.0), **run) -> None:

@@ -130,7 +130,7 @@ class Session:
     def rollback(self) -> None:
         drop = [self.randint(0, min(4, len(s))) for s in self.seqs]
         self.t.rollback(self.batch, torch.tensor(drop))
-        self.seqs = [s[: len(s) - d] for s, d in zip(self.seqs, drop)]
+        self.seqs = [s[: len(s) - d] for s, d in zip(self.seqs, drop, strict=True)]
 
     def assert_committed(self) -> None:
         assert self.batch.committed.tolist() == [len(s) for s in self.seqs]

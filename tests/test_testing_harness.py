@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from dspec_cli import Proposal, VerifyResult, verify_chain
 from dspec_cli import testing as T
 
 scipy_stats = pytest.importorskip("scipy.stats")
@@ -125,7 +126,7 @@ def test_greedy_target_follows_argmax():
 
 def test_throughput_policies_reproduce_appendix_a_decisions():
     ex = T.appendix_a()
-    prop = T.Proposal(
+    prop = Proposal(
         tokens=torch.tensor([[0, 0], [1, 0]]),
         lengths=torch.tensor([2, 2]),
         confidence=torch.tensor([[0.8, 0.9], [0.8, 0.0]]),
@@ -156,8 +157,8 @@ def test_structural_checks_catch_a_broken_verifier():
     drafter = T.ToyDrafter(T.ToyLM.random(6, generator=_gen(12)))
 
     def accept_all_but_wrong_tokens(target_probs, draft_tokens, draft_probs, num_draft, **kw):
-        res = T.verify_chain(target_probs, draft_tokens, draft_probs, num_draft, **kw)
-        return T.VerifyResult(res.accepted, res.tokens.where(res.tokens < 0, (res.tokens + 1) % 6), res.num_tokens)
+        res = verify_chain(target_probs, draft_tokens, draft_probs, num_draft, **kw)
+        return VerifyResult(res.accepted, res.tokens.where(res.tokens < 0, (res.tokens + 1) % 6), res.num_tokens)
 
     run = dict(num_requests=100, gamma=3, num_tokens=4, generator=_gen(13))
     with pytest.raises(AssertionError, match="differ from the drafts"):

@@ -16,7 +16,7 @@ def test_force_greedy_accepts_exactly_the_drawn_count():
     logits = torch.randn(int(lengths.sum()), 50, generator=g)
     trace_load.force_greedy(logits, tokens, lengths, accepted)
     starts = torch.cumsum(lengths, 0) - lengths
-    drafts = torch.cat([tokens[s + 1 : s + n] for s, n in zip(starts.tolist(), lengths.tolist())])
+    drafts = torch.cat([tokens[s + 1 : s + n] for s, n in zip(starts.tolist(), lengths.tolist(), strict=True)])
     res = verify_greedy(logits, drafts, lengths - 1)
     assert res.accepted.tolist() == torch.minimum(accepted, lengths - 1).tolist()
 

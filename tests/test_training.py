@@ -166,7 +166,7 @@ def test_loss_mask_covers_assistant_content_and_end_of_turn():
             {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "See you"}]
     data = tokenize_conversations([Conversation("a", msgs, "f:1")], tok, 512, 1, "f")
     ids, mask = data.sample(0)
-    masked = tok.decode([int(i) for i, m in zip(ids, mask) if m])
+    masked = tok.decode([int(i) for i, m in zip(ids, mask, strict=True) if m])
     assert masked == "Hello you<|im_end|>\nSee you<|im_end|>\n"
     assert end_of_turn(tok) == "<|im_end|>\n"
     # truncation keeps the first max_length tokens
@@ -184,7 +184,7 @@ def test_loss_mask_skips_template_thinking_stub():
     msgs = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "Answer here"}]
     data = tokenize_conversations([Conversation("a", msgs, "f:1")], tok, 512, 1, "f")
     ids, mask = data.sample(0)
-    assert tok.decode([int(i) for i, m in zip(ids, mask) if m]) == "Answer here<|im_end|>\n"
+    assert tok.decode([int(i) for i, m in zip(ids, mask, strict=True) if m]) == "Answer here<|im_end|>\n"
 
 
 def test_no_assistant_tokens_is_an_error_and_short_samples_are_counted():
@@ -242,7 +242,7 @@ def test_data_order_is_a_seeded_stream_of_epoch_permutations_sharded_by_rank():
 def test_lr_schedule_warmup_then_cosine_to_min():
     f = [lr_factor(s, 10, 2, "cosine", 0.1) for s in range(10)]
     assert f[0] == 0.5 and f[1] == 1.0 and f[2] == pytest.approx(1.0)
-    assert all(a >= b for a, b in zip(f[1:], f[2:])) and f[-1] > 0.1
+    assert all(a >= b for a, b in zip(f[1:], f[2:], strict=False)) and f[-1] > 0.1
     assert lr_factor(10, 10, 2, "cosine", 0.1) == pytest.approx(0.1)
 
 
@@ -369,6 +369,11 @@ def test_resume_refuses_another_drafters_checkpoint_and_changed_recipe(setup):
     with pytest.raises(DspecError, match="is a 'dflash' checkpoint"):
         train(TrainOptions(recipe=recipe, output=out, resume=True))
     state.write_text(json.dumps(saved))
+    with pytest.raises(DspecError, match=r"--resume: train.max_steps 6 -> 9 would make the run differ .* "
+                                         r"start a new run from its weights with --init-from .*step_3$"):
+        train(TrainOptions(output=out, resume=True, max_steps=9))  # no --recipe: nothing to "omit"
+    with pytest.raises(DspecError, match="holds no run to continue; start one with --recipe RECIPE"):
+        train(TrainOptions(output=tmp / "nothing-here", resume=True))
     res = train(TrainOptions(output=out, resume=True))  # the checkpoint's own recipe
     assert res.finished and res.step == 6
 

@@ -1,5 +1,6 @@
 """Chain and greedy verification: edge cases (torch and Triton-interpreter backends) and bad input."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -29,9 +30,9 @@ BACKENDS = [
 
 
 @pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
-    if request.param == "triton":  # CPU tensors: kernels run in the Triton interpreter
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+def backend(request):
+    if request.param == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton backend on CPU tensors needs TRITON_INTERPRET=1 (set by conftest.py)")
     return request.param
 
 
@@ -42,7 +43,7 @@ def make_chain(lengths, V, *, seed=0, one_hot=False, closeness=1.0):
     total, R = int(num_draft.sum()), len(lengths)
     rows = torch.randn(total + R, V, generator=g)
     starts = torch.cat([torch.zeros(1, dtype=torch.long), (num_draft + 1).cumsum(0)[:-1]])
-    draft_rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts.tolist(), lengths)]) if total else starts[:0]
+    draft_rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts.tolist(), lengths, strict=True)]) if total else starts[:0]
     draft_logits = rows[draft_rows] + closeness * torch.randn(total, V, generator=g)
     draft_probs = torch.softmax(draft_logits, -1)
     draft_tokens = torch.multinomial(draft_probs, 1, generator=g).squeeze(1) if total else torch.zeros(0, dtype=torch.long)
@@ -87,7 +88,7 @@ def oracle_chain(target_probs, draft_tokens, draft_probs, num_draft, uniforms, n
 
 
 def as_lists(result):
-    return [row[:n] for row, n in zip(result.tokens.tolist(), result.num_tokens.tolist())]
+    return [row[:n] for row, n in zip(result.tokens.tolist(), result.num_tokens.tolist(), strict=True)]
 
 
 def run_chain(inputs, backend, **kw):
@@ -351,12 +352,24 @@ def test_chain_first_token_distribution():
     assert torch.allclose(freq, p.double(), atol=0.012)
 
 
-def test_triton_backend_on_cpu_needs_interpreter(monkeypatch):
+def test_triton_backend_on_cpu_needs_interpreter():
     if not triton_available():
         pytest.skip("triton not installed")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(ValueError, match="backend.*TRITON_INTERPRET"):
-        run_chain(make_chain([1], 4), "triton")
+    code = textwrap.dedent("""
+        import os
+        import pytest, torch
+        from dspec_cli.runtime.verify import verify_greedy
+        args = (torch.zeros(1, 4), torch.zeros(0, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+        with pytest.raises(ValueError, match="backend: 'triton' needs CUDA tensors.*TRITON_INTERPRET=1"):
+            verify_greedy(*args, backend="triton")
+        os.environ["TRITON_INTERPRET"] = "1"  # too late: triton is imported
+        with pytest.raises(ValueError, match="TRITON_INTERPRET=1 was set after triton was imported"):
+            verify_greedy(*args, backend="triton")
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
 
 
 def test_package_works_without_triton():

@@ -1,4 +1,5 @@
-"""Tree verification ("match" and "recursive"): edge cases, oracles and bad input."""
+"""Tree verification ("match", "recursive", "sampled"; "traversal" in test_verify_traversal.py):
+edge cases, oracles and bad input."""
 
 import pytest
 import torch
@@ -63,7 +64,7 @@ def oracle(method, target_probs, tokens, parents, num_nodes, coins, noise):
                         break
                     res[tok[i]] = 0
                 if nxt is None:
-                    toks.append(int(((res if (res > 0).any() else p) / noise[r]).argmax()))
+                    toks.append(int(((res if (res > 0).any() else p) / noise[r, depth]).argmax()))
                 else:
                     toks.append(tok[nxt])
             if nxt is None:
@@ -77,7 +78,7 @@ def oracle(method, target_probs, tokens, parents, num_nodes, coins, noise):
 
 def as_lists(result):
     n = result.num_tokens.tolist()
-    return [(t[:k], p[:k]) for t, p, k in zip(result.tokens.tolist(), result.path.tolist(), n)]
+    return [(t[:k], p[:k]) for t, p, k in zip(result.tokens.tolist(), result.path.tolist(), n, strict=True)]
 
 
 def randomness(method, sizes, parents, V, seed):
@@ -86,7 +87,7 @@ def randomness(method, sizes, parents, V, seed):
     if method == "match":
         return dict(noise=torch_exponential((R, D + 1, V), generator=g)), None
     coins = torch_uniform((sum(sizes),), generator=g)
-    return dict(uniforms=coins, noise=torch_exponential((R, V), generator=g)), coins
+    return dict(uniforms=coins, noise=torch_exponential((R, D + 1, V), generator=g)), coins
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -108,7 +109,7 @@ def test_matches_oracle(method, sizes, V):
 def test_empty_trees_sample_from_root(method):
     probs, tokens, parents, num_nodes = random_trees([0, 0], 13, seed=1)
     noise = torch_exponential((2, 13), generator=torch.Generator().manual_seed(2))
-    result = verify_tree(probs, tokens, parents, num_nodes, method=method, noise=noise[:, None] if method == "match" else noise)
+    result = verify_tree(probs, tokens, parents, num_nodes, method=method, noise=noise[:, None])
     assert result.accepted.tolist() == [0, 0]
     assert result.path.tolist() == [[0], [0]]
     assert torch.equal(result.tokens[:, 0], (probs / noise).argmax(-1))
@@ -166,7 +167,7 @@ def test_recursive_duplicate_siblings_are_rejected_after_first():
         torch.tensor([2]),
         method="recursive",
         uniforms=torch.tensor([0.9, 2**-53], dtype=torch.float64),
-        noise=torch.ones(1, 3),
+        noise=torch.ones(1, 2, 3),
     )
     assert result.accepted.tolist() == [0]
     assert result.tokens.tolist() == [[1, -1]]  # the residual keeps only token 1
@@ -231,8 +232,9 @@ BAD_TREE = [
     ("target_probs", dict(target_probs=torch.full((6, 5), 0.2))),  # rows
     ("target_probs", dict(target_probs=torch.full((7, 5), float("nan")))),
     ("target_probs", dict(target_probs=torch.full((7, 5), 0.3))),
-    ("noise", dict(noise=torch.ones(2, 5))),  # match needs [R, D+1, V]
-    ("noise", dict(noise=torch.ones(2, 3, 5), method="recursive")),
+    ("noise", dict(noise=torch.ones(2, 5))),  # [R, D+1, V]
+    ("noise", dict(noise=torch.ones(2, 5), method="recursive")),
+    ("noise", dict(noise=torch.ones(2, 2, 5), method="recursive")),  # D + 1 = 3
     ("noise", dict(noise=torch.zeros(2, 3, 5))),
     ("uniforms", dict(uniforms=torch.full((5,), 0.5, dtype=torch.float64))),  # match takes none
     ("uniforms", dict(uniforms=torch.zeros(5, dtype=torch.float64), method="recursive")),

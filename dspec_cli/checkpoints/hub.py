@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.hub_env import bound_timeouts, hub_endpoint
@@ -23,6 +24,7 @@ REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 # what loading needs: configs, weights, tokenizer files, chat templates (not ONNX/GGUF/original/...)
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
 AUTH_HINT = "set HF_TOKEN or run `hf auth login`"
+E = TypeVar("E", bound=BaseException)
 
 
 def is_repo_id(name: str) -> bool:
@@ -69,6 +71,12 @@ def resolve_checkpoint(name: str | Path, *, what: str = "checkpoint", endpoint: 
                                             allow_patterns=[*DOWNLOAD_PATTERNS, "*.bin"]))
     except Exception as exc:  # noqa: BLE001 - mapped to one line below, or re-raised
         raise hub_error(exc, f"cannot load {what} {str(name)!r}", endpoint) from None
+    if not folder.is_dir() or not any(folder.iterdir()):  # an empty repo downloads to no folder at all
+        from huggingface_hub import constants
+
+        raise DspecError(f"cannot load {what} {str(name)!r}: the Hub repo {repo} holds no files dspec reads "
+                         f"({', '.join(DOWNLOAD_PATTERNS)}) at revision {revision or 'main'} on "
+                         f"{endpoint or constants.ENDPOINT}")
     return folder
 
 
@@ -77,10 +85,11 @@ def resolve_checkpoint(name: str | Path, *, what: str = "checkpoint", endpoint: 
 
 def _chain(exc: BaseException) -> Iterator[BaseException]:
     seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        exc = exc.__cause__ or exc.__context__
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        yield cur
+        cur = cur.__cause__ or cur.__context__
 
 
 def _first_line(text: object) -> str:
@@ -103,7 +112,7 @@ def hub_error(exc: BaseException, action: str, endpoint: str | None, *, push: bo
     where = endpoint or constants.ENDPOINT
     chain = list(_chain(exc))
 
-    def found(kind):
+    def found(kind: type[E]) -> E | None:
         return next((e for e in chain if isinstance(e, kind)), None)
 
     transport = next((e for e in chain if any(c.__name__ == "TransportError" for c in type(e).__mro__)), None)

@@ -15,6 +15,7 @@ from typing import Any
 
 from dspec_cli.checkpoints.hub import is_repo_id
 from dspec_cli.core.calibration import Calibration
+from dspec_cli.core.chat_template import DEFAULT_KWARGS, describe, mode
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import BENCH_FILE, CALIBRATION_FILE, CARD_FILE, config_target
 from dspec_cli.core.version import __version__
@@ -101,7 +102,7 @@ def _default_body(drafter: str, target: str, repo_id: str | None) -> str:
 
 def refresh_model_card(folder: Path, config: dict[str, Any], repo_id: str | None = None) -> str:
     """The folder's README.md (or a new card) with dspec's metadata and a rebuilt "Measured" section."""
-    from huggingface_hub import ModelCard
+    from huggingface_hub import ModelCard, ModelCardData
 
     drafter = config["drafter"]
     target = config_target(config).get("name_or_path", "")
@@ -109,11 +110,13 @@ def refresh_model_card(folder: Path, config: dict[str, Any], repo_id: str | None
     meta = card_metadata(drafter, target)
     text = file.read_text() if file.is_file() else _default_body(drafter, target, repo_id)
     card = ModelCard(text if text.startswith("---") else render_card(meta, text), ignore_metadata_errors=True)
+    data = card.data
+    assert isinstance(data, ModelCardData)  # a ModelCard's data (huggingface_hub types it as CardData)
     for key, value in meta.items():
         if key == "tags":
-            card.data.tags = list(dict.fromkeys([*(card.data.tags or []), *value]))
-        elif getattr(card.data, key, None) is None:
-            setattr(card.data, key, value)
+            data.tags = [str(t) for t in dict.fromkeys([*(data.tags or []), *value])]
+        elif getattr(data, key, None) is None:  # ModelCardData keeps unknown metadata keys as attributes
+            setattr(data, key, value)
     body, section = card.text, measured_section(folder)
     if MEASURED_BEGIN in body and MEASURED_END in body:
         head, rest = body.split(MEASURED_BEGIN, 1)
@@ -125,9 +128,13 @@ def refresh_model_card(folder: Path, config: dict[str, Any], repo_id: str | None
 
 
 def write_model_card(out: Path, info: dict[str, Any]) -> None:
-    """README.md for a trained drafter: what it is, what it was trained on, final metrics."""
+    """README.md for a trained drafter: what it is, what it was trained on (with which chat-template
+    kwargs), final metrics."""
 
     target, drafter = info["target"], info["drafter"]
+    kwargs = info.get("chat_template_kwargs", DEFAULT_KWARGS)
+    label = mode(kwargs)
+    flag = "" if dict(kwargs) == dict(DEFAULT_KWARGS) else f" --chat-template-kwargs '{describe(kwargs)}'"
     metrics = ", ".join(f"{k} {v:.4g}" for k, v in info["metrics"].items() if isinstance(v, int | float))
     data = info["data"]
     lines = [
@@ -141,7 +148,8 @@ def write_model_card(out: Path, info: dict[str, Any]) -> None:
         "|---|---|",
         f"| drafter | `{drafter}` |",
         f"| target | `{target}` |",
-        (f"| training data | `{', '.join(data['path']) if isinstance(data['path'], list) else data['path']}`: {data['samples']} conversations ({data['skipped']} skipped), "
+        f"| chat template kwargs | `{describe(kwargs)}`" + (f" ({label} mode)" if label else "") + " |",
+        (f"| training data | `{', '.join(data['path']) if isinstance(data['path'], list) else data['path']}`: {data['samples']} samples ({data['skipped']} skipped, {data.get('truncated', 0)} truncated), "
          f"{data['tokens']} tokens, {data['loss_tokens']} assistant tokens |"),
         (f"| steps | {info['step']} of {info['total_steps']} ({info['epochs']:.2f} epochs), "
          f"global batch {info['global_batch']} |"),
@@ -154,7 +162,7 @@ def write_model_card(out: Path, info: dict[str, Any]) -> None:
         "",
         "```",
         f"dspec bench --drafter {drafter} --checkpoint <this folder>"
-        + ("" if info.get("target_is_embedded") else f" --target {target}"),
+        + ("" if info.get("target_is_embedded") else f" --target {target}") + flag,
         "```",
         "",
         "## Recipe",

@@ -12,10 +12,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from dspec_cli.core.calibration import Calibration
+from dspec_cli.core.chat_template import check_kwargs, default_kwargs
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import (
     CALIBRATION_FILE,
@@ -65,8 +68,12 @@ def target_id(target) -> str:
     return EMBEDDED if path == DEFAULT_TARGET_PATH.resolve() else str(path)
 
 
+CHAT_TEMPLATE_KEY = "chat_template_kwargs"
+
+
 def checkpoint_config(drafter) -> dict[str, Any]:
-    """config.json of ``drafter``: name, dspec version, architectures, its target, its hyper-parameters."""
+    """config.json of ``drafter``: name, dspec version, architectures, its target, the chat-template
+    kwargs it was trained with (None: not known), its hyper-parameters."""
     target = drafter.target
     info: dict[str, Any] = {"name_or_path": target_id(target), "vocab_size": target.vocab_size,
                             "hidden_size": target.hidden_size, "num_hidden_layers": target.num_layers}
@@ -74,16 +81,72 @@ def checkpoint_config(drafter) -> dict[str, Any]:
         info["tokenizer_sha256"] = tokenizer_fingerprint(target.tokenizer)
     arch = "Dspec" + "".join(part.capitalize() for part in re.split(r"[^A-Za-z0-9]+", drafter.name)) + "Drafter"
     return {"drafter": drafter.name, "dspec_version": __version__, "architectures": [arch], "target": info,
-            "drafter_config": drafter.config.to_dict()}
+            CHAT_TEMPLATE_KEY: drafter.chat_template_kwargs, "drafter_config": drafter.config.to_dict()}
+
+
+def recorded_chat_template_kwargs(path: Path) -> dict[str, Any] | None:
+    """The chat-template kwargs a dspec checkpoint's training data was rendered with (config.json
+    ``chat_template_kwargs``; null: not known). Checkpoints written before dspec recorded them were
+    trained with the default, which was then the only setting."""
+    raw = read_config(path)
+    if CHAT_TEMPLATE_KEY not in raw:
+        return default_kwargs()
+    value = raw[CHAT_TEMPLATE_KEY]
+    return None if value is None else check_kwargs(value, f"checkpoint {path}: config.json {CHAT_TEMPLATE_KEY}")
+
+
+def recorded_target(path: str | Path) -> str | None:
+    """The target a dspec checkpoint folder was trained for, as config.json names it ("embedded",
+    a Hub id or a local path); None when it names none (foreign layouts, in-memory targets)."""
+    try:
+        raw = read_config(Path(path))
+    except DspecError:
+        return None  # the loader reports a missing / malformed config.json
+    name = config_target(raw).get("name_or_path") if "drafter" in raw else None
+    return name if isinstance(name, str) and name else None
+
+
+def choose_target(target: str | None, checkpoints: Sequence[str | Path | None]) -> str | None:
+    """The target a command loads: ``target`` (--target) when given, else the one the checkpoints
+    record (saying so in a warning), else None (the embedded default). Checkpoints recording
+    different targets, or a recorded local folder that is gone, are one-line errors."""
+    if target is not None:
+        return target
+    found = {str(c): name for c in checkpoints if c and (name := recorded_target(c))}
+    names = set(found.values())
+    if len(names) > 1:
+        listed = ", ".join(f"{c}: {n}" for c, n in found.items())
+        raise DspecError(f"the checkpoints were trained for different targets ({listed}); pass --target")
+    if not names:
+        return None
+    name = names.pop()
+    where = next(iter(found))
+    if name == EMBEDDED:
+        return None
+    if Path(name).is_absolute() and not Path(name).exists():
+        raise DspecError(f"checkpoint {where} was trained for the target at {name}, which no longer exists; "
+                         "pass --target PATH|HUB_ID")
+    warnings.warn(f"no --target: loading {name}, the target checkpoint {where} was trained for", stacklevel=2)
+    return name
 
 
 _SIZES = (("hidden_size", "hidden size", "hidden_size"), ("vocab_size", "vocabulary size", "vocab_size"),
           ("num_hidden_layers", "target layer count", "num_layers"))
 
 
+def _trained_for(raw: dict) -> str:
+    """What to add to a mismatch error: the target config.json names and how to load it ("" if none)."""
+    name = config_target(raw).get("name_or_path")
+    if not name:
+        return ""
+    if name == EMBEDDED:
+        return " (it was trained for the embedded tiny target: omit --target)"
+    return f" (it was trained for {name}: pass --target {name})"
+
+
 def check_checkpoint_config(name: str, path: Path, target) -> None:
-    """One-line errors for a checkpoint of another drafter, for another target (sizes, tokenizer),
-    or with a malformed calibration.json / cost_table.json."""
+    """One-line errors for a checkpoint of another drafter, for another target (sizes, tokenizer;
+    naming the target it was trained for), or with a malformed calibration.json / cost_table.json."""
     raw = read_config(path)
     saved = raw.get("drafter")
     if saved not in (None, name):
@@ -92,18 +155,19 @@ def check_checkpoint_config(name: str, path: Path, target) -> None:
     for key, label, attr in _SIZES:
         got, want = stored.get(key), getattr(target, attr)
         if got and got != want:
-            raise DspecError(f"checkpoint {path}: drafter {label} {got} does not match the target's {want}")
+            raise DspecError(f"checkpoint {path}: drafter {label} {got} does not match the target's {want}"
+                             + _trained_for(raw))
     fingerprint = stored.get("tokenizer_sha256")
     if fingerprint and target.tokenizer is not None:
         mine = tokenizer_fingerprint(target.tokenizer)
         if mine != fingerprint:
             raise DspecError(
                 f"checkpoint {path}: the target's tokenizer differs from the drafter's "
-                f"(fingerprint {mine[:12]} vs {fingerprint[:12]}): token ids would not match"
+                f"(fingerprint {mine[:12]} vs {fingerprint[:12]}): token ids would not match" + _trained_for(raw)
             )
     if (path / CALIBRATION_FILE).is_file():
         Calibration.load(path / CALIBRATION_FILE, drafter=name)
     if (path / COST_TABLE_FILE).is_file():
-        CostTable.load(path / COST_TABLE_FILE)
+        CostTable.load(path / COST_TABLE_FILE, what="checkpoint cost table")
 
 

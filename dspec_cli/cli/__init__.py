@@ -15,7 +15,7 @@ app = typer.Typer(
     help="Train, calibrate, profile, benchmark and publish speculative-decoding drafters.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    add_completion=False,
+    add_completion=True,  # --install-completion, --show-completion (bash, zsh, fish, PowerShell)
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     shown = warnings.showwarning
     warnings.showwarning = show_warning
     try:
-        code = app(args=argv, standalone_mode=False)  # Typer turns Ctrl-C into a returned 130
+        code = app(args=argv, prog_name="dspec", standalone_mode=False)  # Typer turns Ctrl-C into a returned 130
     except typer.Exit as exc:
         code = exc.exit_code
     except KeyboardInterrupt:
@@ -99,8 +99,10 @@ def show_warning(message, category, filename, lineno, file=None, line=None) -> N
 
 
 def _report(exc: BaseException) -> int:
-    if isinstance(exc, typer.TyperException) and hasattr(exc, "show"):
-        exc.show()  # usage errors: Click's own one-line message with the usage line
+    if isinstance(exc, typer.TyperException) and hasattr(exc, "format_message"):
+        ctx = getattr(exc, "ctx", None)  # usage errors: Click's message and where the options are listed
+        hint = f" (see '{ctx.command_path} -h')" if ctx is not None else ""
+        print(f"Error: {exc.format_message().rstrip('.')}{hint}", file=sys.stderr)
         return getattr(exc, "exit_code", 2)
     if isinstance(exc, DspecError | ValueError | FileNotFoundError | OSError):
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -20,16 +20,14 @@ from dspec_cli.core.outputs import (
     is_stdout,
     write_json,
 )
-from dspec_cli.workflows.bench import (
-    BenchOptions,
-    drafted_share,
-    format_speedup,
-    run_bench,
-)
 
 
 def _fmt(x, spec=".2f") -> str:
     return "-" if x is None else format(x, spec)
+
+
+def _percent(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.0f}%"
 
 
 def _prompts(run: dict) -> str:
@@ -45,17 +43,20 @@ def _bound(run: dict) -> str:
 
 
 def render_table(report: dict, console: Console) -> None:
+    from dspec_cli.workflows.bench import drafted_share, format_speedup
+
     table = Table(title=f"dspec bench · target {report['target']} · {report['env']['device']} · {report['env']['dtype']}")
-    for col in ("dataset", "prompts", "drafter", "scheduler", "R", "τ", "tok/s", "per user", "base tok/s", "speedup", "bound", "budget", "cond. accept by position", "draft %", "drafted"):
-        left = col in ("dataset", "drafter", "scheduler", "cond. accept by position")
+    for col in ("dataset", "prompts", "drafter", "scheduler", "verify", "R", "τ", "tok/s", "per user", "base tok/s", "speedup", "bound", "budget", "cond. accept by position", "draft %", "drafted"):
+        left = col in ("dataset", "drafter", "scheduler", "verify", "cond. accept by position")
         table.add_column(col, justify="left" if left else "right", no_wrap=col in ("dataset", "drafter", "scheduler"))
     for run in report["runs"]:
         cond = " ".join(_fmt(c, ".2f") for c in run["cond_accept"])
         table.add_row(
-            run["dataset"], _prompts(run), run["drafter"], run["scheduler"], str(run["concurrency"]), _fmt(run["tau"]),
+            run["dataset"], _prompts(run), run["drafter"], run["scheduler"], run.get("verify", "-"),
+            str(run["concurrency"]), _fmt(run["tau"]),
             _fmt(run["tokens_per_s"], ".1f"), _fmt(run["per_user_tokens_per_s"], ".1f"),
             _fmt(run["baseline_tokens_per_s"], ".1f"), format_speedup(run), _bound(run), _fmt(run["mean_verify_budget"]), cond,
-            _fmt(100 * run["draft_time_share"], ".0f"), _fmt(100 * drafted_share(run), ".0f") + "%",
+            _fmt(100 * run["draft_time_share"], ".0f"), _percent(drafted_share(run)),
         )
     console.print(table)
 
@@ -82,7 +83,7 @@ def bench_command(
     top_k: int = opt.top_k(),
     block_size: int = typer.Option(7, "--block-size", help="γ: most draft tokens verified per round (>= 1, at most the drafter's trained block)."),
     seed: int = opt.seed(),
-    repeats: int = typer.Option(1, "--repeats", help="Timed runs per engine (>= 1), round-robin with the baseline; tokens/s is the median, speedup the median of per-repeat ratios."),
+    repeats: int = typer.Option(1, "--repeats", help="Passes over the prompts (>= 1); each prompt runs with plain decoding next to it, speedup is the median of the paired ratios with a 95 % interval."),
     concurrency: str = opt.concurrency_list("1"),
     scheduler: list[str] = typer.Option(["fixed"], "--scheduler", "-s", help="Verification-length scheduler (repeatable): NAME[,KEY=VALUE...]: fixed, threshold[,threshold=0.6], hardware[,gate=false,layout=packed], async, or a plugin's."),
     cost_table: Optional[Path] = typer.Option(None, "--cost-table", metavar="FILE", help="Cost table from `dspec profile-hardware --json`, or an SGLang DSpark SPS table (needed by hardware/async)."),
@@ -92,9 +93,13 @@ def bench_command(
     cuda_graphs: bool = opt.cuda_graphs(),
     json_path: Optional[Path] = opt.json_path("the full report"),
     plots: Optional[Path] = opt.plots("acceptance.png; with several concurrencies also load.png"),
+    chat_template_kwargs: Optional[str] = opt.chat_template_kwargs(),
     suite: Optional[str] = typer.Option(None, "--suite", help="paper = the paper's nine evaluation sets with their caps (see `dspec datasets`); prints τ per domain."),
+    verify: list[str] = typer.Option([], "--verify", help="Verification rule (repeatable): token or block for chains with draft probabilities (default block), sampled or traversal for trees of sampled siblings (default traversal). See docs/verification.md."),
 ) -> None:
     """Measure τ, acceptance by position and speedup over plain decoding of the same target."""
+    from dspec_cli.workflows.bench import BenchOptions, run_bench
+
     if num_prompts is not None and num_prompts < 1:
         raise DspecError(f"--num-prompts must be >= 1, got {num_prompts}")
     if suite is not None:
@@ -111,6 +116,8 @@ def bench_command(
         seed=seed, concurrency=opt.int_list(concurrency, "--concurrency"), device=device, dtype=dtype,
         schedulers=scheduler, cost_table=str(cost_table) if cost_table else None, strict=strict, repeats=repeats,
         cuda_graphs=cuda_graphs,
+        chat_template_kwargs=opt.template_kwargs(chat_template_kwargs),
+        verify=verify,
     )
     err = Console(stderr=True)
     with CommandProgress(err, unit="requests") as bar:
@@ -124,6 +131,8 @@ def bench_command(
     for name, n in skipped.items():
         warnings.warn(f"{name}: skipped {n} prompt(s) that do not fit the target's context with --max-new-tokens "
                       f"{max_new_tokens} (--strict makes this an error)", stacklevel=1)
+    for message in dict.fromkeys(w for r in report["runs"] for w in r.get("warnings", ())):
+        warnings.warn(message, stacklevel=1)
     if suite is not None:
         from dspec_cli.core.datasets import domain_tau
 

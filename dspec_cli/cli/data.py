@@ -22,14 +22,14 @@ app.add_typer(data_app, name="data")
 @data_app.command("regenerate")
 def regenerate_command(
     recipe: Optional[Path] = typer.Option(None, "--recipe", "-r", help="Take target, prompts, output and sampling from a training recipe."),
-    target: Optional[str] = opt.target(),
+    target: Optional[str] = opt.target(default="the recipe's, else the one --checkpoint was trained for, else the embedded tiny target"),
     prompts: list[str] = opt.dataset("--prompts"),
     output: Optional[Path] = typer.Option(None, "--output", "-o", metavar="FILE", help="Output jsonl; re-running skips ids already there (nothing is overwritten)."),
     drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter that speeds generation up (output is lossless)."),
     checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="Checkpoint of --drafter: folder or Hub id."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Most tokens per assistant turn, >= 1 (default 4096)."),
-    temperature: Optional[float] = typer.Option(None, "--temperature", help="Sampling temperature, >= 0 (0 = greedy; default 0.7, Qwen3 non-thinking)."),
-    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass in (0, 1] (default 0.8)."),
+    temperature: Optional[float] = opt.float_option(None, "--temperature", help="Sampling temperature, >= 0 (0 = greedy; default 0.7, Qwen3 non-thinking)."),
+    top_p: Optional[float] = opt.float_option(None, "--top-p", help="Nucleus sampling mass in (0, 1] (default 0.8)."),
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample from the K most likely tokens, >= 0 (0 = off; default 20)."),
     concurrency: Optional[int] = typer.Option(None, "--concurrency", metavar="R", help="Concurrent requests (default 32)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Only the first N conversations."),
@@ -37,30 +37,41 @@ def regenerate_command(
     block_size: int = typer.Option(7, "--block-size", help="γ of --drafter (>= 1)."),
     device: str = opt.device(),
     dtype: str = opt.dtype(),
-    json_path: Optional[Path] = opt.json_path("the counts (written, already done, shortened, skipped, tokens)"),
+    json_path: Optional[Path] = opt.json_path("the counts (written, already done, shortened, truncated, skipped, tokens)"),
     server: list[str] = typer.Option([], "--server", help="OpenAI-compatible server URL (vllm serve, SGLang, TGI, transformers serve) instead of the built-in engine; repeatable: servers share the work."),
     server_concurrency: int = typer.Option(32, "--server-concurrency", help="Conversations in flight per --server."),
     model: Optional[str] = typer.Option(None, "--model", help="Model name to request from the servers (default: the one /v1/models lists)."),
-    chat_template_kwargs: str = typer.Option('{"enable_thinking": false}', "--chat-template-kwargs", help="JSON object passed to the servers' chat template ('{}' sends none)."),
+    chat_template_kwargs: Optional[str] = opt.chat_template_kwargs(recipe=True),
     max_retries: int = typer.Option(5, "--max-retries", help="Retries per request on 429 / 5xx / timeouts (exponential back-off)."),
-    request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds per server request."),
+    request_timeout: float = opt.float_option(600.0, "--request-timeout", help="Seconds per server request."),
 ) -> None:
     """Regenerate every assistant turn with the target (self-distillation data for dspec train)."""
     from transformers.utils import logging as hf_logging
 
+    from dspec_cli.core.chat_template import describe
     from dspec_cli.core.files import EMBEDDED
     from dspec_cli.training.recipes import RegenerateSpec, load_recipe
     from dspec_cli.training.regenerate import RegenerateOptions, regenerate
 
     hf_logging.disable_progress_bar()
     spec, target_name, out = RegenerateSpec(), target, output
+    template_kwargs = opt.template_kwargs(chat_template_kwargs)
     if recipe is not None:
         rec = load_recipe(recipe)
         spec = rec.regenerate
         if target is not None and target != rec.target.name:
             raise DspecError(f"recipe {recipe} is for target {rec.target.name!r}, not {target!r}")
+        if chat_template_kwargs is not None and template_kwargs != rec.chat_template:
+            raise DspecError(f"recipe {recipe} trains with chat-template kwargs {describe(rec.chat_template)}, not "
+                             f"{describe(template_kwargs)}: set them in its [chat_template] table")
+        template_kwargs = rec.chat_template
         target_name = None if rec.target.name == EMBEDDED else rec.target.name
         out = output or (Path(rec.data.paths[0]) if rec.data.paths else None)
+    elif checkpoint and target is None:  # the target the drafter was trained for
+        from dspec_cli.checkpoints.hub import resolve_checkpoint
+        from dspec_cli.checkpoints.native import choose_target
+
+        target_name = choose_target(None, [resolve_checkpoint(checkpoint)])
     prompts = prompts or ([spec.prompts] if spec.prompts else [])
     if not prompts or out is None:
         raise DspecError("give --dataset and --output (or a --recipe with regenerate.prompts and data.path)")
@@ -72,14 +83,13 @@ def regenerate_command(
         max_new_tokens=pick(max_new_tokens, spec.max_new_tokens), temperature=pick(temperature, spec.temperature),
         top_p=pick(top_p, spec.top_p), top_k=pick(top_k, spec.top_k), concurrency=pick(concurrency, spec.concurrency),
         limit=pick(limit, spec.limit or None), seed=pick(seed, spec.seed), block_size=block_size, device=device,
-        dtype=dtype,
+        dtype=dtype, chat_template_kwargs=template_kwargs,
     )
     err = Console(stderr=True)
     if server:
         from dspec_cli.cli.regenerate_server import run_with_servers
 
-        stats = run_with_servers(opts, server, server_concurrency, model, chat_template_kwargs, max_retries,
-                                 request_timeout, explicit={"--drafter": drafter, "--checkpoint": checkpoint,
+        stats = run_with_servers(opts, server, server_concurrency, model, max_retries, request_timeout, explicit={"--drafter": drafter, "--checkpoint": checkpoint,
                                                             "--concurrency": concurrency}, console=err)
     else:
         with CommandProgress(err, MofNCompleteColumn(), TextColumn("turns"), TimeRemainingColumn(), unit="turns") as bar:
@@ -101,7 +111,8 @@ def regenerate_command(
     print(
         f"{out}: wrote {stats.written} conversation(s) ({stats.turns} turns, {stats.generated_tokens} tokens, "
         f"{conv_rate:.2f} conv/s, {rate:.0f} tok/s); {stats.already_done} already done, {stats.shortened} shortened "
-        f"and {stats.skipped} skipped (context too short)"
+        f"and {stats.skipped} skipped (context too short), {stats.truncated} truncated (an answer reached "
+        f"--max-new-tokens)"
     )
     if stats.failed:
         from dspec_cli.training.regenerate_server import errors_path

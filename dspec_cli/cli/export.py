@@ -28,29 +28,33 @@ def export_command(
     dtype: str = opt.dtype(),
     cost_table: Optional[Path] = typer.Option(None, "--cost-table", help="SGLang DSpark: cost table (dspec's or SGLang's) for dspark_sps.json (default: the checkpoint's cost_table.json)."),
     json_path: Optional[Path] = opt.json_path("the export report (layout, engine settings, command)"),
+    chat_template_kwargs: Optional[str] = opt.chat_template_kwargs(),
+    overwrite: bool = opt.overwrite("the files of an earlier export in a non-empty --output folder"),
 ) -> None:
     """Export a drafter for vLLM or SGLang and print the command that serves it."""
-    from dspec_cli.checkpoints import layouts as interop
+    from dspec_cli.checkpoints import load_drafter
     from dspec_cli.checkpoints.hub import resolve_checkpoint
-    from dspec_cli.core import plugins
+    from dspec_cli.checkpoints.native import choose_target
     from dspec_cli.core.files import DEFAULT_TARGET_PATH
     from dspec_cli.runtime.target import Target
     from dspec_cli.workflows.export import FORMATS, export
 
     if fmt not in FORMATS:
         raise DspecError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    check_output_dir(output, "--output")
-    check_output_file(json_path, "--json")
-    path = resolve_checkpoint(checkpoint)
-    if output.resolve() == path.resolve():
+    if Path(checkpoint).is_dir() and output.resolve() == Path(checkpoint).resolve():
         raise DspecError("--output must differ from the checkpoint folder (export writes another layout)")
-    cls = plugins.get_drafter_class(interop.checkpoint_drafter(path))
+    check_output_dir(output, "--output", overwrite=overwrite)
+    check_output_file(json_path, "--json")
+    template_kwargs = opt.template_kwargs(chat_template_kwargs)  # the deployment's; its server default
+    path = resolve_checkpoint(checkpoint)
+    target = choose_target(target, [path])  # no --target: the one the checkpoint was trained for
     tgt = Target.load(target, dtype=dtype)
-    drafter = cls.from_pretrained(path, tgt)
+    drafter = load_drafter(None, tgt, path)
     target_name = target or str(DEFAULT_TARGET_PATH)
     if Path(target_name).exists():
         target_name = str(Path(target_name).resolve())
-    report = export(drafter, tgt, fmt, output, target_name, checkpoint=path, cost_table=cost_table)
+    report = export(drafter, tgt, fmt, output, target_name, checkpoint=path, cost_table=cost_table,
+                    chat_template_kwargs=template_kwargs)
     err = Console(stderr=True, soft_wrap=True)
     err.print(f"wrote {report['output']} ({report['layout']} layout, {fmt} method {report['method']})", highlight=False)
     for note in report["notes"]:

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 import typer
 
+from dspec_cli.core.chat_template import (
+    DEFAULT_KWARGS,
+    default_kwargs,
+    describe,
+    parse_kwargs,
+)
 from dspec_cli.core.errors import DspecError
 
 
-def target(what: str = "Target model") -> Any:
-    return typer.Option(None, "--target", metavar="PATH|HUB_ID",
-                        help=f"{what}: local folder or Hub id (default: the embedded tiny target).")
+def target(what: str = "Target model",
+           default: str = "the target the checkpoint was trained for, else the embedded tiny target") -> Any:
+    return typer.Option(None, "--target", metavar="PATH|HUB_ID", help=f"{what}: local folder or Hub id (default: {default}).")
 
 
 def dataset(*aliases: str) -> Any:
@@ -29,12 +36,28 @@ def max_new_tokens(default: int) -> Any:
     return typer.Option(default, "--max-new-tokens", help="Most tokens generated per prompt (>= 1).")
 
 
+def finite_float(text: str | float) -> float:
+    """The parser of every float option: a number, and NaN or infinity refused (a usage error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise typer.BadParameter(f"{text!r} is not a finite number")
+    return value
+
+
+def float_option(default: float | None, *decls: str, **kwargs: Any) -> Any:
+    """A float option: ``typer.Option`` with :func:`finite_float` as its parser and metavar FLOAT."""
+    return typer.Option(default, *decls, parser=finite_float, metavar="FLOAT", **kwargs)
+
+
 def temperature(default: float = 1.0) -> Any:
-    return typer.Option(default, "--temperature", help="Sampling temperature, >= 0 (0 = greedy).")
+    return float_option(default, "--temperature", help="Sampling temperature, >= 0 (0 = greedy).")
 
 
 def top_p(default: float = 1.0) -> Any:
-    return typer.Option(default, "--top-p", help="Nucleus sampling mass in (0, 1] (1 = off).")
+    return float_option(default, "--top-p", help="Nucleus sampling mass in (0, 1] (1 = off).")
 
 
 def top_k(default: int = 0) -> Any:
@@ -43,6 +66,19 @@ def top_k(default: int = 0) -> Any:
 
 def seed() -> Any:
     return typer.Option(0, "--seed", help="Random seed (any integer): the same seed gives the same tokens.")
+
+
+def chat_template_kwargs(recipe: bool = False) -> Any:
+    default = ("the recipe's chat_template table, else " if recipe else "") + describe(DEFAULT_KWARGS)
+    return typer.Option(None, "--chat-template-kwargs", metavar="JSON",
+                        help="Keyword arguments of the target's chat template, a JSON object, e.g. "
+                             "'{\"enable_thinking\": true}' for Qwen3's thinking mode; '{}' passes none "
+                             f"(default: {default}).")
+
+
+def template_kwargs(text: str | None) -> dict[str, Any]:
+    """--chat-template-kwargs parsed and checked (bad JSON is a one-line error); the default when not given."""
+    return default_kwargs() if text is None else parse_kwargs(text)
 
 
 def device() -> Any:

@@ -32,6 +32,16 @@ def fit_contexts(contexts: list[int], max_ctx: int | None, row_tokens: int) -> l
     return sorted({min(c, max_ctx - row_tokens) for c in contexts})
 
 
+def _default_contexts(contexts: list[int], target, tokens_after: int) -> list[int]:
+    """The default contexts clipped to the target's, with a warning naming the ones used."""
+    max_ctx = target.max_context
+    fitted = fit_contexts(contexts, max_ctx, tokens_after)
+    if fitted != contexts:
+        warnings.warn(f"the target's context is {max_ctx} tokens: profiling contexts {','.join(map(str, fitted))} "
+                      f"(the default {','.join(map(str, contexts))} clipped)", stacklevel=1)
+    return fitted
+
+
 def render_cost_table(table, console: Console, max_rows: int = 24) -> None:
     """Steps/s per B (rows) and context (columns); long grids are thinned for display."""
     out = Table(title=f"SPS(B) · {table.model} · {table.device_name} · {table.dtype}")
@@ -53,20 +63,28 @@ def _profile_steps(name, checkpoint, block_size, requests, verify_tokens, fmt, t
                    device, dtype, seed, json_path, plots, cuda_graphs) -> None:
     """``profile-hardware --drafter``: whole steps over requests x verify tokens (dspec_cli.workflows.step_profile)."""
     from dspec_cli.checkpoints import load_drafter
+    from dspec_cli.checkpoints.hub import resolve_checkpoint
+    from dspec_cli.checkpoints.native import choose_target
     from dspec_cli.core import sglang_sps as sglang_tables
     from dspec_cli.runtime.target import Target
-    from dspec_cli.workflows.step_profile import profile_steps
+    from dspec_cli.workflows.step_profile import profile_steps, tokens_after_context
 
     if block_size < 1:
         raise DspecError(f"--block-size must be >= 1, got {block_size}")
     widths = int_list(verify_tokens, "--verify-tokens") if verify_tokens else (
         [1, block_size // 2 + 1, block_size + 1] if fmt == "sglang-additive" else [block_size + 1])
+    path = str(resolve_checkpoint(checkpoint)) if checkpoint else None
+    target = choose_target(target, [path])  # no --target: the one the checkpoint was trained for
+    rows = int_list(requests, "--requests")
+    ctx: list[int] = int_list(contexts, "--contexts") if contexts else list(DEFAULT_CONTEXTS)
     tgt = Target.load(target, dtype=dtype, device=device)
-    model = load_drafter(name, tgt, checkpoint, block_size)
-    rows, ctx = int_list(requests, "--requests"), int_list(contexts, "--contexts")
+    if contexts is None:
+        ctx = _default_contexts(ctx, tgt, tokens_after_context(block_size, repeats, warmup))
+    model = load_drafter(name, tgt, path, block_size)
     err = Console(stderr=True)
     with CommandProgress(err, unit="cells") as bar:
-        task = bar.add_task("profiling whole steps", total=len(set(rows)) * len(set(ctx)) * len(set(widths) | {block_size + 1}))
+        total = len(set(rows)) * len(set(ctx)) * len(set(widths) | {block_size + 1})
+        task = bar.add_task("profiling whole steps", total=total)
 
         def advance(c: int, r: int, v: int) -> None:
             bar.update(task, advance=1, description=f"profiling whole steps · context {c} · R={r} · v={v}")
@@ -74,6 +92,7 @@ def _profile_steps(name, checkpoint, block_size, requests, verify_tokens, fmt, t
         prof = profile_steps(tgt, model, requests=rows, verify_tokens=widths, contexts=ctx, repeats=repeats,
                              warmup=warmup, model_name=target or "embedded:tiny-target", seed=seed, progress=advance,
                              graphs="auto" if cuda_graphs else "eager")
+        bar.update(task, completed=total)  # a tree drafter has one width: fewer cells than asked
     table = prof.cost_table()
     if not is_stdout(json_path):
         render_cost_table(table, results_console())
@@ -128,13 +147,13 @@ def profile_command(
     if drafter is not None:
         check_output_file(json_path, "--json")
         check_output_dir(plots, "--plots")
-        resolve_device(device), parse_dtype(dtype)
-        return _profile_steps(drafter, checkpoint, block_size, requests, verify_tokens, fmt, target,
-                              contexts or ",".join(map(str, DEFAULT_CONTEXTS)), repeats, warmup, device, dtype, seed,
-                              json_path, plots, cuda_graphs)
+        resolve_device(device)
+        parse_dtype(dtype)
+        return _profile_steps(drafter, checkpoint, block_size, requests, verify_tokens, fmt, target, contexts,
+                              repeats, warmup, device, dtype, seed, json_path, plots, cuda_graphs)
 
     points = int_list(grid, "--grid") if grid else default_grid(max_batch_tokens)
-    ctx = int_list(contexts, "--contexts") if contexts else list(DEFAULT_CONTEXTS)
+    ctx: list[int] = int_list(contexts, "--contexts") if contexts else list(DEFAULT_CONTEXTS)
     if repeats < 1:
         raise DspecError(f"--repeats must be >= 1, got {repeats}")
     if warmup < 0:
@@ -143,16 +162,12 @@ def profile_command(
         raise DspecError(f"--row-tokens must be >= 1, got {row_tokens}")
     check_output_file(json_path, "--json")
     check_output_dir(plots, "--plots")
-    resolve_device(device), parse_dtype(dtype)
+    resolve_device(device)
+    parse_dtype(dtype)
     tgt = Target.load(target, dtype=dtype, device=device)
     err = Console(stderr=True)
     if contexts is None:
-        max_ctx = getattr(tgt.model.config.get_text_config(), "max_position_embeddings", None)
-        fitted = fit_contexts(ctx, max_ctx, row_tokens)
-        if fitted != ctx:
-            warnings.warn(f"the target's context is {max_ctx} tokens: profiling contexts {','.join(map(str, fitted))} "
-                          f"(the default {','.join(map(str, ctx))} clipped)", stacklevel=1)
-        ctx = fitted
+        ctx = _default_contexts(ctx, tgt, row_tokens)
     with CommandProgress(err, unit="points") as bar:
         task = bar.add_task("profiling SPS(B)", total=len(set(points)) * len(set(ctx)))
 

@@ -24,6 +24,7 @@ def push_command(
     endpoint: Optional[str] = typer.Option(None, "--endpoint", help="Hub URL (default: HF_ENDPOINT, else https://huggingface.co)."),
     token: Optional[str] = typer.Option(None, "--token", help="Hub token (default: HF_TOKEN, else the `hf auth login` token); never printed."),
     target: Optional[str] = typer.Option(None, "--target", metavar="PATH|HUB_ID", help="Validate against this target (default: the one config.json names)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Validate and print what would be uploaded, then stop (nothing is sent)."),
     json_path: Optional[Path] = opt.json_path("the result (repo, revision, commit, files)"),
 ) -> None:
     """Check that CHECKPOINT loads against its target, refresh its model card, upload it in one commit."""
@@ -41,6 +42,18 @@ def push_command(
     files = [name for name in PUBLISHED_FILES if name != CARD_FILE and (checkpoint / name).is_file()]
     card = refresh_model_card(checkpoint, config, repo_id)
     total = sum((checkpoint / name).stat().st_size for name in files) + len(card.encode())
+    if dry_run:
+        sizes = {**{name: (checkpoint / name).stat().st_size for name in files}, CARD_FILE: len(card.encode())}
+        plan = {"repo_id": repo_id, "revision": revision or "main", "private": private, "files": sizes,
+                "bytes": total, "dry_run": True}
+        if json_path is not None:
+            opt.wrote(err, write_json(json_path, plan))
+        if not is_stdout(json_path):
+            print(f"would commit {len(sizes)} files ({total:,} bytes) to {repo_id}@{revision or 'main'}"
+                  + (" (private)" if private else "") + ":")
+            for name, size in sizes.items():
+                print(f"  {name}  {size:,} bytes" + ("  (refreshed model card)" if name == CARD_FILE else ""))
+        return
     with CommandProgress(err, DownloadColumn()) as bar:
         task = bar.add_task(f"uploading to {repo_id}", total=total)
         result = push_folder(

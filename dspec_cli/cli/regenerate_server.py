@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 
 from rich.console import Console
@@ -14,8 +13,7 @@ from dspec_cli.training.regenerate import RegenerateOptions, RegenerateStats
 
 
 def run_with_servers(opts: RegenerateOptions, servers: list[str], concurrency: int, model: str | None,
-                     chat_template_kwargs: str, max_retries: int, timeout: float, *, explicit: dict,
-                     console: Console) -> RegenerateStats:
+                     max_retries: int, timeout: float, *, explicit: dict, console: Console) -> RegenerateStats:
     """``explicit``: built-in-engine flags by name -> value given (any set one is an error here)."""
     from dspec_cli.training.regenerate_server import (
         ServerOptions,
@@ -25,14 +23,8 @@ def run_with_servers(opts: RegenerateOptions, servers: list[str], concurrency: i
     given = [flag for flag, value in explicit.items() if value is not None]
     if given:
         raise DspecError(f"{', '.join(given)} apply to the built-in engine, not to --server (use --server-concurrency)")
-    try:
-        kwargs = json.loads(chat_template_kwargs)
-    except json.JSONDecodeError as exc:
-        raise DspecError(f"--chat-template-kwargs is not valid JSON ({exc.msg})") from None
-    if not isinstance(kwargs, dict):
-        raise DspecError("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
-    sopts = ServerOptions(servers=servers, concurrency=concurrency, model=model, chat_template_kwargs=kwargs,
-                          max_retries=max_retries, timeout=timeout)
+    sopts = ServerOptions(servers=servers, concurrency=concurrency, model=model, max_retries=max_retries,
+                          timeout=timeout)
     with CommandProgress(console, MofNCompleteColumn(), TextColumn("conversations · {task.fields[rate]}"),
                          TimeRemainingColumn(), unit="conversations") as bar:
 

@@ -14,7 +14,6 @@ from dspec_cli.cli import app
 from dspec_cli.cli import options as opt
 from dspec_cli.cli.options import int_list
 from dspec_cli.cli.progress import results_console
-from dspec_cli.core.devices import resolve_device
 from dspec_cli.core.outputs import (
     check_output_dir,
     check_output_file,
@@ -31,7 +30,7 @@ def schedule_command(
     concurrency: str = opt.concurrency_list("1,4,16,64"),
     steps: int = typer.Option(200, "--steps", help="Simulated rounds per (scheduler, R), >= 1."),
     layout: str = typer.Option("padded", "--layout", help="How the simulated engine lays out a ragged verify: padded (R·(1 + max ℓ) tokens, dspec's engine and bench's hardware scheduler) or packed (Σ(ℓ+1) tokens, the paper's engines)."),
-    threshold: float = typer.Option(0.5, "--threshold", help="Threshold of the 'threshold' scheduler."),
+    threshold: float = opt.float_option(0.5, "--threshold", help="Threshold of the 'threshold' scheduler."),
     context: Optional[int] = typer.Option(None, "--context", help="Context length for SPS lookups (default: mean over the profiled contexts)."),
     calibration: Optional[Path] = typer.Option(None, "--calibration", help="calibration.json whose temperatures are applied to the trace confidences."),
     target: Optional[str] = typer.Option(None, "--target", metavar="PATH|HUB_ID", help="The model the results are for: a cost table profiled for another one warns."),
@@ -45,6 +44,7 @@ def schedule_command(
     import torch
 
     from dspec_cli.core.calibration import Calibration
+    from dspec_cli.core.devices import resolve_device
     from dspec_cli.core.errors import DspecError
     from dspec_cli.core.hardware import CostTable
     from dspec_cli.core.specs import parse_scheduler_spec
@@ -68,7 +68,8 @@ def schedule_command(
     for p in problems:
         warnings.warn(f"{p} (use --strict to make this an error)", stacklevel=1)
     if calibration:  # recorded confidences are raw: calibrate them as the engine would
-        cal = Calibration.load(calibration, drafter=meta["drafter"] or None, block_size=meta["block_size"])
+        cal = Calibration.load(calibration, drafter=meta["drafter"] or None, block_size=meta["block_size"],
+                               what="--calibration")
         rounds = rounds.with_temperatures(cal.temperatures)
     results = []
     for spec in scheduler:

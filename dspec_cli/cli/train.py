@@ -12,12 +12,14 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    TaskID,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
 
 from dspec_cli.cli import app
+from dspec_cli.cli import options as opt
 from dspec_cli.cli.progress import LogLines
 from dspec_cli.core.outputs import check_output_file
 
@@ -28,7 +30,7 @@ class RichProgress:
     def __init__(self, console: Console):
         self.console = console
         self.bar: Progress | None = None
-        self.task = None
+        self.task: TaskID | None = None
         self.lines = None if console.is_terminal else LogLines(console, "steps")
         self.title, self.total, self.first = "", 0, 0
 
@@ -52,7 +54,8 @@ class RichProgress:
         if self.lines is not None:
             self.lines.tick(self, self.title, row["step"], self.total, stats, base=self.first)
             return
-        self.bar.update(self.task, completed=row["step"], stats=stats)
+        if self.bar is not None and self.task is not None:
+            self.bar.update(self.task, completed=row["step"], stats=stats)
 
     def note(self, text: str) -> None:
         self.console.print(text)
@@ -76,6 +79,7 @@ def train_command(
     feature_cache: Optional[Path] = typer.Option(None, "--feature-cache", help="Folder caching target features (reused when present)."),
     init_from: Optional[Path] = typer.Option(None, "--init-from", help="Start from this drafter checkpoint's weights (fine-tuning; new optimizer and schedule)."),
     report_to: list[str] = typer.Option([], "--report-to", help="Also log metrics to: tensorboard (OUT/tensorboard; needs dspec[tensorboard])."),
+    chat_template_kwargs: Optional[str] = opt.chat_template_kwargs(recipe=True),
 ) -> None:
     """Train a drafter for a target: online target features, AdamW + warmup/cosine, atomic checkpoints."""
     from transformers.utils import logging as hf_logging
@@ -88,6 +92,7 @@ def train_command(
         recipe=recipe, drafter=drafter, overrides=overrides or [], output=output, target=target, resume=resume,
         max_steps=max_steps, stop_after=stop_after, json_log=json_log, feature_cache=feature_cache, init_from=init_from,
         report_to=report_to,
+        chat_template_kwargs=None if chat_template_kwargs is None else opt.template_kwargs(chat_template_kwargs),
     )
     err = Console(stderr=True)
     bar = RichProgress(err)

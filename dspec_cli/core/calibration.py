@@ -13,12 +13,13 @@ from pathlib import Path
 import torch
 
 from dspec_cli.core.errors import DspecError
-from dspec_cli.core.files import CALIBRATION_FILE
+from dspec_cli.core.files import CALIBRATION_FILE, read_json
 from dspec_cli.core.outputs import atomic_write_text
 
 
 def apply_temperatures(confidence: torch.Tensor, temperatures: Sequence[float] | torch.Tensor | None) -> torch.Tensor:
-    """σ(logit(c_k) / T_k) per position of confidence [..., γ]; positions past the list keep T = 1."""
+    """σ(logit(c_k) / T_k) per position of confidence [..., γ], temperatures [γ'] (a list or a
+    tensor; positions past them keep T = 1)."""
     if temperatures is None or len(temperatures) == 0:
         return confidence
     temps = _temperature_row(temperatures, confidence.device, confidence.dtype, confidence.shape[-1])
@@ -65,7 +66,7 @@ class Calibration:
             raise DspecError(f"{where} is for block size {self.block_size}, not {block_size}")
 
     def apply(self, confidence: torch.Tensor) -> torch.Tensor:
-        """Calibrated confidences [..., γ'] (γ' <= block size; positions past it keep T = 1). The
+        """Calibrated confidences of confidence [..., γ'] (γ' <= block size; past it T = 1). The
         engine calls this every round: the temperature row is built once per device, dtype and γ'."""
         key = (confidence.device, confidence.dtype, confidence.shape[-1])
         temps = self._rows.get(key)
@@ -85,24 +86,26 @@ class Calibration:
         return file
 
     @classmethod
-    def load(cls, path: str | Path, *, drafter: str | None = None, block_size: int | None = None) -> Calibration:
-        """Read a file (or a folder's ``calibration.json``) and check it fits drafter / block size.
+    def load(cls, path: str | Path, *, drafter: str | None = None, block_size: int | None = None,
+             what: str = "calibration file") -> Calibration:
+        """Read a file (or a folder's ``calibration.json``) and check it fits drafter / block size;
+        errors start with ``what`` (the option naming the file) and the path.
 
         Files holding only ``{"temperatures": [...]}`` are accepted (block size = their length,
         drafter unknown).
         """
         path = Path(path)
         file = path / CALIBRATION_FILE if path.is_dir() else path
-        if not file.is_file():
-            raise DspecError(f"calibration file {file} not found")
-        try:
-            raw = json.loads(file.read_text())
-        except json.JSONDecodeError as exc:
-            raise DspecError(f"{file}: not valid JSON ({exc.msg})") from None
+        raw = read_json(file, what)
+        where = f"{what} {file}"
         if not isinstance(raw, dict) or "temperatures" not in raw:
-            raise DspecError(f"{file}: expected an object with 'temperatures'")
+            raise DspecError(f"{where}: expected an object with 'temperatures'")
         temps = raw["temperatures"]
         size = raw.get("block_size", len(temps) if isinstance(temps, list) else 0)
-        cal = cls(str(raw.get("drafter", "")), size, temps, raw.get("metrics", {}), str(file))
-        cal.check(drafter, block_size)
+        metrics = raw.get("metrics", {})
+        try:
+            cal = cls(str(raw.get("drafter", "")), size, temps, metrics if isinstance(metrics, dict) else {}, str(file))
+            cal.check(drafter, block_size)
+        except DspecError as exc:  # its checks name the file: add the option
+            raise DspecError(f"{what} {exc}") from None
         return cal

@@ -21,6 +21,7 @@ class Prompt:
     text: str  # the first user turn
     domain: str = ""
     turns: tuple[str, ...] = ()
+    where: str = ""  # file:line it came from
 
 
 def _first_user_turn(obj: dict, where: str) -> tuple[str, tuple[str, ...]]:
@@ -55,7 +56,7 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
         first, turns = _first_user_turn(obj, where)
         if not first.strip():
             raise DspecError(f"{where}: the first turn is empty")
-        prompts.append(Prompt(first, obj.get("domain", ""), turns))
+        prompts.append(Prompt(first, obj.get("domain", ""), turns, where))
     if not prompts:
         raise DspecError(f"dataset {'builtin prompts' if str(path) == BUILTIN else path}: no prompts")
     return prompts[:limit] if limit else prompts

@@ -1,5 +1,6 @@
 """File names and readers shared by every layer: a drafter checkpoint folder's files, the
-embedded assets, ``config.json`` reading and atomic text writes (docs/checkpoints.md)."""
+embedded assets, ``config.json`` reading and the readers of input files that name the option
+they came from (docs/checkpoints.md)."""
 
 from __future__ import annotations
 
@@ -38,15 +39,41 @@ CARD_FILE = "README.md"
 PUBLISHED_FILES = (CONFIG_FILE, WEIGHTS_FILE, CALIBRATION_FILE, COST_TABLE_FILE, BENCH_FILE, CARD_FILE)
 
 
+def read_text(path: str | Path, what: str) -> str:
+    """The UTF-8 text of an input file; a folder, a missing or unreadable file, or one that is not
+    UTF-8 text is a one-line error starting with ``what`` (the option or role naming the file)
+    and the path."""
+    p = Path(path)
+    if p.is_dir():
+        raise DspecError(f"{what} {path}: is a folder, not a file")
+    if not p.exists():
+        raise DspecError(f"{what} {path}: file not found")
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise DspecError(f"{what} {path}: cannot read ({exc.strerror or exc})") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DspecError(f"{what} {path}: not a text file (byte {raw[exc.start]:#04x} at offset {exc.start} is "
+                         "not UTF-8)") from None
+
+
+def read_json(path: str | Path, what: str) -> Any:
+    """An input JSON file (:func:`read_text`); invalid JSON is an error naming ``what``, the path
+    and the line."""
+    try:
+        return json.loads(read_text(path, what))
+    except json.JSONDecodeError as exc:
+        raise DspecError(f"{what} {path}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
+
+
 def read_config(path: Path) -> dict[str, Any]:
     """A checkpoint folder's config.json as a dict; one-line errors when missing or malformed."""
     file = Path(path) / CONFIG_FILE
     if not file.is_file():
         raise DspecError(f"checkpoint {path}: {CONFIG_FILE} is missing")
-    try:
-        raw = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DspecError(f"checkpoint {path}: {CONFIG_FILE} is not valid JSON ({exc})") from None
+    raw = read_json(file, "checkpoint config")
     if not isinstance(raw, dict) or not isinstance(raw.get("drafter_config", {}), dict):
         raise DspecError(f"checkpoint {path}: {CONFIG_FILE} must be an object with a 'drafter_config' object")
     return raw

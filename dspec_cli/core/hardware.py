@@ -1,8 +1,8 @@
-"""The hardware cost table: the target's steps per second SPS(B) for token-batch sizes B (DSpark
-§3.2.2), as measured by ``dspec profile-hardware`` (:mod:`dspec_cli.workflows.target_profile`),
-and facts about devices.
+"""Hardware facts: the target's steps per second SPS(B) for token-batch sizes B (DSpark §3.2.2)
+as a cost table, and device facts (names, native half precision).
 
-:class:`CostTable` is the JSON result and what the schedulers read. Lookups
+:class:`CostTable` is what profiling writes (:mod:`dspec_cli.workflows.target_profile`,
+:mod:`dspec_cli.workflows.step_profile`) and what the schedulers read. Lookups
 (:meth:`CostTable.sps`) interpolate the step *time* linearly in B (and in C between profiled
 contexts, clamped outside; ``context=None`` averages the step time over contexts). Past the
 largest profiled B the time grows proportionally to B. Before any lookup the measured curve
@@ -15,7 +15,6 @@ and cliffs stay. The raw medians stay in the file.
 
 from __future__ import annotations
 
-import json
 import math
 import platform
 import warnings
@@ -26,9 +25,8 @@ import torch
 
 from dspec_cli.core import sglang_sps
 from dspec_cli.core.errors import DspecError
+from dspec_cli.core.files import read_json
 from dspec_cli.core.outputs import write_json
-
-DEFAULT_CONTEXTS = (128, 512, 2048)
 
 
 class CostTableMismatch(UserWarning):
@@ -94,7 +92,7 @@ def isotonic(values: torch.Tensor) -> torch.Tensor:
             total, count = blocks.pop()
             blocks[-1][0] += total
             blocks[-1][1] += count
-    fit = [total / count for total, count in blocks for _ in range(count)]
+    fit = [total / count for total, count in blocks for _ in range(int(count))]
     return torch.tensor(fit, dtype=values.dtype)
 
 
@@ -237,26 +235,24 @@ class CostTable:
         write_json(path, self.to_dict())
 
     @classmethod
-    def load(cls, path: str | Path, block_size: int | None = None) -> CostTable:
+    def load(cls, path: str | Path, block_size: int | None = None, what: str = "--cost-table") -> CostTable:
         """A dspec cost table, or an SGLang DSpark SPS table (its additive schema needs γ =
-        ``block_size``; see :mod:`dspec_cli.core.sglang_sps`)."""
-        path = Path(path)
-        if not path.is_file():
-            raise DspecError(f"cost table {path}: file not found")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise DspecError(f"cost table {path}: not valid JSON ({exc.msg})") from None
+        ``block_size``; see :mod:`dspec_cli.core.sglang_sps`); errors start with ``what`` and the path."""
+        raw = read_json(path, what)
+        where = f"{what} {path}"
         if isinstance(raw, dict) and sglang_sps.sps_schema(raw) is not None:
-            return cls(**sglang_sps.cost_table_fields(raw, f"cost table {path}", block_size))
+            return cls(**sglang_sps.cost_table_fields(raw, where, block_size))
         required = ("device", "device_name", "dtype", "model", "torch", "grid", "contexts", "sps")
         missing = [k for k in required if not isinstance(raw, dict) or k not in raw]
         if missing:
-            raise DspecError(f"cost table {path}: missing key(s) {', '.join(missing)}")
+            raise DspecError(f"{where}: not a cost table (missing key(s) {', '.join(missing)})")
         optional = ("spread", "row_tokens", "repeats", "warmup", "measures", "block_size", "max_tokens")
         known = {k: raw[k] for k in (*required, *optional) if k in raw}
         known["measured"] = known.pop("sps")
         try:
             return cls(**known, source=str(path))
-        except TypeError as exc:
-            raise DspecError(f"cost table {path}: malformed ({exc})") from None
+        except DspecError as exc:  # its checks name the file: add the option
+            raise DspecError(f"{what} {exc}") from None
+        except (TypeError, ValueError, AttributeError) as exc:  # wrong types inside the table
+            raise DspecError(f"{where}: malformed ({exc})") from None
+

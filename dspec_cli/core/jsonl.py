@@ -2,8 +2,8 @@
 
 Reading: lines end at ``"\\n"`` only (a ``"\\r"`` before it is dropped), so U+2028, U+2029, U+0085
 and other characters :meth:`str.splitlines` breaks on stay inside their JSON strings; a UTF-8
-BOM is tolerated; blank lines are skipped; invalid UTF-8, invalid JSON or a non-object line is
-an error naming ``file:line``.
+BOM is tolerated; blank lines are skipped; invalid UTF-8, invalid JSON, a non-object line or a
+string escaping a lone UTF-16 surrogate is an error naming ``file:line``.
 
 Writing: one object per line, non-ASCII text kept as UTF-8, and the separators U+0085, U+2028
 and U+2029 written as ``\\u`` escapes (still the same JSON; control characters are escaped by
@@ -58,7 +58,19 @@ def parse_lines(text: str, name: str) -> Iterator[tuple[str, dict]]:
             raise DspecError(f"{where}: not valid JSON ({exc.msg}, column {exc.colno})") from None
         if not isinstance(obj, dict):
             raise DspecError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        if "\\u" in line:  # escapes may spell a lone UTF-16 surrogate, which is not text
+            _check_text(obj, where)
         yield where, obj
+
+
+def _check_text(obj: dict, where: str) -> None:
+    """A string holding a lone surrogate (``"\\ud800"``) is an error: no tokenizer encodes it."""
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(exc.object[exc.start])
+        raise DspecError(f"{where}: holds a lone surrogate \\u{code:04x}, which is not text (no tokenizer "
+                         "encodes it)") from None
 
 
 def decode(raw: bytes, name: str) -> str:

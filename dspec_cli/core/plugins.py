@@ -8,6 +8,7 @@ entry points (the built-in schedulers, in ``dspec_cli``) load regardless.
 
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -147,8 +148,10 @@ def _resolve(kind: str, name: str) -> Registered:
     table: dict[str, Registered] = getattr(reg, kind)
     name = reg.aliases[kind].get(name, name)
     if name not in table:
-        known = ", ".join(sorted(list(table) + list(reg.aliases[kind]))) or "none"
-        raise DspecError(f"unknown {kind[:-1]} {name!r}; known {kind}: {known}")
+        names = sorted(list(table) + list(reg.aliases[kind]))
+        close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+        guess = f"did you mean {close[0]!r}? " if close else ""
+        raise DspecError(f"unknown {kind[:-1]} {name!r}; {guess}known {kind}: {', '.join(names) or 'none'}")
     return table[name]
 
 

@@ -25,19 +25,20 @@ def prefix_mask(counts: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def to_grid(values: torch.Tensor, rows: int, q: int, flat: torch.Tensor | None, fill: int = 0) -> torch.Tensor:
-    """Flat ragged values [Σn] -> grid [R, q] right-padded with ``fill`` (flat: their index into
-    [R*q]; None: every row is full)."""
+    """Flat ragged values [Σn] -> grid [R, q] right-padded with ``fill`` (flat [Σn]: their index
+    into [R*q]; None: every row is full)."""
     if flat is None:
         return values.view(rows, q)
     return values.new_full((rows * q,), fill).index_copy(0, flat, values).view(rows, q)
 
 
 def flatten(grid: torch.Tensor, flat: torch.Tensor | None) -> torch.Tensor:
-    """Grid [R, q, ...] -> the flat ragged entries [Σn, ...] (inverse of :func:`to_grid`)."""
+    """grid [R, q, ...] -> the flat ragged entries [Σn, ...] at flat [Σn] (None: all of them;
+    the inverse of :func:`to_grid`)."""
     rows_q = grid.reshape(grid.shape[0] * grid.shape[1], *grid.shape[2:])
     return rows_q if flat is None else rows_q.index_select(0, flat)
 
 
 def prefix_sums(num: torch.Tensor) -> torch.Tensor:
-    """Exclusive prefix sums [R+1] of lengths [R] (on the same device)."""
+    """Exclusive prefix sums [R+1] of lengths num [R] (on the same device)."""
     return torch.cat([num.new_zeros(1), num.cumsum(0)])

@@ -17,13 +17,14 @@ drafters' sequential loops), :func:`sample_inverse_cdf` takes one uniform per ro
 from __future__ import annotations
 
 import functools
-import itertools
+from dataclasses import dataclass
 
 import torch
 
 from dspec_cli.core.host import reads_free
 
 __all__ = [
+    "CounterNoise",
     "exponential",
     "logits_to_probs",
     "sample_from_probs",
@@ -79,7 +80,12 @@ def _is_scalar(value, disabled) -> bool:
     return not (isinstance(value, torch.Tensor) and value.dim() > 0) and float(value) == disabled
 
 
-def logits_to_probs(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0) -> torch.Tensor:
+def logits_to_probs(
+    logits: torch.Tensor,
+    temperature: float | torch.Tensor = 1.0,
+    top_k: int | torch.Tensor = 0,
+    top_p: float | torch.Tensor = 1.0,
+) -> torch.Tensor:
     """Sampling distribution [N, V] float32 from logits [N, V].
 
     temperature, top_k, top_p: python scalars or per-row tensors [N]. Rows with temperature 0
@@ -221,8 +227,9 @@ def _on_host(seeds: torch.Tensor) -> bool:
 def _host_keys(seeds: torch.Tensor, offsets: torch.Tensor, salt: torch.Tensor | int):
     """(salt, seed, offset) python ints of every key, row-major (broadcast tensors; a python salt
     is the same for every key)."""
-    salts = itertools.repeat(salt) if isinstance(salt, int) else salt.flatten().tolist()
-    return zip(salts, seeds.flatten().tolist(), offsets.flatten().tolist())
+    seed_list, offset_list = seeds.flatten().tolist(), offsets.flatten().tolist()
+    salts = [salt] * len(seed_list) if isinstance(salt, int) else salt.flatten().tolist()
+    return zip(salts, seed_list, offset_list, strict=True)
 
 
 def _host_lanes(salt: int, seed: int, offset: int) -> list[int]:
@@ -250,11 +257,12 @@ def _host_absorb(h: int, *words: int) -> int:
     return h
 
 
-def uniform(seeds: torch.Tensor, offsets: torch.Tensor, salt=0) -> torch.Tensor:
+def uniform(seeds: torch.Tensor, offsets: torch.Tensor, salt: int | torch.Tensor = 0) -> torch.Tensor:
     """Counter-based uniforms: float64 in the open interval (0, 1).
 
-    seeds, offsets: int64 tensors (broadcast together, e.g. [R] and [R], or [R, 1] and [R, L]);
-    salt: int or int tensor separating streams. A pure function of (seed, offset, salt) with
+    seeds [...] and offsets [...]: int64 tensors broadcast together (e.g. [R] and [R], or
+    [R, 1] and [R, L]);
+    salt: an int, or an int tensor [...] broadcast with them, separating streams. A pure function of (seed, offset, salt) with
     52 random bits; never 0 and never 1.
     """
     if seeds.numel() == 0 or offsets.numel() == 0:
@@ -280,6 +288,20 @@ def exponential(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int, salt=0) 
     h = _absorb_spread(state, _token_words(vocab, state.device))  # [N, V]
     u = (h >> 9).float().add_(0.5).mul_(_TWO_M23)  # (0, 1), exact in float32
     return u.log_().neg_()
+
+
+@dataclass(frozen=True)
+class CounterNoise:
+    """The noise ``exponential(seeds, offsets, V, salt)`` named by its keys: a vocabulary-wide
+    noise tensor that kernels can compute where they use it instead of reading it."""
+
+    seeds: torch.Tensor  # [N] int64
+    offsets: torch.Tensor  # [N] int64
+    salt: int
+
+    def tensor(self, vocab: int) -> torch.Tensor:
+        """The noise itself, [N, vocab] float32."""
+        return exponential(self.seeds, self.offsets, vocab, self.salt)
 
 
 def _token_words(vocab: int, device: torch.device) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import math
 import re
 from typing import Any
 
@@ -63,6 +64,8 @@ def _option_value(flag: str, spec: str, key: str, value: str, default: Any) -> A
     try:
         if isinstance(default, bool):
             return {"true": True, "1": True, "false": False, "0": False}[value.lower()]
+        if isinstance(default, float) and not math.isfinite(float(value)):
+            raise DspecError(f"{flag} {spec!r}: {key} must be a finite number, got {value!r}")
         if isinstance(default, (int, float, str)):
             return type(default)(value)
         return json.loads(value)

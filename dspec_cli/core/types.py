@@ -1,8 +1,10 @@
 """The data that flows through a speculative round, shared by every layer.
 
 A drafter returns a :class:`Proposal` (a chain, or a :class:`DraftTree`); the target returns a
-:class:`StepOutput` per forward; the verifier returns a :class:`VerifyResult`. :class:`Sampler`
-is what a drafter samples its drafts with. Tensors are batched by request row r (R rows).
+:class:`PrefillOutput` when requests join and a :class:`StepOutput` per verify; the verifier
+returns a :class:`VerifyResult`. :class:`Sampler` is what a drafter samples its drafts with.
+Tensors are batched by request row r (R rows); token and node tensors are padded with
+:data:`PAD` past each row's length.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from enum import Enum
 from typing import Protocol
 
 import torch
+
+PAD = -1  # padding of token and node-index tensors past each row's length: never a token id or node
+
 
 
 class Capability(str, Enum):
@@ -32,8 +37,8 @@ class Capability(str, Enum):
 class DraftTree:
     """A draft tree per request. Node 0 is the root (the anchor); nodes 1..N_r are drafts."""
 
-    tokens: torch.Tensor  # [R, N] long, padded with -1
-    parents: torch.Tensor  # [R, N] long: local parent index (0 = root), parents precede children
+    tokens: torch.Tensor  # [R, N] long, padded with PAD past num_nodes
+    parents: torch.Tensor  # [R, N] long: local parent index (0 = root), parents precede children; PAD past num_nodes
     num_nodes: torch.Tensor  # [R] long
     # [R, N+1, V]: row 0 = the root's q, row i = node i's q (its children's distribution; children
     # are a sample without replacement from it, in node order). Set: verified by "sampled" at T > 0.
@@ -47,12 +52,11 @@ class DraftTree:
 class Proposal:
     """What a drafter proposes for one round."""
 
-    tokens: torch.Tensor  # [R, γ] long (chain drafts; padded past `lengths` with 0)
+    tokens: torch.Tensor  # [R, γ] long (chain drafts; padded past `lengths` with PAD)
     lengths: torch.Tensor  # [R] long: valid draft tokens per request, <= γ
     draft_probs: torch.Tensor | None = None  # [R, γ, V] q_k; None = deterministic (one-hot) drafts
     confidence: torch.Tensor | None = None  # [R, γ] c_k ≈ P(x_k accepted | x_<k accepted), in (0, 1)
     tree: DraftTree | None = None  # set by tree drafters instead of a chain
-    draft_seconds: float = 0.0  # filled by the engine (timing)
 
 
 class Sampler(Protocol):
@@ -79,10 +83,10 @@ class VerifyResult:
     """Outcome of one verification step for R requests.
 
     accepted:   [R] long, accepted drafts per request
-    tokens:     [R, W] long, the accepted drafts then the correction/bonus token, -1 padded
+    tokens:     [R, W] long, the accepted drafts then the correction/bonus token, PAD padded
     num_tokens: [R] long, committed tokens per request (= accepted + 1)
     path:       [R, D+1] long or None (trees): path[r, 0] = 0 is the root, path[r, j] the
-                node accepted at depth j (j <= accepted); -1 padded. The bonus token is sampled
+                node accepted at depth j (j <= accepted); PAD padded. The bonus token is sampled
                 from the target row of node path[r, accepted].
     """
 
@@ -94,13 +98,17 @@ class VerifyResult:
 
 @dataclass
 class StepOutput:
-    """Target outputs of one prefill or verify.
+    """Target outputs of one verify (or tree verify) of n_r tokens per row, rows flattened in order."""
 
-    ``logits``: [Σn_r, V] float, n_r = tokens of row r (prefill: last-position logits [R_new, V]).
-    ``hidden``: [Σn_r, n·d] taps (prefill: list of [L_r, n·d], one per new request).
-    ``rows``: [Σn_r] batch row of each flattened entry (prefill: [R_new] rows of the new requests).
-    """
+    logits: torch.Tensor  # [Σn_r, V] float
+    hidden: torch.Tensor  # [Σn_r, n·d] taps of the drafter's target layers (n·d = 0 without taps)
+    rows: torch.Tensor  # [Σn_r] long: batch row of each entry
 
-    logits: torch.Tensor
-    hidden: torch.Tensor | list[torch.Tensor]
-    rows: torch.Tensor
+
+@dataclass
+class PrefillOutput:
+    """Target outputs of a prefill of R_new joining requests, in prompt order."""
+
+    logits: torch.Tensor  # [R_new, V] float: each prompt's last-position logits
+    hidden: list[torch.Tensor]  # R_new taps [L_r, n·d], one per prompt of L_r tokens
+    rows: torch.Tensor  # [R_new] long: batch rows of the new requests

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -97,12 +97,18 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tup
 
 
 def _rope_parameters(tc) -> dict:
+    """The target's RoPE for the draft layers. A ``partial_rotary_factor`` (GPT-NeoX, Phi) is left
+    out: the draft rotates whole heads (only Gemma 4's ``proportional`` RoPE encodes its factor in
+    the frequencies it computes), so what the config says is what the layers compute."""
     params = getattr(tc, "rope_parameters", None)
     if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
         params = params.get("full_attention") or next(iter(params.values()))  # per-layer-type (Gemma 3)
     if not params:
         params = {"rope_type": "default", "rope_theta": float(getattr(tc, "rope_theta", 10000.0))}
-    return dict(params)
+    params = dict(params)
+    if params.get("rope_type", "default") != "proportional":
+        params.pop("partial_rotary_factor", None)
+    return params
 
 
 def _attr(tc, name: str, default=None):
@@ -156,7 +162,8 @@ def resolve_backbone_config(cfg: BackboneConfig, text_config) -> dict[str, Any]:
         head_dim, kv_heads = global_dim or head_dim, global_kv or kv_heads
     elif cfg.attention_k_eq_v:
         raise DspecError("attention_k_eq_v = true needs layer_style = 'gemma4'")
-    act = cfg.hidden_act or getattr(tc, "hidden_act", None) or getattr(tc, "hidden_activation", None) or "silu"
+    act = (cfg.hidden_act or getattr(tc, "hidden_act", None) or getattr(tc, "hidden_activation", None)
+           or getattr(tc, "activation_function", None) or "silu")  # GPT-2 spells it activation_function
     bias = cfg.attention_bias if cfg.attention_bias is not None else bool(getattr(tc, "attention_bias", False))
     return dict(
         layer_style=style,
@@ -165,7 +172,7 @@ def resolve_backbone_config(cfg: BackboneConfig, text_config) -> dict[str, Any]:
         num_attention_heads=heads,
         num_key_value_heads=cfg.num_key_value_heads or kv_heads or heads,
         head_dim=cfg.head_dim or head_dim or d // heads,
-        intermediate_size=cfg.intermediate_size or tc.intermediate_size,
+        intermediate_size=cfg.intermediate_size or getattr(tc, "intermediate_size", None) or 4 * d,  # GPT-2: 4d
         hidden_act=act,
         rms_norm_eps=cfg.rms_norm_eps or float(getattr(tc, "rms_norm_eps", 1e-6)),
         rope_parameters=dict(cfg.rope_parameters) if cfg.rope_parameters else _rope_parameters(tc),
@@ -186,7 +193,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
         # float math, rounded to x's dtype, then the weight (Qwen3's order); torch's fused kernel
         y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return self.weight * y.to(x.dtype)
@@ -201,7 +208,7 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if scale else None
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
         y = x.float()
         y = y * torch.pow(y.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
         if self.weight is not None:
@@ -255,11 +262,12 @@ class Rotary(nn.Module):
         if torch.is_grad_enabled() or not reads_free(positions):  # the table's size needs a host read
             return self._compute(positions, dtype)
         key = (positions.device, dtype)
-        cos, sin = self._tables.get(key, (None, None))
+        tables = self._tables.get(key)
         need = int(positions.max()) + 1 if positions.numel() else 0
-        if cos is None or need > cos.shape[0]:
-            size = max(need, 2 * cos.shape[0] if cos is not None else 256)
-            cos, sin = self._tables[key] = self._compute(torch.arange(size, device=positions.device), dtype)
+        if tables is None or need > tables[0].shape[0]:
+            size = max(need, 2 * tables[0].shape[0] if tables is not None else 256)
+            tables = self._tables[key] = self._compute(torch.arange(size, device=positions.device), dtype)
+        cos, sin = tables
         return cos[positions], sin[positions]
 
     def _compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -316,8 +324,9 @@ _FLEX = {}
 
 
 def attend(q, k, v, mask, gqa: bool, scale: float | None = None) -> torch.Tensor:
-    """Attention of q over k/v under a bool mask (SDPA; None: every key visible) or a BlockMask
-    (flex); ``scale`` None = 1/sqrt(head_dim)."""
+    """Attention of q [b, H, Q, hd] over k, v [b, Hkv, K, hd] (``gqa``: H a multiple of Hkv) under
+    a bool mask [b, 1, Q, K] (SDPA; None: every key visible) or a BlockMask (flex) -> [b, H, Q, hd];
+    ``scale`` None = 1/sqrt(head_dim)."""
     if mask is None or isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
     from torch.nn.attention.flex_attention import flex_attention
@@ -338,7 +347,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(m, d, bias=False)
         self.act = ACT2FN[cfg.hidden_act]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., d] -> [..., d]
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -359,6 +368,7 @@ class DecoderLayer(nn.Module):
             self.register_buffer("layer_scalar", torch.ones(1))  # persistent: DeepSpec saves it
 
     def forward(self, x, cos, sin, k_ctx, v_ctx, mask) -> torch.Tensor:
+        """x [b, Q, d] -> [b, Q, d]; the other arguments as in :meth:`Attention.forward`."""
         if self.sandwich:
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, k_ctx, v_ctx, mask))
             x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -475,7 +485,8 @@ class ContextCache:
         return rows, pos
 
     def write(self, rows, pos, kv: list[tuple[torch.Tensor, torch.Tensor]], counts: torch.Tensor) -> None:
-        """Store per-layer (K, V) [N, Hkv, hd] at (rows, pos) [N] from :meth:`slots`."""
+        """Store kv, per layer (K, V) [N, Hkv, hd], at (rows, pos) [N] from :meth:`slots`; counts [R]
+        new entries per row."""
         for keys, values, (k, v) in zip(self._keys, self._values, kv, strict=True):
             keys[rows, :, pos] = k.to(keys.dtype)
             values[rows, :, pos] = v.to(values.dtype)
@@ -487,7 +498,7 @@ class ContextCache:
         return self._lengths[:rows]
 
     def write_grid(self, pos: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], counts: torch.Tensor) -> None:
-        """Store per-layer (K, V) [n, W, Hkv, hd] at positions pos [n, W] (each row's length + 0..W-1)
+        """Store kv, per layer (K, V) [n, W, Hkv, hd], at positions pos [n, W] (each row's length + 0..W-1)
         of rows [0, n), of which the first ``counts`` [n] per row become context (no host reads)."""
         n, width = pos.shape
         index = pos[:, None, :, None]  # [n, 1, W, 1]
@@ -582,8 +593,9 @@ def build_blocks(
     input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor,
     block_size: int, mask_token_id: int,
 ) -> Blocks:
-    """Block inputs, labels and the eval mask: slot k is valid iff a+k+1 < L, loss_mask[a+k+1]
-    and the block is kept, cut at the first invalid slot."""
+    """Block inputs, labels and the eval mask of input_ids [b, L], loss_mask [b, L] and blocks at
+    anchors [b, N] (keep [b, N] bool): slot k is valid iff a+k+1 < L, loss_mask[a+k+1] and the
+    block is kept, cut at the first invalid slot."""
     b, L = input_ids.shape
     n = anchors.shape[1]
     pos = anchors[..., None] + torch.arange(block_size, device=anchors.device)  # [b, N, B]
@@ -611,7 +623,8 @@ def _mask_mod(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_siz
 
 
 def training_mask(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_size: int, impl: str = "auto"):
-    """Block-sparse mask over [context L | N blocks]: a dense bool [b, 1, N·B, L+N·B] for SDPA
+    """Block-sparse mask over [context L | N blocks] of anchors [b, N] (keep [b, N] bool): a dense
+    bool [b, 1, N·B, L+N·B] for SDPA
     (``impl="dense"``) or a FlexAttention ``BlockMask`` (``"flex"``); ``"auto"`` = flex on CUDA."""
     if impl not in ("auto", "dense", "flex"):
         raise ValueError(f"impl must be auto, dense or flex, got {impl!r}")
@@ -665,7 +678,8 @@ class ParallelBackbone(nn.Module):
         rows, pos = cache.slots(counts, taps.shape[0], max_count)
         fused = self.fuse(taps)
         cos, sin = self.rotary(pos, self.dtype)
-        cache.write(rows, pos, [layer.self_attn.project_kv(fused, cos, sin) for layer in self.layers], counts)
+        cache.write(rows, pos, [cast(DecoderLayer, layer).self_attn.project_kv(fused, cos, sin) for layer in self.layers],
+                    counts)
 
     def extend_cache_grid(self, cache: ContextCache, taps: torch.Tensor, counts: torch.Tensor) -> None:
         """Append context from padded rows: taps [n, W, n·d] of rows [0, n), of which the first
@@ -675,7 +689,7 @@ class ParallelBackbone(nn.Module):
         pos = cache.lengths_rows(taps.shape[0])[:, None] + torch.arange(taps.shape[1], device=taps.device)  # [n, W]
         fused = self.fuse(taps)
         cos, sin = self.rotary(pos, self.dtype)
-        cache.write_grid(pos, [layer.self_attn.project_kv(fused, cos, sin) for layer in self.layers], counts)
+        cache.write_grid(pos, [cast(DecoderLayer, layer).self_attn.project_kv(fused, cos, sin) for layer in self.layers], counts)
 
     def forward_block(self, embeds: torch.Tensor, positions: torch.Tensor, cache: ContextCache) -> torch.Tensor:
         """One block per row: embeds [n, B, d] at positions [n, B] over the cached context of rows
@@ -686,19 +700,19 @@ class ParallelBackbone(nn.Module):
         keys, values, ctx = cache.context(R)
         vis = None if ctx is None else torch.cat([ctx, ctx.new_ones(R, B)], dim=1)[:, None, None, :]  # [R, 1, 1, S+B]
         x = embeds.to(self.dtype)
-        for layer, k, v in zip(self.layers, keys, values):
+        for layer, k, v in zip(self.layers, keys, values, strict=True):
             x = layer(x, cos, sin, k, v, vis)
         return self.norm(x)
 
     def forward_train(self, embeds: torch.Tensor, positions: torch.Tensor, taps: torch.Tensor, mask) -> torch.Tensor:
-        """All blocks of b sequences: embeds [b, N·B, d] at positions [b, N·B], context taps
-        [b, L, n·d] at positions 0..L−1, mask from :func:`training_mask` -> h [b, N·B, d]."""
+        """All blocks of b sequences: embeds [b, N·B, d] at positions [b, N·B], context
+        taps [b, L, n·d] at positions 0..L−1, mask from :func:`training_mask` -> h [b, N·B, d]."""
         b, L = taps.shape[:2]
         fused = self.fuse(taps)
         ccos, csin = self.rotary(torch.arange(L, device=taps.device).expand(b, L), self.dtype)
         cos, sin = self.rotary(positions, self.dtype)
         x = embeds.to(self.dtype)
         for layer in self.layers:
-            k, v = layer.self_attn.project_kv(fused, ccos, csin)  # [b, L, Hkv, hd]
+            k, v = cast(DecoderLayer, layer).self_attn.project_kv(fused, ccos, csin)  # [b, L, Hkv, hd]
             x = layer(x, cos, sin, k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.norm(x)

@@ -41,10 +41,13 @@ class SequentialHead(nn.Module):
         self.proj = Linear(rank, vocab_size, bias=False)  # W2
 
     def init_state(self, rows: int, like: torch.Tensor) -> torch.Tensor | None:
+        """The state before slot 0 of ``rows`` rows (None: a stateless head), on like's [..., d]
+        device and dtype."""
         return None
 
-    def step(self, state, prev: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """prev [R] tokens x_{k−1}, h [R, d] -> (feature f_k [R, r], next state)."""
+    def step(self, state: torch.Tensor | None, prev: torch.Tensor,
+             h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """state [R, r] or None, prev [R] tokens x_{k−1}, h [R, d] -> (feature f_k [R, r], next state)."""
         raise NotImplementedError
 
     def block_features(self, prev: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -59,11 +62,13 @@ class SequentialHead(nn.Module):
         return torch.stack(feats, dim=-2)
 
     def bias(self, features: torch.Tensor) -> torch.Tensor:
-        """f [..., r] -> logit bias [..., V]."""
+        """features f [..., r] -> logit bias [..., V]."""
         return self.proj(features)
 
-    def step_bias(self, state, prev: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One decoding step: prev [...] tokens, h [..., d] -> (logit bias [..., V], next state)."""
+    def step_bias(self, state: torch.Tensor | None, prev: torch.Tensor,
+                  h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decoding step: state [..., r] or None, prev [...] tokens, h [..., d] -> (logit bias
+        [..., V], next state)."""
         feat, state = self.step(state, prev, h)
         return self.bias(feat), state
 
@@ -78,10 +83,10 @@ class MarkovHead(SequentialHead):
         super().__init__(vocab_size, rank, hidden_size)
         self._table: tuple[tuple, torch.Tensor] | None = None  # (weight versions, W1·W2 [V, V])
 
-    def step(self, state, prev, h):
+    def step(self, state, prev, h):  # see SequentialHead.step: prev [R], h [R, d] -> (f [R, r], None)
         return self.embed(prev), None
 
-    def step_bias(self, state, prev, h):
+    def step_bias(self, state, prev, h):  # prev [...], h [..., d] -> (bias [..., V], None)
         table = self.transition_table()
         if table is None:
             return super().step_bias(state, prev, h)
@@ -99,7 +104,7 @@ class MarkovHead(SequentialHead):
             self._table = (key, self.proj(w1))  # [V, V]
         return self._table[1]
 
-    def block_features(self, prev, h):
+    def block_features(self, prev, h):  # prev [..., B], h [..., B, d] -> f [..., B, r]
         return self.embed(prev)
 
 
@@ -110,10 +115,11 @@ class RNNHead(SequentialHead):
         super().__init__(vocab_size, rank, hidden_size)
         self.gates = Linear(2 * rank + hidden_size, 3 * rank)  # [W_g; W_c; W_o] with bias
 
-    def init_state(self, rows, like):
+    def init_state(self, rows, like):  # -> zeros [rows, r] like like's [..., d]
         return like.new_zeros(rows, self.rank)
 
-    def step(self, state, prev, h):
+    def step(self, state, prev, h):  # state [R, r], prev [R], h [R, d] -> (f [R, r], state [R, r])
+        assert state is not None  # init_state gives zeros
         z = torch.cat([state, self.embed(prev).to(h.dtype), h], dim=-1)
         g, c, o = self.gates(z).chunk(3, dim=-1)
         gate = torch.sigmoid(g)

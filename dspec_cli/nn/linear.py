@@ -17,9 +17,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Linear", "PackedWeight"]
+__all__ = ["Linear", "PackedWeight", "onednn_ops"]
 
 _DTYPES = (torch.float32, torch.bfloat16)
+
+
+def onednn_ops():
+    """PyTorch's private oneDNN linear ops, ``torch.ops.mkldnn._reorder_linear_weight`` (pack a
+    weight) and ``_linear_pointwise`` (multiply by it): the one place they are read. None where this
+    build lacks them (then :class:`PackedWeight` takes ``F.linear``; tests/test_private_apis.py
+    fails if an upgrade removes them from a oneDNN build)."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight, torch.ops.mkldnn._linear_pointwise
+    except AttributeError:
+        return None
+
+
+_ONEDNN = onednn_ops()
 
 
 def _packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -27,7 +43,7 @@ def _packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         not torch.is_grad_enabled() and not torch.compiler.is_compiling()
         and x.device.type == "cpu" and weight.device.type == "cpu"
-        and x.dtype == weight.dtype and weight.dtype in _DTYPES and torch.backends.mkldnn.is_available()
+        and x.dtype == weight.dtype and weight.dtype in _DTYPES
     )  # fmt: skip
 
 
@@ -46,13 +62,14 @@ class PackedWeight:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, weight, bias)``: x [..., in] -> [..., out]."""
-        if not _packable(x, weight) or (bias is not None and bias.dtype != x.dtype):
+        if _ONEDNN is None or not _packable(x, weight) or (bias is not None and bias.dtype != x.dtype):
             return F.linear(x, weight, bias)
+        reorder, linear_pointwise = _ONEDNN
         key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape))
         if key != self._key:
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+            self._packed = reorder(weight.detach(), None)
             self._key = key
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [None], "")
+        return linear_pointwise(x, self._packed, bias, "none", [None], "")
 
 
 class Linear(nn.Linear):
@@ -63,5 +80,5 @@ class Linear(nn.Linear):
         super().__init__(*args, **kwargs)
         self._pack = PackedWeight()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         return self._pack.linear(x, self.weight, self.bias)

@@ -43,10 +43,17 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
     return out.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
 
 
+def attn_implementation(model) -> str | None:
+    """The attention implementation a transformers model runs (``"sdpa"``, ``"eager"``, ...).
+    transformers has no public getter, so this is the one read of its ``config._attn_implementation``
+    (tests/test_private_apis.py fails if an upgrade removes it)."""
+    return model.config._attn_implementation
+
+
 def use_for(model) -> bool:
     """Switch ``model`` from ``sdpa`` to ``dspec_sdpa`` (registered with transformers on first
     use); False, and the model unchanged, where transformers or the model does not take it."""
-    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+    if attn_implementation(model) != "sdpa":
         return False
     try:
         from transformers import AttentionInterface
@@ -57,4 +64,4 @@ def use_for(model) -> bool:
         model.set_attn_implementation(NAME)
     except (ImportError, AttributeError, ValueError, TypeError):
         return False
-    return getattr(model.config, "_attn_implementation", None) == NAME
+    return attn_implementation(model) == NAME

@@ -32,7 +32,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from dspec_cli.checkpoints.layouts import load_foreign
-from dspec_cli.checkpoints.native import check_checkpoint_config, checkpoint_config
+from dspec_cli.checkpoints.native import (
+    check_checkpoint_config,
+    checkpoint_config,
+    recorded_chat_template_kwargs,
+)
 from dspec_cli.core.calibration import Calibration
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import (
@@ -46,7 +50,10 @@ from dspec_cli.core.ragged import prefix_mask, ragged
 from dspec_cli.core.types import Capability, Proposal, Sampler
 
 if TYPE_CHECKING:
+    from typing_extensions import Self
+
     from dspec_cli.runtime.target import Target
+    from dspec_cli.training.data import TrainData
 
 CAPABILITIES = tuple(Capability)
 
@@ -68,7 +75,7 @@ class DrafterConfig:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any], *, where: str = "config") -> DrafterConfig:
+    def from_dict(cls, values: dict[str, Any], *, where: str = "config") -> Self:
         """Build from a dict; unknown keys are an error that lists the valid ones."""
         valid = cls.field_names()
         unknown = sorted(set(values) - set(valid))
@@ -96,8 +103,8 @@ def heuristic_confidence(draft_probs: torch.Tensor | None, lengths: torch.Tensor
     """Non-anticipating confidence from the shape of q_k: Σ_v q_k(v)², never q_k(x_k).
 
     Σq² is the chance that the target (if it matched q) would draw the token the draft drew,
-    so it only uses the distribution the draft token is sampled from. One-hot drafts
-    (draft_probs None) get 0.5: no information. Returns [R, γ] in (0, 1).
+    so it only uses the distribution the draft token is sampled from. draft_probs [R, γ, V]
+    (None: one-hot drafts, which get 0.5: no information), lengths [R]. Returns [R, γ] in (0, 1).
     """
     R = lengths.shape[0]
     if draft_probs is None:
@@ -117,6 +124,9 @@ class Drafter:
     # STS temperatures from the checkpoint's calibration.json; the engine applies them to every
     # proposal's confidences (the one place calibration is applied). None: confidences as drafted.
     calibration: Calibration | None = None
+    # the chat-template kwargs its training data was rendered with (checkpoint config.json; set by
+    # `dspec train`); None: not known (untrained drafters, foreign layouts)
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def __init__(self, config: DrafterConfig, target: Target):
         self.config = config
@@ -124,17 +134,17 @@ class Drafter:
 
     # -- construction and persistence ------------------------------------------------
     @classmethod
-    def build(cls, config: DrafterConfig, target: Target) -> Drafter:
+    def build(cls, config: DrafterConfig, target: Target) -> Self:
         """A fresh (untrained) drafter for ``target``."""
         return cls(config, target)
 
     @classmethod
-    def load_default(cls, target: Target, **overrides: Any) -> Drafter:
+    def load_default(cls, target: Target, **overrides: Any) -> Self:
         """The drafter used when no checkpoint is given (trained drafters: the embedded one)."""
         return cls.build(cls.config_class(**overrides), target)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, target: Target, **overrides: Any) -> Drafter:
+    def from_pretrained(cls, path: str | Path, target: Target, **overrides: Any) -> Self:
         """Load a checkpoint folder written by :meth:`save_pretrained`."""
         path = Path(path)
         values = {**read_config(path).get("drafter_config", {}), **overrides}
@@ -157,7 +167,8 @@ class Drafter:
         return DraftState()
 
     def add_requests(self, state: DraftState, prompts: list[torch.Tensor], hidden: list[torch.Tensor] | None) -> None:
-        """New requests join: prompt ids [L_r] and the target's taps [L_r, n·d] (None if no taps)."""
+        """New requests join: prompts, ids [L_r] per request; hidden [L_r, n·d] per request, the
+        target's taps (None if no taps)."""
         state.context.extend(p.clone() for p in prompts)
 
     def remove_requests(self, state: DraftState, keep: list[int]) -> None:
@@ -219,6 +230,7 @@ class Drafter:
         row's context, for drafters that keep host-side bounds. Default: nothing."""
 
     def training_loss(self, batch: dict[str, torch.Tensor], target_features: dict[str, torch.Tensor]) -> dict:
+        """See :class:`TrainableDrafter`: batch tensors [B, L], target_features [B, L, ·]."""
         raise DspecError(f"drafter {self.name!r} is not trainable")
 
 
@@ -237,6 +249,14 @@ class WrappedDrafter(Drafter):
         self.base.calibration = value
 
     @property
+    def chat_template_kwargs(self) -> dict[str, Any] | None:  # the base drafter's training
+        return self.base.chat_template_kwargs
+
+    @chat_template_kwargs.setter
+    def chat_template_kwargs(self, value: dict[str, Any] | None) -> None:
+        self.base.chat_template_kwargs = value
+
+    @property
     def target_layer_ids(self) -> tuple[int, ...]:
         return self.base.target_layer_ids
 
@@ -244,13 +264,17 @@ class WrappedDrafter(Drafter):
         return self.base.init_state()
 
     def add_requests(self, state: DraftState, prompts: list[torch.Tensor], hidden: list[torch.Tensor] | None) -> None:
+        """The base's: prompts [L_r] and hidden [L_r, n·d] (or None) per request."""
         self.base.add_requests(state, prompts, hidden)
 
     def remove_requests(self, state: DraftState, keep: list[int]) -> None:
         self.base.remove_requests(state, keep)
 
-    def advance(self, state: DraftState, committed, counts, hidden) -> None:
-        """Committed tokens (for a tree: the accepted path) enter the base's caches."""
+    def advance(
+        self, state: DraftState, committed: torch.Tensor, counts: torch.Tensor, hidden: torch.Tensor | None
+    ) -> None:
+        """The committed tokens (for a tree: the accepted path) enter the base's caches:
+        committed [Σc_r], counts [R], hidden [Σc_r, n·d] or None (:meth:`Drafter.advance`)."""
         self.base.advance(state, committed, counts, hidden)
 
     def advance_grid(self, state: DraftState, committed, counts, hidden) -> None:
@@ -283,8 +307,8 @@ class TrainableDrafter(Drafter):
 
     net: torch.nn.Module
 
-    def prepare_training(self, data) -> None:
-        """Called once before training with the training data (``TrainData``); default: nothing."""
+    def prepare_training(self, data: TrainData) -> None:
+        """Called once before training with the training data; default: nothing."""
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.net.parameters() if p.requires_grad]
@@ -297,7 +321,7 @@ class TrainableDrafter(Drafter):
         save_file(state, str(Path(path) / WEIGHTS_FILE))
 
     @classmethod
-    def load_default(cls, target: Target, **overrides: Any) -> Drafter:
+    def load_default(cls, target: Target, **overrides: Any) -> Self:
         """The embedded drafter ``assets/drafters/<name>/`` if it fits ``target``."""
 
         path = embedded_path("drafters") / cls.name
@@ -311,7 +335,7 @@ class TrainableDrafter(Drafter):
             raise DspecError(f"the embedded {cls.name} drafter does not fit this target ({exc}); {hint}") from None
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, target: Target, **overrides: Any) -> Drafter:
+    def from_pretrained(cls, path: str | Path, target: Target, **overrides: Any) -> Self:
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
@@ -341,6 +365,7 @@ class TrainableDrafter(Drafter):
             )
         if (path / CALIBRATION_FILE).is_file():  # validated by check_checkpoint_config
             drafter.calibration = Calibration.load(path / CALIBRATION_FILE, drafter=cls.name)
+        drafter.chat_template_kwargs = recorded_chat_template_kwargs(path)
         return drafter
 
 

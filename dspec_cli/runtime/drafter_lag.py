@@ -49,15 +49,16 @@ class DrafterLag:
         return self.admitted + len(self.pending)
 
     def admit(self, prompts: list[torch.Tensor], hidden: list[torch.Tensor] | None) -> None:
-        """New requests join at the end of the batch."""
-        self.pending += list(zip(prompts, hidden if hidden is not None else [None] * len(prompts)))
+        """New requests join at the end of the batch: prompts [L_r] and hidden [L_r, n·d] (or None) per request."""
+        self.pending += list(zip(prompts, hidden if hidden is not None else [None] * len(prompts), strict=True))
         self._set_slots(self.slots + list(range(self._next, self._next + len(prompts))))
         self._next += len(prompts)
         if self._entries is not None:
             self._entries = torch.cat([self._entries, self._entries.new_zeros(len(prompts))])
 
     def skip(self, committed: torch.Tensor, counts: torch.Tensor, hidden: torch.Tensor | None) -> None:
-        """A round without a draft committed ``counts`` [R] tokens per row (committed [Σc], taps [Σc, ·])."""
+        """A round without a draft committed ``counts`` [R] tokens per row: committed [Σc];
+        hidden [Σc, n·d] taps (or None)."""
         if self._slot_ids is None or self._slot_ids.device != counts.device:
             self._slot_ids = torch.tensor(self.slots, dtype=torch.long, device=counts.device)
         rows = torch.repeat_interleave(self._slot_ids, counts, output_size=committed.shape[0])
@@ -81,7 +82,7 @@ class DrafterLag:
         self.pending = [self.pending[r - self.admitted] for r in keep if r >= self.admitted]
         self.admitted = len(kept_admitted)
         self._set_slots([self.slots[r] for r in keep])
-        if self._dead and self._dead > int(self._entries.sum()):
+        if self._dead and self._entries is not None and self._dead > int(self._entries.sum()):
             rows, committed, hidden = self._merged()  # compaction: one copy of the live entries
             slots = torch.tensor(self.slots, dtype=torch.long, device=rows.device)
             self.backlog, self._dead = [(slots[rows], committed, hidden)], 0
@@ -91,7 +92,7 @@ class DrafterLag:
         backlogged token, each row's in order (rows newer than a round have no entries in it)."""
         if self.pending:
             ids = [p for p, _ in self.pending]
-            taps = None if self.pending[0][1] is None else [h for _, h in self.pending]
+            taps = None if self.pending[0][1] is None else [h for _, h in self.pending if h is not None]  # all or none
             drafter.add_requests(state, ids, taps)
             self.admitted, self.pending = self.rows, []
         if not self.backlog:
@@ -109,7 +110,7 @@ class DrafterLag:
         """The live backlog entries concatenated: current row [N], committed [N], taps [N, ·] | None."""
         slots = torch.cat([s for s, _, _ in self.backlog])
         committed = torch.cat([c for _, c, _ in self.backlog])
-        hidden = None if self.backlog[0][2] is None else torch.cat([h for _, _, h in self.backlog])
+        hidden = None if self.backlog[0][2] is None else torch.cat([h for _, _, h in self.backlog if h is not None])
         row_of = torch.full((self._next,), -1, dtype=torch.long, device=slots.device)
         row_of[torch.tensor(self.slots, dtype=torch.long, device=slots.device)] = torch.arange(
             len(self.slots), device=slots.device)

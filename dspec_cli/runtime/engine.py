@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -28,6 +29,7 @@ from dspec_cli.core.sampling import (
     NOISE_SALT,
     ROUND_STRIDE,
     TREE_DRAFT_SALT,
+    CounterNoise,
 )
 from dspec_cli.core.types import DraftTree, Proposal, VerifyResult
 from dspec_cli.runtime.drafter import Drafter
@@ -37,10 +39,13 @@ from dspec_cli.runtime.kv_cache import TargetBatch
 from dspec_cli.runtime.schedule import FixedScheduler, Scheduler
 from dspec_cli.runtime.target import Target
 from dspec_cli.runtime.verify import (
+    CHAIN_METHODS,
+    sample_logits,
     verify_chain_grid,
     verify_greedy_grid,
     verify_tree_grid,
 )
+from dspec_cli.runtime.verify.tree import SAMPLED_METHODS
 
 
 @dataclass
@@ -52,6 +57,8 @@ class GenerationConfig:
     block_size: int = 7  # γ: most draft tokens verified per round
     max_batch: int = 1  # concurrent requests (continuous batching)
     seed: int = 0
+    chain_verify: str = "block"  # chains with draft probabilities: "token" or "block" (docs/verification.md)
+    tree_verify: str = "traversal"  # trees of sampled siblings: "sampled" (recursive rejection) or "traversal"
     # how rounds run: "auto" (CUDA graphs on a CUDA device, else eagerly), "cuda", "eager", or
     # "check" (eagerly, checking what capture needs; runtime/graphs.py)
     graphs: str = "auto"
@@ -69,6 +76,10 @@ class GenerationConfig:
             raise DspecError(f"--top-k must be >= 0, got {self.top_k}")
         if self.max_batch < 1:
             raise DspecError(f"concurrency must be >= 1, got {self.max_batch}")
+        if self.chain_verify not in CHAIN_METHODS:
+            raise DspecError(f"--verify: chains are verified by {' or '.join(CHAIN_METHODS)}, got {self.chain_verify!r}")
+        if self.tree_verify not in SAMPLED_METHODS:
+            raise DspecError(f"--verify: sampled trees are verified by {' or '.join(SAMPLED_METHODS)}, got {self.tree_verify!r}")
         if self.graphs not in ("auto", *MODES):
             raise DspecError(f"graphs must be one of auto, {', '.join(MODES)}, got {self.graphs!r}")
 
@@ -113,6 +124,7 @@ class RunStats:
     rounds: int = 0
     drafted_rounds: int = 0  # rounds with a proposal (the rest were plain steps: no drafter, gate closed, budget 0)
     verify_tokens: int = 0  # tokens sent to the target in verify passes
+    verify_rules: dict[str, int] = field(default_factory=dict)  # drafted rounds by verification rule
 
 
 class RoundSampler:
@@ -125,6 +137,7 @@ class RoundSampler:
     """
 
     def __init__(self, config: GenerationConfig, seeds: torch.Tensor, rounds: torch.Tensor, steps: int):
+        """seeds [R] and rounds [R] (rounds so far) of the rows; ``steps`` draws per row this round."""
         self.config = config
         self.seeds = seeds  # [R] int64
         self.base = rounds * ROUND_STRIDE  # [R] int64
@@ -241,7 +254,7 @@ class SpeculativeEngine:
         out = self.target.prefill(rows.batch, [list(prompts[i]) for i in new])
         new_seeds = torch.tensor([seeds[i] for i in new], dtype=torch.long, device=dev)
         first = self._sample(out.logits, new_seeds, torch.zeros_like(new_seeds), FIRST_TOKEN_SALT)
-        if rows.dstate is not None:  # the drafter gets them before it next drafts (DrafterLag)
+        if self.drafter is not None:  # the drafter gets them before it next drafts (DrafterLag)
             ids = [torch.tensor(prompts[i], dtype=torch.long, device=dev) for i in new]
             rows.lag.admit(ids, out.hidden if self.drafter.target_layer_ids else None)
             if self.scheduler.gate is None:  # every round drafts: hand them over now
@@ -289,7 +302,7 @@ class SpeculativeEngine:
         R = len(rows.active)
         sched = self.scheduler
         if sched.cost_table is not None:  # mean context for cost-table lookups (host-side)
-            sched.context = sum(len(results[i].prompt_ids) + len(results[i].output_ids) for i in rows.active) / R
+            sched.observe_context(sum(len(results[i].prompt_ids) + len(results[i].output_ids) for i in rows.active) / R)
         if self.drafter is None or max(budget) == 0 or not sched.wants_draft(R, cfg.block_size):
             return None, torch.zeros(R, dtype=torch.long, device=dev)
         t0 = time.perf_counter()
@@ -310,13 +323,15 @@ class SpeculativeEngine:
     def _propose(self, anchors: torch.Tensor, seeds: torch.Tensor, rounds: torch.Tensor) -> tuple:
         """The drafter's round on the device: propose, confidences, calibration (capturable when
         the drafter is). Returns the proposal's tensors (:func:`_proposal`)."""
-        state = self._session.dstate
+        drafter, session = self.drafter, self._session
+        assert drafter is not None and session is not None  # a drafted round of a running batch
+        state = session.dstate
         sampler = RoundSampler(self.config, seeds, rounds, self.config.block_size)
-        proposal = self.drafter.propose(state, anchors, self.config.block_size, sampler)
+        proposal = drafter.propose(state, anchors, self.config.block_size, sampler)
         if proposal.confidence is None:
-            proposal.confidence = self.drafter.confidence(state, proposal)
-        if self.drafter.calibration is not None:  # STS, the one place it is applied
-            proposal.confidence = self.drafter.calibration.apply(proposal.confidence)
+            proposal.confidence = drafter.confidence(state, proposal)
+        if drafter.calibration is not None:  # STS, the one place it is applied
+            proposal.confidence = drafter.calibration.apply(proposal.confidence)
         tree = proposal.tree
         tree_fields = (None,) * 4 if tree is None else (tree.tokens, tree.parents, tree.num_nodes, tree.draft_probs)
         return (proposal.tokens, proposal.lengths, proposal.draft_probs, proposal.confidence, *tree_fields,
@@ -325,7 +340,7 @@ class SpeculativeEngine:
     def _verify_chain(self, rows: _Rows, proposal: Proposal | None, ell: torch.Tensor, most: int, padded: int):
         """2.-3. verify [anchor, x_1..x_W] per row (W: the widest ℓ this round can have) in one
         static step: target forward, acceptance, target commit."""
-        R = len(rows.active)
+        cfg, R = self.config, len(rows.active)
         if proposal is None:
             width = 0
         elif reads_free(ell):
@@ -335,9 +350,15 @@ class SpeculativeEngine:
         grid = rows.anchors[:, None]  # [R, 1 + W]: anchor, then the verified drafts
         q = None
         if width:
+            assert proposal is not None  # width > 0 only with drafts
             grid = torch.cat([grid, proposal.tokens[:, :width].to(grid.dtype)], dim=1)
-            if proposal.draft_probs is not None and not self.config.greedy:
+            if proposal.draft_probs is not None and not cfg.greedy:
                 q = proposal.draft_probs[:, :width]
+        if width:  # the rule this round's drafts are verified by (counted on the host: a replay runs no Python)
+            method = cfg.chain_verify if q is not None else "token"  # one-hot drafts: block = token in law
+            self._count_rule("greedy" if cfg.greedy else method)
+        else:
+            method = "token"
         batch = rows.batch
         window = batch.window(width + 1, self.graphs.window())
         dense = self.target.dense(batch, width + 1, window)
@@ -347,22 +368,23 @@ class SpeculativeEngine:
         def step(grid, ell, seeds, rounds, live, q=None):
             logits, taps = self.target.score(batch, grid, None, window, dense)
             self._mark()
-            res = self._accept(logits, grid, ell, q, seeds, rounds)
+            res = self._accept(logits, grid, ell, q, seeds, rounds, method)
             self._mark()
             keep = torch.where(live, res.accepted + 1, 0)
             self.target.keep(batch, keep)
             return res.accepted, res.tokens, keep, taps
 
-        key = ("chain", padded, width, window, dense, q is not None, batch.generation)
+        key = ("chain", padded, width, window, dense, q is not None, method, batch.generation)
         accepted, tokens, keep, taps = rows.runner(key, step, inputs, padded)
         batch.bound(width + 1)
         res = VerifyResult(accepted=accepted, tokens=tokens, num_tokens=accepted + 1)
         hidden = taps if batch.layer_ids else None
         return res, grid, keep, hidden
 
-    def _accept(self, logits, grid, ell, q, seeds, rounds) -> VerifyResult:
-        """Accept a prefix of each row's drafts: logits [n, 1 + W, V] float of grid [n, 1 + W]
-        (anchor, drafts), ℓ [n]; q [n, W, V] or None (one-hot drafts)."""
+    def _accept(self, logits, grid, ell, q, seeds, rounds, method: str) -> VerifyResult:
+        """Accept a prefix of each row's drafts by ``method`` ("token" or "block"): logits
+        [n, 1 + W, V] float of grid [n, 1 + W] (anchor, drafts), ℓ [n]; q [n, W, V] or None
+        (one-hot drafts)."""
         cfg = self.config
         width = grid.shape[1] - 1
         base = rounds * ROUND_STRIDE  # [n]
@@ -377,25 +399,27 @@ class SpeculativeEngine:
         salts = torch.where(col == 0, NOISE_SALT, ENGINE_COIN_SALT)  # final draw at base, draft k's coin at base + k
         u = sampling.uniform(seeds[:, None], base[:, None] + col, salt=salts)  # [n, 1 + W]
         if self._inverse_cdf:
-            return verify_chain_grid(probs, drafts, q, ell, uniforms=u[:, 1:], final_uniforms=u[:, 0])
-        noise = sampling.exponential(seeds, base, vocab, salt=NOISE_SALT)
-        return verify_chain_grid(probs, drafts, q, ell, uniforms=u[:, 1:], noise=noise)
+            return verify_chain_grid(probs, drafts, q, ell, method=method, uniforms=u[:, 1:], final_uniforms=u[:, 0])
+        noise = CounterNoise(seeds, base, NOISE_SALT)  # exponential(seeds, base, V, NOISE_SALT), made where it is used
+        return verify_chain_grid(probs, drafts, q, ell, method=method, uniforms=u[:, 1:], noise=noise)
 
     def _verify_tree(self, rows: _Rows, proposal: Proposal, ell: torch.Tensor, padded: int):
-        """Verify one draft tree per row in one static step: recursive rejection over sampled
-        siblings ("sampled") when the tree carries draft probabilities and T > 0, else the
-        sample-and-match walk; then the accepted path enters the target cache. A row verifying
+        """Verify one draft tree per row in one static step: the configured rule for sampled
+        siblings (``tree_verify``: "traversal" or "sampled") when the tree carries draft
+        probabilities and T > 0, else the sample-and-match walk; then the accepted path enters the target cache. A row verifying
         nothing (token budget spent) gets an empty tree: its token is then the root's sample, the
         one a plain step would give (so outputs do not depend on the batch)."""
         cfg, R = self.config, len(rows.active)
         tree = proposal.tree
+        assert tree is not None  # a tree round
         col = torch.arange(tree.parents.shape[1], device=ell.device)
         nodes = (tree.parents >= 0) & (col < tree.num_nodes[:, None]) & (ell[:, None] > 0)  # [R, N]
         parents = torch.where(nodes, tree.parents, -1)
         ids = torch.cat([rows.anchors[:, None], tree.tokens.clamp(min=0).to(rows.anchors.dtype)], dim=1)  # [R, N+1]
         grid_parents = torch.cat([torch.full_like(parents[:, :1], -1), parents], dim=1)
         q = tree.draft_probs if tree.draft_probs is not None and not cfg.greedy else None
-        method = "match" if q is None else "sampled"
+        method = "match" if q is None else cfg.tree_verify
+        self._count_rule(method)
         fanout = 0 if q is None else tree.fanout if tree.fanout is not None else _fanout(parents)
         depth = cfg.block_size
         batch = rows.batch
@@ -414,6 +438,7 @@ class SpeculativeEngine:
                 final_draw="inverse_cdf" if self._inverse_cdf else "race",
             )  # fmt: skip
             self._mark()
+            assert res.path is not None  # tree verification returns the accepted path
             path = torch.where(live[:, None], res.path, -1)
             self.target.keep_path(batch, path)
             keep = torch.where(live, res.accepted + 1, 0)
@@ -430,15 +455,17 @@ class SpeculativeEngine:
 
     def _advance(self, rows: _Rows, committed, keep, hidden, padded: int) -> None:
         """3. the drafter's cache takes the committed tokens (anchor + accepted drafts) of every row."""
-        key = self.drafter.capture_key(rows.dstate, self.graphs.window())
+        drafter = self.drafter
+        assert drafter is not None  # called with a drafter only
+        key = drafter.capture_key(rows.dstate, self.graphs.window())
         if key is None:  # eagerly, unpadded
             R = len(rows.active)
-            self.drafter.advance_grid(rows.dstate, committed[:R], keep[:R], None if hidden is None else hidden[:R])
+            drafter.advance_grid(rows.dstate, committed[:R], keep[:R], None if hidden is None else hidden[:R])
             return
         inputs = [committed, keep] + ([hidden] if hidden is not None else [])
 
         def step(committed, keep, hidden=None):
-            self.drafter.advance_grid(rows.dstate, committed, keep, hidden)
+            drafter.advance_grid(rows.dstate, committed, keep, hidden)
 
         rows.runner(("advance", padded, committed.shape[1], key), step, inputs, padded)
 
@@ -511,9 +538,9 @@ class SpeculativeEngine:
                 done.append(r)
         if not done:
             return
-        order = _fill_holes(len(rows.active), set(done), rows.lag.admitted if rows.dstate is not None else len(rows.active))
+        order = _fill_holes(len(rows.active), set(done), rows.lag.admitted if self.drafter is not None else len(rows.active))
         self.target.select_rows(rows.batch, order)
-        if rows.dstate is not None:
+        if self.drafter is not None:
             rows.lag.keep(self.drafter, rows.dstate, order)
         idx = torch.tensor(order, dtype=torch.long, device=rows.anchors.device)
         rows.anchors, rows.seeds, rows.rounds = rows.anchors[idx], rows.seeds[idx], rows.rounds[idx]
@@ -528,6 +555,9 @@ class SpeculativeEngine:
                 on_finish(results[i])
 
     # -- helpers -------------------------------------------------------------------------
+    def _count_rule(self, rule: str) -> None:
+        self.stats.verify_rules[rule] = self.stats.verify_rules.get(rule, 0) + 1
+
     def _truncate(self, res: RequestResult) -> str:
         """Cut the output after a stop token or at max_new_tokens; return why it finished."""
         for j, tok in enumerate(res.output_ids):
@@ -540,18 +570,21 @@ class SpeculativeEngine:
         return ""
 
     def _sample(self, logits: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor, salt: int) -> torch.Tensor:
-        """One target token per row from logits [R, V] at the run's settings."""
+        """One target token per row from logits [R, V] at the run's settings: the inverse CDF on a
+        CPU, else the exponential race of :func:`sample_logits` (Triton on CUDA: the noise is
+        computed where it is used, never written)."""
         cfg = self.config
         if cfg.greedy:
             return logits.argmax(-1)
-        probs = sampling.logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
         if self._inverse_cdf:
+            probs = sampling.logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
             return sampling.sample_inverse_cdf(probs, sampling.uniform(seeds, offsets, salt=salt))
-        return sampling.sample_from_probs(probs, sampling.exponential(seeds, offsets, probs.shape[-1], salt=salt))
+        return sample_logits(logits, seeds, offsets, salt=salt, temperature=cfg.temperature, top_k=cfg.top_k,
+                             top_p=cfg.top_p)
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
         cfg = self.config
-        max_ctx = getattr(self.target.config, "max_position_embeddings", None)
+        max_ctx = self.target.max_context
         vocab = self.target.vocab_size
         for i, p in enumerate(prompts):
             if len(p) == 0:
@@ -567,9 +600,10 @@ class SpeculativeEngine:
 
 def _proposal(fields: tuple, rows: int) -> Proposal:
     """The Proposal of :meth:`SpeculativeEngine._propose`'s tensors, cut to the batch's rows."""
-    tokens, lengths, probs, conf, t_tokens, t_parents, t_nodes, t_probs, fanout = (
-        f[:rows] if isinstance(f, torch.Tensor) else f for f in fields
+    tokens, lengths, probs, conf, t_tokens, t_parents, t_nodes, t_probs = (
+        f[:rows] if isinstance(f, torch.Tensor) else f for f in fields[:-1]
     )
+    fanout = fields[-1]  # a host int (or None), never cut
     tree = None if t_tokens is None else DraftTree(t_tokens, t_parents, t_nodes, t_probs, fanout=fanout)
     return Proposal(tokens=tokens, lengths=lengths, draft_probs=probs, confidence=conf, tree=tree)
 
@@ -608,7 +642,7 @@ class _Session:
     the graphs captured over them."""
 
     batch: TargetBatch
-    dstate: object
+    dstate: Any  # the drafter's DraftState; None without a drafter
     runner: GraphRunner
 
 
@@ -617,7 +651,7 @@ class _Rows:
     """The running batch: target cache, drafter state and per-row tensors, in row order."""
 
     batch: TargetBatch
-    dstate: object
+    dstate: Any  # the drafter's DraftState; None without a drafter
     device: torch.device
     runner: GraphRunner
     active: list[int] = field(default_factory=list)  # request index per row

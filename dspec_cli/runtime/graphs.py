@@ -99,7 +99,7 @@ class GraphRunner:
         self._compiled.clear()
 
     def __call__(self, key: Hashable, fn: Callable[..., Any], inputs: Sequence[torch.Tensor], rows: int) -> Any:
-        """``fn`` of ``inputs`` zero-padded along dimension 0 to ``rows`` (a bucket); returns what
+        """``fn`` of ``inputs`` (each [n, ...], n <= rows) zero-padded along dimension 0 to ``rows`` (a bucket); returns what
         ``fn`` returns. Under "cuda" and "check" the outputs of a replay are the same tensors every
         time: use them before the next call with the same key."""
         if self.mode == "eager":
@@ -109,9 +109,11 @@ class GraphRunner:
             if compiled is None:
                 # every key compiles the same code object anew: allow a specialisation per key
                 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _COMPILED_KEYS)
-                on_cuda = inputs[0].device.type == "cuda"
-                options = {"mode": "reduce-overhead"} if on_cuda else {"backend": "eager"}
-                compiled = self._compiled[key] = torch.compile(fn, fullgraph=True, dynamic=False, **options)
+                if inputs[0].device.type == "cuda":
+                    compiled = torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
+                else:
+                    compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend="eager")
+                self._compiled[key] = compiled
                 self.captures += 1
             return compiled(*(_pad(x, rows) for x in inputs))
         entry = self._entries.get(key)
@@ -179,6 +181,7 @@ class _Touched(TorchDispatchMode):
         return out
 
     def storages(self, inputs: Sequence[torch.Tensor]) -> frozenset[int]:
+        """Storages the recorded calls touched besides those of ``inputs`` (tensors [...] of any shape)."""
         return frozenset(set(self._used) - set(_storages(list(inputs))))
 
     def describe(self, ptr: int) -> str:

@@ -75,27 +75,36 @@ class SlotLayer(CacheLayerMixin):
         self.cache = cache
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Allocate the buffers from the first forward's key_states, value_states [n, H, q, D]
+        (heads, head size, dtype and device) at the cache's capacity."""
         rows, slots = self.cache.capacity
         self.device = key_states.device
         self.keys = key_states.new_zeros(rows, key_states.shape[1], slots, key_states.shape[3])
         self.values = value_states.new_zeros(rows, value_states.shape[1], slots, value_states.shape[3])
         self.is_initialized = True
 
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values), each [row capacity, H, slot capacity, D] (the layer is initialised)."""
+        assert self.keys is not None and self.values is not None, "SlotLayer used before its first update"
+        return self.keys, self.values
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Write the new tokens' K/V [n, H, q, D] at their slots; return the window [n, H, S, D]."""
+        """Write the new tokens' key_states, value_states [n, H, q, D] at their slots; return the
+        window of both [n, H, S, D]."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        io = self.cache.io
+        io = self.cache.forward_io()
         n, heads, q, _ = key_states.shape
         rows = slice(io.row0, io.row0 + n)
-        keys, values = self.keys[rows], self.values[rows]
+        all_keys, all_values = self.kv()
+        keys, values = all_keys[rows], all_values[rows]
         index = io.slots[:, None, :, None]  # [n, 1, q, 1]
         keys.scatter_(2, index.expand(n, heads, q, keys.shape[3]), key_states)
         values.scatter_(2, index.expand(n, values.shape[1], q, values.shape[3]), value_states)
         return keys[:, :, : io.window], values[:, :, : io.window]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cache.io.window, 0
+        return self.cache.forward_io().window, 0
 
     def get_seq_length(self) -> int:
         io = self.cache.io
@@ -108,7 +117,7 @@ class SlotLayer(CacheLayerMixin):
         """Grow the buffers to [rows, H, slots, D], keeping their contents."""
         if not self.is_initialized:
             return
-        old_rows, old_slots = self.keys.shape[0], self.keys.shape[2]
+        old_rows, _, old_slots, _ = self.kv()[0].shape
         for name in ("keys", "values"):
             old = getattr(self, name)
             new = old.new_zeros(rows, old.shape[1], slots, old.shape[3])
@@ -125,10 +134,18 @@ class SlotCache(Cache):
         self.capacity = (rows, slots)
         self.io: ForwardIO | None = None
 
+    def forward_io(self) -> ForwardIO:
+        """Where the running forward reads and writes (set by the target before every forward)."""
+        assert self.io is not None, "SlotCache: a forward ran without its ForwardIO"
+        return self.io
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Store key_states, value_states [n, H, q, D] of layer ``layer_idx``; return its window."""
         while len(self.layers) <= layer_idx:
             self.layers.append(SlotLayer(self))
-        return self.layers[layer_idx].update(key_states, value_states)
+        layer = self.layers[layer_idx]
+        assert isinstance(layer, SlotLayer)  # this cache makes only SlotLayers
+        return layer.update(key_states, value_states)
 
     def kv_layers(self) -> list[SlotLayer]:
         return [layer for layer in self.layers if isinstance(layer, SlotLayer) and layer.is_initialized]
@@ -236,7 +253,7 @@ class TargetBatch:
         rows = shift.shape[0]
         index = (torch.arange(width, device=self.device) + shift[:, None]).clamp(max=width - 1)  # [G, W]
         for layer in self.cache.kv_layers():
-            for buf in (layer.keys, layer.values):
+            for buf in layer.kv():
                 part = buf[row0 : row0 + rows, :, :width]
                 part.copy_(part.gather(2, index[:, None, :, None].expand(rows, part.shape[1], width, part.shape[3])))
 
@@ -253,8 +270,8 @@ class TargetBatch:
             dst = torch.tensor(moved, dtype=torch.long, device=self.device)
             src = torch.tensor([index[r] for r in moved], dtype=torch.long, device=self.device)
             for layer in self.cache.kv_layers():
-                layer.keys.index_copy_(0, dst, layer.keys.index_select(0, src))
-                layer.values.index_copy_(0, dst, layer.values.index_select(0, src))
+                for buf in layer.kv():
+                    buf.index_copy_(0, dst, buf.index_select(0, src))
             self._committed.index_copy_(0, dst, self._committed.index_select(0, src))
         self._committed[len(index) : self.num_rows] = 0  # rows that left: zero length (padding rows)
         self.lengths = [self.lengths[i] for i in index]
@@ -275,7 +292,7 @@ class TargetBatch:
         dst = base + torch.arange(width, device=self.device)
         src = torch.where(used, base + path, dst)  # padding copies a slot onto itself
         for layer in self.cache.kv_layers():
-            for buf in (layer.keys, layer.values):
+            for buf in layer.kv():
                 rows = buf[:n]
                 heads, dim = rows.shape[1], rows.shape[3]
                 moved = rows.gather(2, src[:, None, :, None].expand(n, heads, width, dim))
@@ -311,7 +328,8 @@ def attention_masks(
 
 
 def causal_visibility(real: torch.Tensor) -> torch.Tensor:
-    """[R, q, q] bool: token i sees real tokens j <= i; padding (real False) also sees itself."""
+    """[R, q, q] bool from real [R, q] bool: token i sees real tokens j <= i; padding (real False)
+    also sees itself."""
     q = real.shape[1]
     vis = torch.ones(q, q, dtype=torch.bool, device=real.device).tril()[None] & real[:, None, :]
     return vis | torch.eye(q, dtype=torch.bool, device=real.device)

@@ -59,14 +59,15 @@ from dspec_cli.core.types import Proposal
 
 
 def survival(confidence: torch.Tensor, lmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(a [R, γ] float64 = cumulative products, valid [R, γ]: j < lmax_r and a > 0)."""
+    """confidence [R, γ], lmax [R] -> (a [R, γ] float64 = cumulative products, valid [R, γ]:
+    j < lmax_r and a > 0)."""
     a = confidence.double().cumprod(1)
     j = torch.arange(confidence.shape[1], device=confidence.device)
     return a, (j < lmax[:, None]) & (a > 0)
 
 
 def sorted_candidates(a: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Valid candidates first, by a descending (stable: row-major on ties).
+    """Valid candidates first, by a [R, γ] descending (stable: row-major on ties); valid [R, γ] bool.
 
     Returns (values [Rγ] with invalid entries 0, row of each [Rγ], number of valid candidates []).
     """
@@ -76,48 +77,65 @@ def sorted_candidates(a: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tenso
 
 
 def throughput(values: torch.Tensor, num_rows: int, sps: torch.Tensor) -> torch.Tensor:
-    """Θ after admitting the first i sorted candidates, i = 0..Rγ: [Rγ + 1] (sps indexed by B)."""
+    """Θ after admitting the first i sorted candidates values [Rγ], i = 0..Rγ: [Rγ + 1]
+    (sps [B_max + 1] indexed by batch tokens B)."""
     tau = num_rows + torch.cat([values.new_zeros(1), values.cumsum(0)])
     batch = num_rows + torch.arange(values.shape[0] + 1, device=values.device)
     return tau * sps[batch]
 
 
 def early_stop_count(values: torch.Tensor, num_valid: torch.Tensor, num_rows: int, sps: torch.Tensor) -> torch.Tensor:
-    """Algorithm 1: admitted candidates before the first one that does not raise Θ."""
+    """Algorithm 1: admitted candidates before the first one that does not raise Θ (a [] count);
+    values [Rγ], num_valid [] and sps [B_max + 1] as in :func:`sorted_candidates`, :func:`throughput`."""
     theta = throughput(values, num_rows, sps)
     idx = torch.arange(values.shape[0], device=values.device)
     improves = (theta[1:] > theta[:-1]) & (idx < num_valid)
     return improves.long().cumprod(0).sum()
 
 
+def admit_candidates(a: torch.Tensor, valid: torch.Tensor, sps: torch.Tensor) -> torch.Tensor:
+    """Algorithm 1 over any candidates: a [R, C] survival values, valid [R, C] -> the admitted
+    mask [R, C]: candidates in descending order of a (row-major on ties) up to the first that does
+    not raise Θ = (R + Σa)·SPS(R + count) (sps indexed by B). Prefix-closed whenever a never rises
+    along a row's prefix order and that order is the row's index order (e.g. draft-tree nodes,
+    parents and earlier siblings first)."""
+    values, order = a.masked_fill(~valid, -1.0).flatten().sort(descending=True, stable=True)
+    count = early_stop_count(values.clamp(min=0), valid.sum(), a.shape[0], sps)
+    keep = torch.arange(values.shape[0], device=a.device) < count
+    return torch.zeros_like(keep).scatter_(0, order, keep).view_as(valid)
+
+
 def global_capacity(values: torch.Tensor, num_valid: torch.Tensor, num_rows: int, sps: torch.Tensor) -> torch.Tensor:
-    """Unconstrained search: the K in [0, #valid] maximising Θ (first maximum)."""
+    """Unconstrained search: the K in [0, #valid] maximising Θ (first maximum, a [] count);
+    values [Rγ], num_valid [] and sps [B_max + 1] as in :func:`early_stop_count`."""
     theta = throughput(values, num_rows, sps)
     allowed = torch.arange(theta.shape[0], device=theta.device) <= num_valid
     return theta.masked_fill(~allowed, -1.0).argmax()
 
 
 def column_sums(a: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Expected accepted drafts per position over the rows: Σ_r a_{r,j} (valid only) [γ]."""
+    """Expected accepted drafts per position over the rows: Σ_r a_{r,j} (valid only) [γ], from
+    a [R, γ] and valid [R, γ]."""
     return (a * valid).sum(0)
 
 
 def width_throughput(columns: torch.Tensor, num_rows: int, sps: torch.Tensor) -> torch.Tensor:
-    """Θ(w) of a padded verify of width w = 0..γ drafts per row: [γ + 1]. Every row verifies
+    """Θ(w) of a padded verify of width w = 0..γ drafts per row: [γ + 1], from columns [γ]
+    (:func:`column_sums`) and sps [B_max + 1] indexed by B. Every row verifies
     its first min(w, lmax_r) drafts, so τ = R + Σ_{j ≤ w} columns_j and B = R·(w + 1)."""
     tau = num_rows + torch.cat([columns.new_zeros(1), columns.cumsum(0)])
     return tau * sps[num_rows * torch.arange(1, columns.shape[0] + 2, device=columns.device)]
 
 
 def early_stop_width(theta: torch.Tensor) -> torch.Tensor:
-    """Columns admitted before the first one that does not raise Θ [γ + 1]."""
+    """Columns admitted before the first one that does not raise theta [γ + 1] (a [] count)."""
     return (theta[1:] > theta[:-1]).long().cumprod(0).sum()
 
 
 def draft_throughput(survival_mean: torch.Tensor, num_rows: int, sps: torch.Tensor, draft_seconds: float,
                      padded: bool = False) -> float:
-    """Best expected Θ over budgets K >= 1 when every row has the survival curve ā [γ]
-    (non-increasing) and drafting costs ``draft_seconds`` per round: max_K τ_K / (1/SPS(R+K) + t);
+    """Best expected Θ over budgets K >= 1 when every row has the survival curve
+    ā = survival_mean [γ] (non-increasing; sps [B_max + 1] indexed by B) and drafting costs ``draft_seconds`` per round: max_K τ_K / (1/SPS(R+K) + t);
     ``padded``: K a multiple of R, priced as B = R + K (whole columns)."""
     values = survival_mean.double().repeat_interleave(num_rows)  # already sorted: ā_1 ×R, ā_2 ×R, ...
     tau = num_rows + values.cumsum(0)
@@ -191,7 +209,7 @@ class DraftGate:
         self.opened = self.closed = 0  # decisions taken
 
     def observe_survival(self, survival: torch.Tensor) -> None:
-        """Survival products a [R, γ] of a drafted round (calibrated)."""
+        """survival [R, γ]: the survival products of a drafted round (calibrated)."""
         mean = survival.double().mean(0).cpu()
         self.survival = mean if self.survival is None else self.survival + self.smoothing * (mean - self.survival)
         self._verdict = None
@@ -255,12 +273,13 @@ class DraftGate:
 
     def overhead(self, num_rows: int, sps: torch.Tensor) -> float:
         """Measured seconds of a plain round at R = ``num_rows`` beyond the cost table's forward
-        (the engine's own per-round work); 0 until one is measured or with fixed ``draft_seconds``."""
+        (the engine's own per-round work; sps [B_max + 1] indexed by B); 0 until one is measured or with fixed ``draft_seconds``."""
         plain = self.rounds.get((num_rows, False)) if self.draft_seconds is None else None
         return 0.0 if plain is None else max(plain - 1.0 / float(sps[num_rows]), 0.0)
 
     def round_seconds(self, num_rows: int, sps: torch.Tensor) -> float:
-        """What a drafted round costs beyond the target's forward: drafting plus :meth:`overhead`."""
+        """What a drafted round costs beyond the target's forward: drafting plus :meth:`overhead`
+        (sps [B_max + 1] indexed by B)."""
         return (self._draft_seconds(num_rows) or 0.0) + self.overhead(num_rows, sps)
 
     def _predict(self, num_rows: int, sps: torch.Tensor) -> bool:
@@ -277,7 +296,7 @@ class DraftGate:
     def decide(self, num_rows: int, sps: Callable[[], torch.Tensor]) -> bool:
         """Draft this round? Measured rates at this R when there are (:meth:`measured`), else
         what measured rates at other R imply (:meth:`inferred`), else :meth:`_predict` on
-        ``sps()``, the SPS curve (its verdict reused until R changes or a drafted round brings
+        ``sps()``, the SPS curve [B_max + 1] (its verdict reused until R changes or a drafted round brings
         new observations) or a measuring run of drafted rounds."""
         is_open = self.measured(num_rows)
         if is_open is None:
@@ -342,7 +361,8 @@ class Rate:
 
 
 def admit(rows: torch.Tensor, count: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """ℓ [R]: how many of the first ``count`` sorted candidates belong to each row."""
+    """ℓ [R]: how many of the first ``count`` [] sorted candidates belong to each row (rows [Rγ]:
+    the row of each candidate)."""
     take = (torch.arange(rows.shape[0], device=rows.device) < count).long()
     return torch.zeros(num_rows, dtype=torch.long, device=rows.device).index_add_(0, rows, take)
 
@@ -366,10 +386,14 @@ class Scheduler:
         if gate is not None and cost_table is None:
             raise DspecError(f"scheduler {self.name!r}: the draft gate needs a cost table")
         self.cost_table = cost_table
-        self.context = context  # context length for SPS lookups (None: mean over profiled contexts)
+        # context length for SPS lookups: fixed here, or (None) each round's mean context as the
+        # engine reports it (observe_context; until then the mean over the profiled contexts)
+        self.context = context
+        self._fixed_context = context is not None
         self.gate = gate
 
     def __call__(self, proposal: Proposal, lmax: torch.Tensor) -> torch.Tensor:
+        """ℓ [R] for the proposal's rows, each at most lmax [R]."""
         if proposal.confidence is None:
             raise ValueError(f"scheduler {self.name!r} needs proposal.confidence")
         conf = proposal.confidence  # [R, γ], calibrated by the engine
@@ -382,6 +406,12 @@ class Scheduler:
         if self.gate is None:
             return True
         return self.gate.decide(num_rows, lambda: self._sps(num_rows * (gamma + 1), torch.device("cpu")))
+
+    def observe_context(self, mean_context: float) -> None:
+        """Called by the engine before each round with its rows' mean context length (prompt and
+        generated tokens): the SPS lookups' context unless the constructor fixed one."""
+        if not self._fixed_context:
+            self.context = mean_context
 
     def observe_draft_time(self, num_rows: int, seconds: float) -> None:
         """Called by the engine after each drafted round with its drafting time."""
@@ -405,6 +435,7 @@ class Scheduler:
             self.gate.new_run()
 
     def _sps(self, max_tokens: int, device: torch.device) -> torch.Tensor:
+        assert self.cost_table is not None  # only the draft gate and cost-aware schedulers look up SPS
         return self.cost_table.sps_curve(max_tokens, self.context, device)
 
 
@@ -412,10 +443,10 @@ class FixedScheduler(Scheduler):
     name = "fixed"
     description = "verify every proposed draft (ℓ = lmax)"
 
-    def __call__(self, proposal: Proposal, lmax: torch.Tensor) -> torch.Tensor:
+    def __call__(self, proposal: Proposal, lmax: torch.Tensor) -> torch.Tensor:  # lmax [R] -> ℓ [R]
         return lmax  # needs no confidence
 
-    def lengths(self, confidence: torch.Tensor, lmax: torch.Tensor) -> torch.Tensor:
+    def lengths(self, confidence: torch.Tensor, lmax: torch.Tensor) -> torch.Tensor:  # [R, γ], [R] -> [R]
         return lmax
 
 
@@ -429,7 +460,7 @@ class ThresholdScheduler(Scheduler):
             raise DspecError(f"--threshold must be in [0, 1], got {threshold}")
         self.threshold = threshold
 
-    def lengths(self, confidence: torch.Tensor, lmax: torch.Tensor) -> torch.Tensor:
+    def lengths(self, confidence: torch.Tensor, lmax: torch.Tensor) -> torch.Tensor:  # [R, γ], [R] -> [R]
         kept = (confidence >= self.threshold).long().cumprod(1).sum(1)
         return torch.minimum(kept, lmax)
 
@@ -466,7 +497,7 @@ class HardwareScheduler(_GatedScheduler):
     name = "hardware"
     description = "DSpark Algorithm 1: global greedy admission by survival, early stop on expected throughput; draft gate"
 
-    def lengths(self, confidence: torch.Tensor, lmax: torch.Tensor) -> torch.Tensor:
+    def lengths(self, confidence: torch.Tensor, lmax: torch.Tensor) -> torch.Tensor:  # [R, γ], [R] -> [R]
         R, gamma = confidence.shape
         sps = self._round_sps(R, R * (gamma + 1), confidence.device)
         if self.layout == "padded":
@@ -490,7 +521,7 @@ class AsyncScheduler(_GatedScheduler):
         super().reset()
         self._history.clear()
 
-    def lengths(self, confidence: torch.Tensor, lmax: torch.Tensor) -> torch.Tensor:
+    def lengths(self, confidence: torch.Tensor, lmax: torch.Tensor) -> torch.Tensor:  # [R, γ], [R] -> [R]
         if self.layout == "padded":
             return self._padded_lengths(confidence, lmax)
         R, gamma = confidence.shape

@@ -25,16 +25,18 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
 from dspec_cli.checkpoints.hub import resolve_checkpoint
+from dspec_cli.core.chat_template import DEFAULT_KWARGS
 from dspec_cli.core.devices import auto_dtype, parse_dtype, resolve_device
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import ASSETS_DIR, DEFAULT_TARGET_PATH, embedded_path
 from dspec_cli.core.hardware import warn_if_slow_half
 from dspec_cli.core.ragged import flatten, to_grid
-from dspec_cli.core.types import StepOutput
+from dspec_cli.core.types import PrefillOutput, StepOutput
 from dspec_cli.runtime import attention
 from dspec_cli.runtime.kv_cache import (
     ForwardIO,
@@ -46,7 +48,7 @@ from dspec_cli.runtime.kv_cache import (
     causal_visibility,
 )
 
-__all__ = ["ASSETS_DIR", "DEFAULT_TARGET_PATH", "StepOutput", "Target", "TargetBatch", "embedded_path"]
+__all__ = ["ASSETS_DIR", "DEFAULT_TARGET_PATH", "PrefillOutput", "StepOutput", "Target", "TargetBatch", "embedded_path", "max_context"]
 
 _MASKABLE = ("sdpa", attention.NAME, "eager")
 _PAD_RATIO, _PAD_SLACK = 1.25, 64  # prefill groups: padded tokens <= ratio × real tokens + slack
@@ -60,18 +62,17 @@ class Target:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = model.config.get_text_config()
-        impl = getattr(model.config, "_attn_implementation", None)
+        impl = attention.attn_implementation(model)
         if impl not in _MASKABLE:
             raise ValueError(f"model attn_implementation must be one of {_MASKABLE}, got {impl!r}")
         attention.use_for(model)  # sdpa -> dspec_sdpa: no K/V copy for grouped-query heads under a mask
         self._float_mask = impl == "eager"
-        self._layers = getattr(model.get_decoder(), "layers", None)
-        if self._layers is None:
-            raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+        self._layers = _decoder_layers(model)
         self._embed = model.get_input_embeddings()
         self._param = next(model.parameters())  # device / dtype probe (``module.to`` keeps the object)
         self._window, self._layout = attention_layout(self.config)
         params = inspect.signature(model.forward).parameters
+        _check_positions(model, params)
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._keep_kw = "logits_to_keep" in params
         self._hooked: set[int] = set()  # tapped modules with a hook (kept for the target's life)
@@ -116,11 +117,16 @@ class Target:
             tokenizer = AutoTokenizer.from_pretrained(local)
         except (OSError, ValueError) as err:
             detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            if "scaled_dot_product_attention" in detail:  # the masks dspec passes need SDPA (or eager) attention
+                detail = f"{detail.split('. ')[0]}, which dspec needs (tested: {TESTED})"
             raise DspecError(f"cannot load target {name_or_path!r}: {detail}") from err
-        model.to(device).requires_grad_(False)
+        model.to(device).requires_grad_(False)  # pyright: ignore[reportArgumentType]  # transformers wraps `to` in a decorator pyright misreads
         if chat_template and tokenizer.chat_template is None:
             raise DspecError(f"target {name_or_path!r} has no chat template (chat_template=True)")
-        return cls(model, tokenizer, chat_template=chat_template)
+        try:
+            return cls(model, tokenizer, chat_template=chat_template)
+        except ValueError as err:  # an architecture dspec cannot run
+            raise DspecError(f"cannot load target {name_or_path!r}: {err}") from None
 
     # -- properties ------------------------------------------------------------------------------
 
@@ -135,6 +141,11 @@ class Target:
     @property
     def num_layers(self) -> int:
         return self.config.num_hidden_layers
+
+    @property
+    def max_context(self) -> int | None:
+        """Most positions (prompt + generated) the target takes; None when its config states none."""
+        return max_context(self.config)
 
     @property
     def device(self) -> torch.device:
@@ -156,8 +167,12 @@ class Target:
 
     # -- prompts ---------------------------------------------------------------------------------
 
-    def render_prompt(self, prompt: str | Sequence[Mapping[str, str]]) -> list[int]:
-        """Token ids of a prompt: chat template (with generation prompt) for chat models, else encode."""
+    def render_prompt(
+        self, prompt: str | Sequence[Mapping[str, str]], chat_template_kwargs: Mapping[str, Any] | None = None
+    ) -> list[int]:
+        """Token ids of a prompt: chat template (with generation prompt) for chat models, else encode.
+
+        ``chat_template_kwargs`` go to the template (default :data:`~dspec_cli.core.chat_template.DEFAULT_KWARGS`)."""
         if self.tokenizer is None:
             raise ValueError("render_prompt needs a tokenizer")
         has_template = self.tokenizer.chat_template is not None
@@ -172,8 +187,9 @@ class Target:
                 raise ValueError("prompt messages must be mappings with 'role' and 'content'")
             if not use_chat:
                 raise ValueError("prompt is a message list but chat templating is off or missing")
+        kwargs = DEFAULT_KWARGS if chat_template_kwargs is None else chat_template_kwargs
         ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False, enable_thinking=False
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
         )
         return list(ids)
 
@@ -188,7 +204,7 @@ class Target:
         return TargetBatch(layer_ids, self.device, rows, slots)
 
     @torch.no_grad()
-    def prefill(self, batch: TargetBatch, prompts: Sequence[Sequence[int]]) -> StepOutput:
+    def prefill(self, batch: TargetBatch, prompts: Sequence[Sequence[int]]) -> PrefillOutput:
         """Append new requests (rows) to ``batch`` in ``prompts`` order; other rows may be mid-generation.
 
         Token-identical prompts run once and their rows are copied; distinct ones run in groups of
@@ -215,7 +231,7 @@ class Target:
             batch.select_rows(list(range(first)) + [first + i for i in index])
         last = torch.cat(logits).index_select(0, torch.tensor(index, device=self.device))
         rows = torch.arange(first, first + len(prompts), device=self.device)
-        return StepOutput(logits=last, hidden=[hidden[r] for r in index], rows=rows)
+        return PrefillOutput(logits=last, hidden=[hidden[r] for r in index], rows=rows)
 
     def _prefill_group(self, batch: TargetBatch, prompts: list[tuple[int, ...]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One left-padded forward of ``prompts`` into new rows of ``batch``: (last-position logits
@@ -274,8 +290,8 @@ class Target:
     def verify_tree(
         self, batch: TargetBatch, tokens: torch.Tensor, parents: torch.Tensor, lengths: torch.Tensor
     ) -> StepOutput:
-        """Score ragged trees: row r has n_r = ``lengths[r]`` nodes [Σn_r] with row-local ``parents``
-        [Σn_r]: node 0 is the anchor (parent -1), node i > 0 has parent < i. Position = committed
+        """Score ragged trees: row r has n_r = ``lengths[r]`` (lengths [R]) nodes, tokens [Σn_r], with
+        row-local parents [Σn_r]: node 0 is the anchor (parent -1), node i > 0 has parent < i. Position = committed
         length + depth; each node attends to the row's committed slots and to its ancestors."""
         n, q, flat = self._ragged(batch, tokens, lengths)
         if parents.shape != tokens.shape:
@@ -297,20 +313,22 @@ class Target:
         pending = _require_pending(batch, tree=False)
         keep = keep.to(self.device, torch.long)
         keep_list = keep.tolist()
-        if len(keep_list) != batch.num_rows or any(not 0 <= k <= m for k, m in zip(keep_list, pending.n)):
+        if len(keep_list) != batch.num_rows or any(not 0 <= k <= m for k, m in zip(keep_list, pending.n, strict=True)):
             raise ValueError(f"keep must be [R] with 0 <= keep[r] <= n_r={pending.n}, got {keep_list}")
         self._commit(batch, keep, keep_list)
 
     def commit_path(self, batch: TargetBatch, path: torch.Tensor) -> None:
         """Trees: keep the nodes of ``path`` [R, D] (row-local ids from the root down, -1 padded)."""
         pending = _require_pending(batch, tree=True)
-        rows, q = pending.parents.shape
+        parents = pending.parents
+        assert parents is not None  # a tree step (_require_pending)
+        rows, q = parents.shape
         path = path.to(self.device, torch.long)
         if path.dim() != 2 or path.shape[0] != rows:
             raise ValueError(f"path must be [R={rows}, D], got {tuple(path.shape)}")
         used = path >= 0
         n = _counts(pending.n, self.device)
-        parent = pending.parents.gather(1, path.clamp(0, q - 1))  # [R, D]
+        parent = parents.gather(1, path.clamp(0, q - 1))  # [R, D]
         prev = torch.cat([torch.full_like(path[:, :1], -1), path[:, :-1]], dim=1)
         chain = (parent == prev) & (path < n[:, None])
         prefix = used.int().cummin(dim=1).values == used.int()  # -1 only as trailing padding
@@ -320,16 +338,16 @@ class Target:
             raise ValueError("path: each row must be a chain 0, child, grandchild, ... then -1 padding")
         batch.keep_path(path)
         batch.pending = None
-        batch.settle([m + a for m, a in zip(batch.lengths, added)])
+        batch.settle([m + a for m, a in zip(batch.lengths, added, strict=True)])
 
     def rollback(self, batch: TargetBatch, drop: torch.Tensor) -> None:
         """Un-commit the last ``drop[r]`` committed tokens of each row [R]."""
         batch.require_idle("rollback")
         drop_list = drop.tolist()
-        if len(drop_list) != batch.num_rows or any(not 0 <= d <= m for d, m in zip(drop_list, batch.lengths)):
+        if len(drop_list) != batch.num_rows or any(not 0 <= d <= m for d, m in zip(drop_list, batch.lengths, strict=True)):
             raise ValueError(f"drop must be [R] with 0 <= drop[r] <= committed={batch.lengths}, got {drop_list}")
         batch.advance(-drop.to(self.device, torch.long))
-        batch.settle([m - d for m, d in zip(batch.lengths, drop_list)])
+        batch.settle([m - d for m, d in zip(batch.lengths, drop_list, strict=True)])
 
     def remove(self, batch: TargetBatch, rows: Sequence[int]) -> None:
         """Finished requests leave the batch; remaining rows keep their order."""
@@ -402,7 +420,7 @@ class Target:
     def _commit(self, batch: TargetBatch, keep: torch.Tensor, keep_list: list[int]) -> None:
         batch.advance(keep)
         batch.pending = None
-        batch.settle([m + k for m, k in zip(batch.lengths, keep_list)])
+        batch.settle([m + k for m, k in zip(batch.lengths, keep_list, strict=True)])
 
     def _ragged(self, batch: TargetBatch, tokens: torch.Tensor, lengths: torch.Tensor):
         """Validate a ragged input; return n (host list), q = max n and the flat index [Σn] into
@@ -452,8 +470,9 @@ class Target:
         logits = out.logits[:, -1:] if last_only else out.logits
         return logits, self._collect(batch.layer_ids, ids.shape)
 
-    def _as_mask(self, mask: torch.Tensor) -> torch.Tensor:
+    def _as_mask(self, mask: torch.Tensor | None) -> torch.Tensor:
         """Bool mask for sdpa; additive float mask (0 / dtype min) for eager attention."""
+        assert mask is not None  # a sliding mask exists wherever the layout has sliding layers
         if not self._float_mask:
             return mask
         return torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill(
@@ -481,6 +500,34 @@ class Target:
         taps = torch.cat([self._store[int(i)] for i in layer_ids], dim=-1)
         self._store.clear()
         return taps
+
+
+TESTED = "Qwen2, Qwen3, Llama, Mistral, Phi3, Gemma3, GPT-2, GPT-NeoX"  # docs/real-model.md "Supported targets"
+
+
+def _decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder's layer list: ``get_decoder().layers`` (Llama-style) or ``.h`` (GPT-2 / Falcon)."""
+    decoder = model.get_decoder()
+    for name in ("layers", "h"):
+        layers = getattr(decoder, name, None)
+        if isinstance(layers, torch.nn.ModuleList):
+            return layers
+    raise ValueError(f"{type(model).__name__} is not a decoder dspec can run: its layers are neither at "
+                     f"get_decoder().layers nor .h (tested: {TESTED})")
+
+
+def _check_positions(model, params: Mapping) -> None:
+    """Rows carry explicit positions (holes in the cache, tree depths): a model must take them."""
+    name = type(model).__name__
+    if "position_ids" not in params or getattr(model.config, "alibi", False):
+        raise ValueError(f"{name} is not a decoder dspec can run: its positions come from the attention mask "
+                         f"(ALiBi), not from position_ids (tested: {TESTED})")
+
+
+def max_context(config) -> int | None:
+    """A transformers text config's context length (``max_position_embeddings``); None when it
+    states none (the config classes of some architectures lack the field)."""
+    return getattr(config, "max_position_embeddings", None) or None
 
 
 def _length_groups(lens: list[int]) -> list[list[int]]:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from dspec_cli.core.types import PAD
+
 __all__ = ["best_path", "select_tree"]
 
 
@@ -51,7 +53,7 @@ def best_path(
     depth: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy descent from the root through the best-scoring child: (tokens [R, depth] padded
-    with 0, lengths [R])."""
+    with PAD, lengths [R])."""
     R = tokens.shape[0]
     cur = torch.zeros(R, dtype=torch.long, device=tokens.device)
     active = torch.ones(R, dtype=torch.bool, device=tokens.device)
@@ -61,7 +63,7 @@ def best_path(
         kids = parents == cur[:, None]  # [R, N]
         pick = torch.where(kids, scores, float("-inf")).argmax(1)  # [R]
         active &= kids.any(1)
-        path[:, d] = torch.where(active, tokens.gather(1, pick[:, None]).squeeze(1), 0)
+        path[:, d] = torch.where(active, tokens.gather(1, pick[:, None]).squeeze(1), PAD)
         cur = torch.where(active, pick + 1, cur)
         lengths += active
     return path, lengths

@@ -2,9 +2,18 @@
 sample order shared by all ranks, batching, and the target features of a batch (computed
 online by the frozen target, optionally cached on disk).
 
-Loss mask: 1 on every token of an assistant message's content through its end-of-turn
-marker (``<|im_end|>\\n`` for ChatML; found by rendering a probe conversation), 0 elsewhere
+Conversations are rendered with the recipe's chat-template kwargs (``[chat_template]``, default
+:data:`~dspec_cli.core.chat_template.DEFAULT_KWARGS`), the same ones regeneration used. Loss
+mask: 1 on every token of an assistant message's content through its end-of-turn marker
+(``<|im_end|>\\n`` for ChatML; found by rendering a probe conversation), 0 elsewhere
 (system/user turns, role headers, template-inserted thinking stubs).
+
+Templates that rewrite earlier assistant turns (Qwen3's drops the thinking of every turn before
+the last user message, as servers do when the conversation continues) do not render a
+multi-turn conversation with every answer as generated. Such a conversation becomes one sample
+per assistant turn: the conversation up to that turn, rendered as the target saw it when it
+answered, with the loss on that turn only. Samples longer than ``max_length`` tokens keep their
+first ``max_length`` (counted as truncated).
 """
 
 from __future__ import annotations
@@ -12,13 +21,15 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
+from dspec_cli.core.chat_template import DEFAULT_KWARGS
 from dspec_cli.core.data import Conversation, load_conversations
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.outputs import atomic_write_text
@@ -30,17 +41,17 @@ _TOKENIZE_CHUNK = 512  # conversations per batched tokenizer call
 # -- tokenisation --------------------------------------------------------------------------------
 
 
-def end_of_turn(tokenizer) -> str:
+def end_of_turn(tokenizer, chat_template_kwargs: Mapping[str, Any] = DEFAULT_KWARGS) -> str:
     """Text the chat template puts after an assistant message's content (e.g. ``<|im_end|>\\n``)."""
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}]
-    text = _render(tokenizer, msgs)
+    text = _render(tokenizer, msgs, chat_template_kwargs)
     return text[text.rindex(_PROBE) + len(_PROBE) :]
 
 
-def _render(tokenizer, messages: Sequence[dict]) -> str:
+def _render(tokenizer, messages: Sequence[dict], chat_template_kwargs: Mapping[str, Any]) -> str:
     if getattr(tokenizer, "chat_template", None) is None:
         raise DspecError("the target's tokenizer has no chat template; training data needs one")
-    return tokenizer.apply_chat_template(list(messages), tokenize=False, enable_thinking=False)
+    return tokenizer.apply_chat_template(list(messages), tokenize=False, **chat_template_kwargs)
 
 
 def assistant_spans(text: str, messages: Sequence[dict], eot: str, where: str) -> list[tuple[int, int]]:
@@ -55,11 +66,38 @@ def assistant_spans(text: str, messages: Sequence[dict], eot: str, where: str) -
             raise DspecError(f"{where}: message {i} is not found in the chat-template rendering")
         cursor = pos + len(core)
         if msg["role"] == "assistant":
-            end = text.find(eot, cursor) if eot else -1
-            stop = end + len(eot) if end >= 0 else cursor
-            spans.append((pos, stop))
-            cursor = stop
+            spans.append((pos, _turn_end(text, cursor, eot)))
+            cursor = spans[-1][1]
     return spans
+
+
+def _turn_end(text: str, cursor: int, eot: str) -> int:
+    """End of the assistant turn whose content ends at ``cursor``: after its end-of-turn marker."""
+    end = text.find(eot, cursor) if eot else -1
+    return end + len(eot) if end >= 0 else cursor
+
+
+def render_samples(conv: Conversation, tokenizer, eot: str,
+                   chat_template_kwargs: Mapping[str, Any] = DEFAULT_KWARGS) -> list[tuple[str, str, list[tuple[int, int]]]]:
+    """(sample id, text, assistant spans) of one conversation: one sample, or one per assistant
+    turn (ids ``<id>/<turn>``, the loss on that turn only) when the template rewrites earlier
+    assistant turns (see the module docstring)."""
+    text = _render(tokenizer, conv.messages, chat_template_kwargs)
+    try:
+        return [(conv.id, text, assistant_spans(text, conv.messages, eot, conv.where))]
+    except DspecError:
+        answers = [i for i, m in enumerate(conv.messages) if m["role"] == "assistant" and m["content"].strip()]
+        if len(answers) < 2:
+            raise
+    samples = []
+    for turn, i in enumerate(answers, start=1):
+        text = _render(tokenizer, conv.messages[: i + 1], chat_template_kwargs)
+        core = conv.messages[i]["content"].strip()
+        pos = text.rfind(core)
+        if pos < 0:
+            raise DspecError(f"{conv.where}: message {i} is not found in the chat-template rendering")
+        samples.append((f"{conv.id}/{turn}", text, [(pos, _turn_end(text, pos + len(core), eot))]))
+    return samples
 
 
 def _token_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
@@ -79,9 +117,11 @@ class TrainData:
     ids: np.ndarray  # [T] int32
     mask: np.ndarray  # [T] uint8 loss mask
     offsets: np.ndarray  # [N+1] int64
-    sample_ids: list[str]  # conversation id per sample
-    skipped: int  # conversations dropped for having < min_loss_tokens assistant tokens
+    sample_ids: list[str]  # conversation id per sample (``<id>/<turn>`` for per-turn samples)
+    skipped: int  # samples dropped for having < min_loss_tokens assistant tokens
     source: str
+    truncated: int = 0  # samples cut to max_length tokens
+    split: int = 0  # conversations rendered as one sample per assistant turn
 
     def __len__(self) -> int:
         return len(self.sample_ids)
@@ -112,28 +152,33 @@ class TrainData:
 
 
 def tokenize_conversations(
-    convs: Sequence[Conversation], tokenizer, max_length: int, min_loss_tokens: int, source: str
+    convs: Sequence[Conversation], tokenizer, max_length: int, min_loss_tokens: int, source: str,
+    chat_template_kwargs: Mapping[str, Any] = DEFAULT_KWARGS,
 ) -> TrainData:
-    """Render, tokenise, mask and truncate; samples with too few loss tokens are skipped."""
-    eot = end_of_turn(tokenizer)
+    """Render (:func:`render_samples`), tokenise, mask and truncate; samples with too few loss
+    tokens are skipped."""
+    eot = end_of_turn(tokenizer, chat_template_kwargs)
     ids_parts, mask_parts, lengths, names = [], [], [], []
-    skipped = total_loss = 0
+    skipped = truncated = split = total_loss = 0
     for start in range(0, len(convs), _TOKENIZE_CHUNK):
-        chunk = convs[start : start + _TOKENIZE_CHUNK]
-        texts = [_render(tokenizer, c.messages) for c in chunk]
-        enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-        for conv, text, ids, offs in zip(chunk, texts, enc["input_ids"], enc["offset_mapping"]):
-            spans = assistant_spans(text, conv.messages, eot, conv.where)
+        samples = []
+        for conv in convs[start : start + _TOKENIZE_CHUNK]:
+            rendered = render_samples(conv, tokenizer, eot, chat_template_kwargs)
+            split += rendered[0][0] != conv.id
+            samples += rendered
+        enc = tokenizer([text for _, text, _ in samples], add_special_tokens=False, return_offsets_mapping=True)
+        for (name, _, spans), ids, offs in zip(samples, enc["input_ids"], enc["offset_mapping"], strict=True):
             mask = _token_mask(np.asarray(offs, dtype=np.int64).reshape(-1, 2), spans)[:max_length]
             n_loss = int(mask.sum())
             total_loss += n_loss
             if n_loss < max(min_loss_tokens, 1):
                 skipped += 1
                 continue
+            truncated += len(ids) > max_length
             ids_parts.append(np.asarray(ids[:max_length], dtype=np.int32))
             mask_parts.append(mask)
             lengths.append(len(mask))
-            names.append(conv.id)
+            names.append(name)
     if total_loss == 0:
         raise DspecError(f"{source}: data has no assistant tokens (regenerate it with `dspec data regenerate`)")
     if not names:
@@ -142,11 +187,12 @@ def tokenize_conversations(
         )
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    return TrainData(np.concatenate(ids_parts), np.concatenate(mask_parts), offsets, names, skipped, source)
+    return TrainData(np.concatenate(ids_parts), np.concatenate(mask_parts), offsets, names, skipped, source,
+                     truncated, split)
 
 
 def load_train_data(paths: Sequence[str], tokenizer, max_length: int, min_loss_tokens: int,
-                    limit: int = 0) -> TrainData:
+                    limit: int = 0, chat_template_kwargs: Mapping[str, Any] = DEFAULT_KWARGS) -> TrainData:
     """Conversations from jsonl files, concatenated in order (see
     :func:`dspec_cli.core.data.load_conversations`), tokenised; ``limit`` caps the total."""
     if not paths:
@@ -158,7 +204,8 @@ def load_train_data(paths: Sequence[str], tokenizer, max_length: int, min_loss_t
         convs += load_conversations(path, (limit - len(convs)) if limit else None)
         if limit and len(convs) >= limit:
             break
-    return tokenize_conversations(convs, tokenizer, max_length, min_loss_tokens, ", ".join(paths))
+    return tokenize_conversations(convs, tokenizer, max_length, min_loss_tokens, ", ".join(paths),
+                                  chat_template_kwargs)
 
 
 # -- sample order --------------------------------------------------------------------------------
@@ -262,11 +309,12 @@ class Features:
             return target_features(self.target, batch, self.layer_ids)
         ids = batch["input_ids"]
         lengths = batch["attention_mask"].sum(dim=1).tolist()
-        found = [self.cache.get(i, ids[r, :n]) for r, (i, n) in enumerate(zip(indices, lengths))]
-        if all(f is not None for f in found):
-            return {k: _pad([f[k] for f in found], ids.shape[1]).to(ids.device) for k in ("taps", "last_hidden")}
+        found = [self.cache.get(i, ids[r, :n]) for r, (i, n) in enumerate(zip(indices, lengths, strict=True))]
+        hits = [f for f in found if f is not None]
+        if len(hits) == len(found):
+            return {k: _pad([f[k] for f in hits], ids.shape[1]).to(ids.device) for k in ("taps", "last_hidden")}
         feats = target_features(self.target, batch, self.layer_ids)
-        for r, (i, n) in enumerate(zip(indices, lengths)):
+        for r, (i, n) in enumerate(zip(indices, lengths, strict=True)):
             self.cache.put(i, ids[r, :n], feats["taps"][r, :n], feats["last_hidden"][r, :n])
         return feats
 

@@ -25,18 +25,21 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
 
 from dspec_cli.checkpoints.model_card import write_model_card
 from dspec_cli.checkpoints.native import check_checkpoint_config, weights_fingerprint
+from dspec_cli.checkpoints.serving import describe, serving_methods
 from dspec_cli.core import plugins
 from dspec_cli.core.devices import resolve_device
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import EMBEDDED, WEIGHTS_FILE
 from dspec_cli.core.jsonl import write_line
+from dspec_cli.core.outputs import check_output_dir
+from dspec_cli.core.specs import parse_drafter_spec
 from dspec_cli.runtime.drafter import TrainableDrafter
 from dspec_cli.runtime.target import Target
 from dspec_cli.training import sharding
@@ -50,6 +53,7 @@ from dspec_cli.training.data import (
 from dspec_cli.training.recipes import (
     Recipe,
     apply_overrides,
+    describe_changes,
     load_recipe,
     resume_conflicts,
 )
@@ -84,6 +88,7 @@ class TrainOptions:
     feature_cache: str | Path | None = None
     init_from: str | Path | None = None  # a drafter checkpoint to fine-tune (fresh optimizer and schedule)
     report_to: Sequence[str] = ()  # trackers besides the JSONL log: "tensorboard" (OUT/tensorboard)
+    chat_template_kwargs: dict | None = None  # replaces the recipe's [chat_template] table when given
 
 
 @dataclass
@@ -154,11 +159,13 @@ def _prepare(opts: TrainOptions) -> tuple[Recipe, type, Path, Path | None]:
         raise DspecError("--init-from starts a new run from a drafter's weights; --resume continues a run: use one")
     if opts.init_from is not None and not Path(opts.init_from).is_dir():
         raise DspecError(f"--init-from {opts.init_from}: no such checkpoint folder")
-    if opts.resume and out is None:
-        raise DspecError("--resume needs --output (the folder of the run to continue)")
-    resume_from = latest_checkpoint(out) if opts.resume else None
-    if opts.resume and resume_from is None and out.is_dir() and any(out.iterdir()):
-        raise DspecError(f"--resume: {out} holds no checkpoint (checkpoints/latest) to continue from")
+    resume_from = None
+    if opts.resume:
+        if out is None:
+            raise DspecError("--resume needs --output (the folder of the run to continue)")
+        resume_from = latest_checkpoint(out)
+        if resume_from is None and out.is_dir() and any(out.iterdir()):
+            raise DspecError(f"--resume: {out} holds no checkpoint (checkpoints/latest) to continue from")
     saved = None
     if resume_from is not None:
         saved = Recipe.from_dict(_read_json(resume_from / "recipe.json"), source=str(resume_from / "recipe.json"))
@@ -166,12 +173,19 @@ def _prepare(opts: TrainOptions) -> tuple[Recipe, type, Path, Path | None]:
         recipe = load_recipe(opts.recipe, overrides)
     elif saved is not None:
         recipe = Recipe.from_dict(apply_overrides(saved.to_dict(), overrides), source=saved.source)
+    elif opts.resume:
+        raise DspecError(f"--resume: {out} holds no run to continue; start one with --recipe RECIPE")
     else:
         raise DspecError("--recipe is required (it may be omitted only with --resume of an existing run)")
+    if opts.chat_template_kwargs is not None:
+        recipe.chat_template = dict(opts.chat_template_kwargs)
     name = opts.drafter or recipe.drafter
     if not name:
         raise DspecError(f"give --drafter: recipe {recipe.source} names no drafter ([drafter] name)")
-    cls = plugins.get_drafter_class(name)
+    cls, options = parse_drafter_spec(name)
+    if options:
+        raise DspecError(f"--drafter {name!r}: training takes the drafter's options from the recipe; "
+                         f"give them as overrides (drafter.{next(iter(options))}=...)")
     if recipe.drafter and plugins.get_drafter_class(recipe.drafter) is not cls:
         raise DspecError(f"recipe {recipe.source} is for drafter {recipe.drafter!r}, not {name!r}")
     if not (isinstance(cls, type) and issubclass(cls, TrainableDrafter)):
@@ -183,16 +197,22 @@ def _prepare(opts: TrainOptions) -> tuple[Recipe, type, Path, Path | None]:
             f"recipe {recipe.source} is for target {recipe.target.name!r}, not {opts.target!r} "
             f"(use a recipe for that target, or override target.name={opts.target})"
         )
-    if resume_from is not None:
+    if resume_from is not None and saved is not None:  # saved: the recipe read with resume_from
         state = read_state(resume_from)
         if state.get("drafter") != cls.name:
             raise DspecError(
                 f"--resume: {resume_from} is a {state.get('drafter')!r} checkpoint, not {cls.name!r}"
             )
         conflicts = resume_conflicts(saved, recipe)
+        if conflicts and opts.recipe is None:  # the checkpoint's own recipe, changed by overrides / --max-steps
+            raise DspecError(
+                f"--resume: {describe_changes(saved, recipe, conflicts)} would make the run differ from one never "
+                f"interrupted; resume without changing them, or start a new run from its weights with "
+                f"--init-from {resume_from}"
+            )
         if conflicts:
             raise DspecError(
-                f"--resume: the recipe differs from the checkpoint's in {', '.join(conflicts)} "
+                f"--resume: the recipe differs from the checkpoint's in {describe_changes(saved, recipe, conflicts)} "
                 "(resume with the original settings, or omit --recipe to reuse the checkpoint's)"
             )
     if out is None:
@@ -202,12 +222,23 @@ def _prepare(opts: TrainOptions) -> tuple[Recipe, type, Path, Path | None]:
         raise DspecError(f"--output {out} is not empty; use --resume to continue that run, or another folder")
     if not opts.resume and opts.json_log is not None and Path(opts.json_log).exists():
         raise DspecError(f"--json-log {opts.json_log} already exists; remove it or choose another path")
+    check_output_dir(out, "--output")
+    check_output_dir(opts.feature_cache, "--feature-cache")
     for i, path in enumerate(recipe.data.paths or [""]):
         if not Path(path).is_file():
-            hint = (f"; create it with `dspec data regenerate --recipe {recipe.source}`"
-                    if i == 0 and recipe.regenerate.prompts and recipe.source.endswith(".toml") else "")
-            raise DspecError(f"training data {path!r} (data.path) not found{hint}")
+            raise DspecError(f"training data {path!r} (data.path) not found{_data_hint(recipe, i, path)}")
     return recipe, cls, out, resume_from
+
+
+def _data_hint(recipe: Recipe, i: int, path: str) -> str:
+    """How to create the ``i``-th data file of a recipe: its first file with the recipe's
+    [regenerate] settings, the others with the options its header comment gives."""
+    if not (recipe.regenerate.prompts and recipe.source.endswith(".toml")):
+        return ""
+    if i == 0:
+        return f"; create it with `dspec data regenerate --recipe {recipe.source}`"
+    return (f"; create it with `dspec data regenerate --recipe {recipe.source} --output {path}` and the sampling "
+            f"options given at the top of {recipe.source}")
 
 
 def _same_target(a: str, b: str) -> bool:
@@ -260,7 +291,7 @@ class _StopRequest:
 
     def __init__(self):
         self.requested = False
-        self._old: dict[int, object] = {}
+        self._old: dict[int, Any] = {}  # signal -> the handler it had
 
     def __enter__(self) -> _StopRequest:
         try:
@@ -307,6 +338,7 @@ class _Run:
     def _build_drafter(self, target):
         seed_all(self.recipe.train.seed)  # identical initial weights on every rank
         drafter = self.cls.build(self.recipe.drafter_config(self.cls), target)
+        drafter.chat_template_kwargs = dict(self.recipe.chat_template)  # recorded in its config.json
         bad = [i for i in drafter.target_layer_ids if not -1 <= i < target.num_layers]
         if bad:
             raise DspecError(
@@ -322,10 +354,18 @@ class _Run:
 
     def _load_data(self, target) -> TrainData:
         spec = self.recipe.data
-        ctx = getattr(target.config, "max_position_embeddings", None) or spec.max_length
-        data = load_train_data(spec.paths, target.tokenizer, min(spec.max_length, ctx), spec.min_loss_tokens, spec.limit)
+        ctx = target.max_context or spec.max_length
+        length = min(spec.max_length, ctx)
+        data = load_train_data(spec.paths, target.tokenizer, length, spec.min_loss_tokens, spec.limit,
+                               self.recipe.chat_template)
+        if self.rank.main and data.split:
+            self.progress.note(f"{data.split} conversation(s) became one sample per assistant turn (the chat "
+                               "template rewrites earlier turns)")
         if self.rank.main and data.skipped:
-            self.progress.note(f"skipped {data.skipped} conversation(s) with < {spec.min_loss_tokens} assistant tokens")
+            self.progress.note(f"skipped {data.skipped} sample(s) with < {spec.min_loss_tokens} assistant tokens")
+        if self.rank.main and data.truncated:
+            self.progress.note(f"truncated {data.truncated} sample(s) to {length} tokens (data.max_length"
+                               + (" capped by the target's context" if length < spec.max_length else "") + ")")
         return data
 
     def _setup(self) -> int:
@@ -335,6 +375,8 @@ class _Run:
         self.drafter = self._build_drafter(self.target)
         self.data = self._load_data(self.target)
         self.drafter.prepare_training(self.data)  # e.g. eagle3 builds its draft vocabulary from the data
+        if rank.main:  # known before step 1: which engines will serve the result (dspec export)
+            self.progress.note(describe(*serving_methods(self.drafter, self.target)))
         self.order = DataOrder(len(self.data), t.global_batch, t.seed)
         self.total = t.max_steps or self.order.steps_for(t.epochs)
         if t.global_batch % (t.micro_batch * rank.world):
@@ -358,14 +400,15 @@ class _Run:
                     "hidden_size": self.target.hidden_size, "dtype": str(self.target.dtype).replace("torch.", "")}
             cache = FeatureCache(self.opts.feature_cache, meta)
         self.features = Features(self.target, self.drafter.target_layer_ids, cache)
-        pad = self.target.tokenizer.pad_token_id
+        pad = self.target.tokenizer.pad_token_id if self.target.tokenizer is not None else None
         self.pad_id = pad if pad is not None else 0
         if self.resume_from is None:
             seed_all(t.seed + rank.rank)
             return 0
         if self.sharded:
 
-            states = sharding.load(self.resume_from, self.loss_module, self.optimizer, self.scheduler)
+            module = cast(torch.nn.Module, self.loss_module)  # sharded: the FSDP module
+            states = sharding.load(self.resume_from, module, self.optimizer, self.scheduler)
         else:
             states = load_checkpoint(self.resume_from, self.drafter, self.optimizer, self.scheduler, device)
         start = read_state(self.resume_from)["step"]
@@ -452,7 +495,7 @@ class _Run:
         if rank.world > 1:
             dist.all_reduce(packed)
         values = packed.tolist()  # the step's one host sync
-        metrics = {k: v / rank.world for k, v in zip(keys, values)}
+        metrics = {k: v / rank.world for k, v in zip(keys, values, strict=False)}  # values: then the extras
         if not math.isfinite(metrics["loss"]):
             raise DspecError(f"loss is {metrics['loss']} at step {step + 1}; lower train.lr or check the data")
         lr = self.scheduler.get_last_lr()[0]
@@ -467,7 +510,7 @@ class _Run:
         return row, stops > 0
 
     def _save(self, step: int, row: dict) -> Path:
-        states = [None] * self.rank.world if self.rank.main else None
+        states: list[Any] | None = [None] * self.rank.world if self.rank.main else None  # per-rank RNG states
         rng = capture_rng(self.device)
         if self.rank.world > 1:
             dist.gather_object(rng, states, dst=0)
@@ -475,7 +518,7 @@ class _Run:
             states = [rng]
         path = self.out / "checkpoints" / f"step_{step}"
         with self._full_state():
-            if self.rank.main:
+            if states is not None:  # rank 0
                 state = {"drafter": self.cls.name, "target": self.recipe.target.name, "total_steps": self.total,
                          "world_size": self.rank.world, "accumulation": self.accum, "samples": len(self.data),
                          "samples_seen": step * self.recipe.train.global_batch, "metrics": row}
@@ -489,15 +532,16 @@ class _Run:
         if not self.sharded:
             return contextlib.nullcontext()
 
-        return gathered(self.loss_module, self.drafter, self.optimizer, self.rank.main)
+        return gathered(cast(torch.nn.Module, self.loss_module), self.drafter, self.optimizer, self.rank.main)
 
     def _card(self, step: int, row: dict) -> dict:
         r, data = self.recipe, self.data
         name = r.target.name
         return {
             "drafter": self.cls.name, "target": name, "target_is_embedded": name == EMBEDDED,
-            "data": {"path": r.data.path, "samples": len(data), "skipped": data.skipped,
+            "data": {"path": r.data.path, "samples": len(data), "skipped": data.skipped, "truncated": data.truncated,
                      "tokens": data.num_tokens, "loss_tokens": data.num_loss_tokens},
+            "chat_template_kwargs": r.chat_template,
             "step": step, "total_steps": self.total, "epochs": step * r.train.global_batch / len(data),
             "global_batch": r.train.global_batch, "lr": r.train.lr, "schedule": r.train.schedule,
             "warmup_ratio": r.train.warmup_ratio, "world_size": self.rank.world,
@@ -565,14 +609,16 @@ def _wrap(drafter: TrainableDrafter, device: torch.device, world: int, sharded: 
 def _no_sync(module, sync: bool):
     """No gradient reduction in this forward/backward unless ``sync`` (DDP ``no_sync``; FSDP2
     ``set_requires_gradient_sync``); nothing to do in one process."""
+    no_sync = getattr(module, "no_sync", None)  # DDP
     if sync or not isinstance(module, torch.nn.Module):
         yield
-    elif hasattr(module, "no_sync"):
-        with module.no_sync():
+    elif no_sync is not None:
+        with no_sync():
             yield
     else:
-        module.set_requires_gradient_sync(False)
+        fsdp = cast(Any, module)  # FSDP2's FSDPModule
+        fsdp.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            module.set_requires_gradient_sync(True)
+            fsdp.set_requires_gradient_sync(True)

@@ -1,5 +1,10 @@
-"""Training recipes: TOML files with ``[target]``, ``[data]``, ``[regenerate]``, ``[drafter]``
-and ``[train]`` sections (docs/training.md lists every key).
+"""Training recipes: TOML files with ``[target]``, ``[chat_template]``, ``[data]``, ``[regenerate]``,
+``[drafter]`` and ``[train]`` sections (docs/training.md lists every key).
+
+``[chat_template]`` holds the keyword arguments of the target's chat template (e.g.
+``enable_thinking = true``) that regeneration and training render conversations with; a recipe
+without it gets :data:`~dspec_cli.core.chat_template.DEFAULT_KWARGS`, and a table present is the
+whole set (an empty table passes none).
 
 ``[drafter]`` holds the fields of the drafter's ``config_class``; it is checked once the drafter
 class is known (:meth:`Recipe.drafter_config`). Every other key is fixed here: an unknown key at
@@ -18,8 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dspec_cli.core.chat_template import check_kwargs, default_kwargs
 from dspec_cli.core.errors import DspecError
-from dspec_cli.core.files import EMBEDDED
+from dspec_cli.core.files import EMBEDDED, read_text
 
 try:
     import tomllib
@@ -105,6 +111,7 @@ class TrainSpec:
 
 SECTIONS: dict[str, type] = {"target": TargetSpec, "data": DataSpec, "regenerate": RegenerateSpec, "train": TrainSpec}
 TOP_LEVEL = {"description": str}
+CHAT_TEMPLATE = "chat_template"  # the free-form [chat_template] table
 # keys a resumed run may change without breaking exact continuation
 RESUME_SAFE = {
     "train.save_every", "train.keep_checkpoints", "train.log_every", "train.device", "description", "regenerate",
@@ -119,12 +126,13 @@ class Recipe:
     data: DataSpec = field(default_factory=DataSpec)
     regenerate: RegenerateSpec = field(default_factory=RegenerateSpec)
     train: TrainSpec = field(default_factory=TrainSpec)
+    chat_template: dict[str, Any] = field(default_factory=default_kwargs)  # the [chat_template] table
     drafter_section: dict[str, Any] = field(default_factory=dict)  # the raw [drafter] table
     source: str = ""  # file it came from
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "recipe") -> Recipe:
-        valid = [*TOP_LEVEL, *SECTIONS, "drafter"]
+        valid = [*TOP_LEVEL, *SECTIONS, CHAT_TEMPLATE, "drafter"]
         unknown = sorted(set(raw) - set(valid))
         if unknown:
             raise DspecError(f"{source}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(valid)}")
@@ -132,6 +140,8 @@ class Recipe:
         for key, value in raw.items():
             if key in SECTIONS:
                 out[key] = _section(SECTIONS[key], value, source, key)
+            elif key == CHAT_TEMPLATE:
+                out[key] = check_kwargs(value, f"{source}: [{CHAT_TEMPLATE}]")
             elif key == "drafter":
                 if not isinstance(value, dict):
                     raise DspecError(f"{source}: [drafter] must be a table, got {type(value).__name__}")
@@ -147,6 +157,7 @@ class Recipe:
         out: dict[str, Any] = {"description": self.description}
         for name in SECTIONS:
             out[name] = {k: _plain(v) for k, v in dataclasses.asdict(getattr(self, name)).items()}
+        out[CHAT_TEMPLATE] = dict(self.chat_template)
         out["drafter"] = {"name": self.drafter, **{k: _plain(v) for k, v in self.drafter_section.items()}}
         return out
 
@@ -194,7 +205,7 @@ def check_type(value: Any, hint: Any, where: str) -> Any:
             item_hints = list(args)
         else:
             item_hints = [args[0] if args else Any] * len(value)
-        items = [check_type(v, h, where) for v, h in zip(value, item_hints)]
+        items = [check_type(v, h, where) for v, h in zip(value, item_hints, strict=True)]
         return tuple(items) if origin is tuple else items
     if hint is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
@@ -246,13 +257,10 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise DspecError(f"recipe {path}: file not found")
     try:
-        return tomllib.loads(p.read_text(encoding="utf-8"))
+        return tomllib.loads(read_text(path, "--recipe"))
     except tomllib.TOMLDecodeError as exc:
-        raise DspecError(f"recipe {path}: not valid TOML ({exc})") from None
+        raise DspecError(f"--recipe {path}: not valid TOML ({exc})") from None
 
 
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
@@ -269,6 +277,12 @@ def recipe_diff(a: Recipe, b: Recipe) -> list[str]:
 def resume_conflicts(saved: Recipe, current: Recipe) -> list[str]:
     """Changed keys that would make a resumed run differ from an uninterrupted one."""
     return [k for k in recipe_diff(saved, current) if k not in RESUME_SAFE and k.split(".")[0] not in RESUME_SAFE]
+
+
+def describe_changes(a: Recipe, b: Recipe, keys: Sequence[str]) -> str:
+    """"train.lr 0.0006 -> 0.0003, ..." for the dotted ``keys`` (from :func:`recipe_diff`)."""
+    da, db = _flat(a.to_dict()), _flat(b.to_dict())
+    return ", ".join(f"{k} {da.get(k)!r} -> {db.get(k)!r}" for k in keys)
 
 
 def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -6,6 +6,15 @@ target answers the conversation so far (its answer becomes history for the next 
 runs through :class:`~dspec_cli.runtime.engine.SpeculativeEngine`, so a drafter only speeds it up (the
 output is distributed as plain target sampling either way).
 
+Conversations are rendered with ``chat_template_kwargs`` (e.g. ``{"enable_thinking": true}`` for a
+thinking-mode drafter; the training recipe's ``[chat_template]``), the ones training renders with.
+
+Long answers stay within the target's context: a user turn is answered only when its prompt plus
+``max_new_tokens`` (and a verify block) fits, else the conversation ends before it (counted as
+shortened, or skipped when it is the first turn). An answer that reaches ``max_new_tokens`` is
+cut there and kept (its conversation is counted as truncated): thinking answers need a budget of
+thousands of tokens.
+
 Output lines are ``{"id", "conversations": [{"role", "content"}, ...]}``, appended and flushed as
 conversations finish, in input order. Re-running skips ids already in the output (a partial last
 line left by an interruption is dropped first); every turn's randomness is keyed by (seed, id,
@@ -21,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dspec_cli.checkpoints import load_drafter
+from dspec_cli.core.chat_template import default_kwargs
 from dspec_cli.core.data import Conversation, load_conversations
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.jsonl import decode, parse_lines, write_line
@@ -47,6 +57,7 @@ class RegenerateOptions:
     block_size: int = 7
     device: str = "auto"
     dtype: str = "auto"
+    chat_template_kwargs: dict = field(default_factory=default_kwargs)  # also sent to servers
 
 
 @dataclass
@@ -56,6 +67,7 @@ class RegenerateStats:
     written: int = 0
     shortened: int = 0  # stopped before their last user turn: the context would overflow
     skipped: int = 0  # first turn already too long for the context: not written
+    truncated: int = 0  # written with an answer cut at max_new_tokens
     failed: int = 0  # a request kept failing (server path): listed in the errors file, retried next run
     turns: int = 0
     generated_tokens: int = 0
@@ -113,6 +125,7 @@ class Dialogue:
         self.todo = conv.without_assistant()
         self.history: list[dict[str, str]] = []
         self.turn = 0
+        self.truncated = False  # an answer reached max_new_tokens
 
     def next_turn(self) -> bool:
         """Move messages into the history up to the next user turn; False when none is left."""
@@ -157,7 +170,7 @@ def regenerate(
         raise DspecError("the target's tokenizer has no chat template; regeneration needs a chat model")
     drafter = load_drafter(opts.drafter, target, opts.checkpoint, opts.block_size) if opts.drafter else None
     engine = SpeculativeEngine(target, drafter, cfg)
-    max_ctx = getattr(target.config, "max_position_embeddings", None)
+    max_ctx = target.max_context
     room = opts.max_new_tokens + opts.block_size + 1
     total_turns = sum(sum(m["role"] == "user" for m in c.messages) for c in todo)
     tick = progress("regenerate", total_turns) if progress else (lambda _res: None)
@@ -171,7 +184,7 @@ def regenerate(
             while active:
                 prompts, runnable = [], []
                 for d in active:
-                    ids = target.render_prompt(d.history)
+                    ids = target.render_prompt(d.history, opts.chat_template_kwargs)
                     if max_ctx and len(ids) + room > max_ctx:
                         d.history.pop()  # this user turn cannot be answered within the context
                         stats.shortened += d.answered > 0
@@ -181,8 +194,9 @@ def regenerate(
                     runnable.append(d)
                 results = engine.generate(prompts, seeds=[turn_seed(opts.seed, d.id, d.turn) for d in runnable],
                                           on_finish=tick) if runnable else []
-                for d, res in zip(runnable, results):
+                for d, res in zip(runnable, results, strict=True):
                     d.history.append({"role": "assistant", "content": _decode(target, engine, res.output_ids)})
+                    d.truncated |= res.finish_reason == "length"
                     d.turn += 1
                     stats.turns += 1
                     stats.generated_tokens += len(res.output_ids)
@@ -192,6 +206,7 @@ def regenerate(
                     write_line(f, d.record())
                     f.flush()
                     stats.written += 1
+                    stats.truncated += d.truncated
     stats.seconds = time.perf_counter() - t0
     return stats
 

@@ -20,7 +20,9 @@ names it, or names the one model to use), and tokenizing like ``--target``: a pr
 ``usage.prompt_tokens`` must equal its length under ``--target``'s tokenizer and chat template
 (with the same ``chat_template_kwargs``). A different tokenizer or template almost never gives the
 same count on the probe's mix of prose, digits, code and non-Latin text, and either would make
-the data disagree with what training tokenizes.
+the data disagree with what training tokenizes. An answer must be the whole text the target
+generated: a server started with a reasoning parser returns the thinking apart
+(``message.reasoning_content``), which stops the run with a one-line error.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import asyncio
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -38,6 +40,7 @@ from dspec_cli.core.data import Conversation
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import DEFAULT_TARGET_PATH
 from dspec_cli.core.jsonl import split_lines, write_line
+from dspec_cli.runtime.target import max_context
 from dspec_cli.training.regenerate import (
     Dialogue,
     RegenerateOptions,
@@ -52,6 +55,7 @@ PROBE = (
     "Über straße, façade, naïve — 你好，世界！こんにちは。Привет, мир! 🙂 <b>tags</b> & {json: [1, 2]}"
 )
 RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
+REASONING_FIELDS = ("reasoning_content", "reasoning")  # where a reasoning parser puts the thinking (SGLang, vLLM)
 _MAX_BACKOFF_S = 60.0
 _sleep = asyncio.sleep  # tests record the back-off instead of sleeping
 
@@ -61,7 +65,6 @@ class ServerOptions:
     servers: list[str]  # base URLs, e.g. http://127.0.0.1:8000 (a trailing /v1 is accepted)
     concurrency: int = 32  # conversations in flight per server
     model: str | None = None  # None: the one model that /v1/models lists
-    chat_template_kwargs: dict = field(default_factory=lambda: {"enable_thinking": False})
     max_retries: int = 5  # per request, after the first try
     timeout: float = 600.0  # seconds per request
     backoff: float = 1.0  # first retry delay in seconds; doubles per retry (with jitter), at most 60 s
@@ -94,6 +97,7 @@ class _Client:
     async def request(self, method: str, url: str, body: dict | None = None, *, retries: int | None = None) -> dict:
         """The decoded JSON answer; raises RequestFailed naming the last problem."""
         retries = self.sopts.max_retries if retries is None else retries
+        problem = "no attempt"  # retries >= 0: every attempt names its problem
         for attempt in range(retries + 1):
             wait = None
             try:
@@ -156,7 +160,7 @@ def _load_tokenizer(target: str | None):
         raise DspecError(f"cannot load the tokenizer of target {name!r}: {_first_line(err)}") from err
     if tokenizer.chat_template is None:
         raise DspecError("the target's tokenizer has no chat template; regeneration needs a chat model")
-    return tokenizer, getattr(config, "max_position_embeddings", None)
+    return tokenizer, max_context(config)
 
 
 class _Regeneration:
@@ -168,7 +172,7 @@ class _Regeneration:
 
     def render(self, messages: list[dict]) -> list[int]:
         return list(self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False, **self.sopts.chat_template_kwargs
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False, **self.opts.chat_template_kwargs
         ))
 
     def body(self, messages: list[dict], max_tokens: int, seed: int) -> dict:
@@ -177,8 +181,8 @@ class _Regeneration:
                 "top_p": o.top_p, "seed": seed}
         if o.top_k > 0:
             body["top_k"] = o.top_k  # vLLM / SGLang extension; 0 leaves it out (servers that reject it)
-        if self.sopts.chat_template_kwargs:
-            body["chat_template_kwargs"] = self.sopts.chat_template_kwargs
+        if o.chat_template_kwargs:
+            body["chat_template_kwargs"] = o.chat_template_kwargs
         return body
 
     async def check(self, server: str) -> None:
@@ -224,10 +228,18 @@ class _Regeneration:
                 "POST", f"{server}/v1/chat/completions", self.body(d.history, o.max_new_tokens, turn_seed(o.seed, d.id, d.turn))
             )
             try:
-                content = answer["choices"][0]["message"]["content"] or ""
+                choice = answer["choices"][0]
+                message = choice["message"]
+                content = message["content"] or ""
             except (KeyError, IndexError, TypeError):
                 raise RequestFailed(f"answer has no choices[0].message.content: {str(answer)[:200]}") from None
+            if any(message.get(key) for key in REASONING_FIELDS):
+                raise DspecError(
+                    f"server {server} returns the thinking apart from the answer (message.reasoning_content): "
+                    "restart it without --reasoning-parser, so answers keep the text the target generated"
+                )
             d.history.append({"role": "assistant", "content": content})
+            d.truncated |= choice.get("finish_reason") == "length"
             d.turn += 1
             self.stats.turns += 1
             self.stats.generated_tokens += int((answer.get("usage") or {}).get("completion_tokens") or 0)
@@ -259,6 +271,7 @@ class _Regeneration:
                             write_line(f, d.record())
                             f.flush()
                             self.stats.written += 1
+                            self.stats.truncated += d.truncated
                     self.tick(self.stats.generated_tokens - before)
 
             tasks = [asyncio.ensure_future(worker(s)) for s in servers for _ in range(self.sopts.concurrency)]

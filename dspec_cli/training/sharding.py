@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -72,7 +73,7 @@ def load(path: Path, module: torch.nn.Module, optimizer, scheduler) -> list[dict
     )
 
     try:
-        weights = {_PREFIX + k: v for k, v in load_file(str(path / "model.safetensors")).items()}
+        weights: dict[str, Any] = {_PREFIX + k: v for k, v in load_file(str(path / "model.safetensors")).items()}
         set_model_state_dict(module, weights, options=_options())
         optim = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
         set_optimizer_state_dict(module, optimizer, optim, options=_options())
@@ -85,4 +86,5 @@ def load(path: Path, module: torch.nn.Module, optimizer, scheduler) -> list[dict
 
 def full_norm(norm: torch.Tensor) -> torch.Tensor:
     """The gradient norm as a plain tensor (clip_grad_norm_ of sharded grads returns a DTensor)."""
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    full_tensor = getattr(norm, "full_tensor", None)  # a DTensor's
+    return full_tensor() if full_tensor is not None else norm

@@ -22,7 +22,7 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -47,7 +47,7 @@ _STEP = re.compile(r"^step_(\d+)$")
 
 def capture_rng(device: torch.device) -> dict[str, Any]:
     """torch (CPU and this rank's CUDA device), numpy and python RNG states."""
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    name, keys, pos, has_gauss, gauss = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
     state = {
         "torch": torch.get_rng_state(),
         "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),

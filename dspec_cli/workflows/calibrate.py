@@ -18,13 +18,15 @@ drafter name and block size they belong to.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from dspec_cli.core.calibration import Calibration, apply_temperatures
+from dspec_cli.core.chat_template import DEFAULT_KWARGS, warn_if_other
 from dspec_cli.core.data import jsonl_objects
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.jsonl import write_jsonl
@@ -34,7 +36,7 @@ from dspec_cli.workflows.bench import fitting_prompts
 NUM_BINS = 20
 DEFAULT_GRID = tuple(sorted({round(10 ** (i / 80), 6) for i in range(-104, 105)}))  # 0.05 … 20, log-spaced, with 1.0
 SWEEP_THRESHOLDS = tuple(round(0.1 * i, 1) for i in range(10))  # the paper's Fig. 5: 0.0 … 0.9
-_ENGINE_EPS = 1e-6  # engine confidences are clamped into (eps, 1 − eps) (σ saturates in float32)
+CONFIDENCE_EPS = 1e-6  # recorded confidences are clamped into (eps, 1 − eps): σ saturates in float32
 
 
 # --------------------------------------------------------------------------------------
@@ -70,7 +72,7 @@ class Rounds:
         if len(confidences) != len(accepted):
             raise DspecError(f"got {len(confidences)} confidence lists but {len(accepted)} accepted counts")
         gamma = block_size if block_size is not None else max((len(c) for c in confidences), default=0)
-        for i, (conf, acc) in enumerate(zip(confidences, accepted)):
+        for i, (conf, acc) in enumerate(zip(confidences, accepted, strict=True)):
             name = where[i] if where is not None else f"record {i}"
             if len(conf) > gamma:
                 raise DspecError(f"{name}: {len(conf)} confidences for block size {gamma}")
@@ -96,9 +98,11 @@ class Rounds:
         confs: list[list[float]] = []
         accepted: list[int] = []
         for res in results:
-            for conf, acc in zip(res.confidence, res.accepted):
+            # confidences exist for drafted rounds only; with the fixed scheduler the rounds without
+            # a draft are a request's last ones (no token budget left), so zip stops before them
+            for conf, acc in zip(res.confidence, res.accepted, strict=False):
                 if conf:
-                    confs.append([min(max(float(c), _ENGINE_EPS), 1 - _ENGINE_EPS) for c in conf])
+                    confs.append([min(max(float(c), CONFIDENCE_EPS), 1 - CONFIDENCE_EPS) for c in conf])
                     accepted.append(int(acc))
         return cls.from_lists(confs, accepted, block_size=block_size)
 
@@ -179,7 +183,7 @@ def position_metrics(rounds: Rounds, bins: int = NUM_BINS) -> dict:
     total = sum(out["count"])
     for key in ("ece", "brier"):
         out[f"{key}_mean"] = (
-            sum(v * n for v, n in zip(out[key], out["count"]) if v is not None) / total if total else None
+            sum(v * n for v, n in zip(out[key], out["count"], strict=True) if v is not None) / total if total else None
         )
     return out
 
@@ -197,8 +201,8 @@ def reliability(rounds: Rounds, bins: int = NUM_BINS) -> list[dict]:
             "position": k + 1,
             "edges": edges,
             "count": count[0].long().tolist(),
-            "mean_pred": [float(v) if c else None for v, c in zip(sum_pred[0] / safe, count[0])],
-            "mean_label": [float(v) if c else None for v, c in zip(sum_label[0] / safe, count[0])],
+            "mean_pred": [float(v) if c else None for v, c in zip(sum_pred[0] / safe, count[0], strict=True)],
+            "mean_label": [float(v) if c else None for v, c in zip(sum_label[0] / safe, count[0], strict=True)],
             "ece": ece(p, y, bins) if p.numel() else None,
             "auroc": auroc(p, y) if p.numel() else None,
         })
@@ -327,13 +331,17 @@ def collect_rounds(target, drafter, prompts: Sequence[Sequence[int]], config, on
 
 
 def record_rounds(target, drafter, prompts: Sequence[str], config, *, strict: bool = False,
-                  progress: Callable[[int], Callable] | None = None) -> tuple[Rounds, int, int]:
-    """Calibration data: render ``prompts`` with the chat template, keep those that fit the target's
+                  progress: Callable[[int], Callable] | None = None,
+                  chat_template_kwargs: Mapping[str, Any] = DEFAULT_KWARGS) -> tuple[Rounds, int, int]:
+    """Calibration data: render ``prompts`` with the chat template and ``chat_template_kwargs``
+    (a warning when the drafter was trained under others), keep those that fit the target's
     context (:func:`~dspec_cli.workflows.bench.fitting_prompts`), and record their rounds raw
     (:func:`collect_rounds`). Returns (rounds, prompts used, prompts skipped as too long);
     ``progress(total)`` returns a per-request callback."""
-    ids, skipped = fitting_prompts(target, [target.render_prompt(p) for p in prompts], config.max_new_tokens,
-                                   config.block_size, strict=strict, where="--dataset")
+    warn_if_other(drafter.name, drafter.chat_template_kwargs, chat_template_kwargs, target.tokenizer)
+    rendered = [target.render_prompt(p, chat_template_kwargs) for p in prompts]
+    ids, skipped = fitting_prompts(target, rendered, config.max_new_tokens, config.block_size, strict=strict,
+                                   where="--dataset")
     on_finish = progress(len(ids)) if progress else None
     return collect_rounds(target, drafter, ids, config, on_finish=on_finish), len(ids), skipped
 

@@ -1,30 +1,30 @@
 """Export for serving engines: the draft folder vLLM / SGLang read, and the serve command.
 
-Layouts and engine methods (docs/interop.md lists the upstream sources):
-
-| drafter | layout written | vLLM ``method`` | SGLang ``--speculative-algorithm`` |
-|---|---|---|---|
-| dspark-markov | ``Qwen3DSparkModel`` / ``Gemma4DSparkModel`` (DeepSpec) | ``dspark`` | ``DSPARK`` |
-| dflash, anchor_predicts = false | ``DFlashDraftModel`` (z-lab) | ``dflash`` | ``DFLASH`` |
-| eagle3, qk_norm = false, 3 taps | ``LlamaForCausalLMEagle3`` | ``eagle3`` | ``EAGLE3`` |
-
-DSpark on SGLang runs with ``SGLANG_RAGGED_VERIFY_MODE=compact`` (confidence-scheduled
-verification) and gets the STS / SPS side files of :mod:`~dspec_cli.workflows.serve_files`; on
-vLLM with ``enable_adaptive_verification`` when the drafter has a confidence head.
-
-Refused in one line: DeepSpec-layout ``dflash`` (the engines' dflash expects z-lab's block
-layout and their dspark a Markov head), ``dspark-rnn`` on vLLM (its DSpark has the vanilla
-Markov head only), a DSpark drafter without a confidence head on SGLang (compact verification
-needs one), and drafters without a foreign layout.
+The layout each drafter is written in and the engines' methods for it are
+:mod:`dspec_cli.checkpoints.serving`'s (docs/interop.md lists the upstream sources). DSpark on
+SGLang runs with ``SGLANG_RAGGED_VERIFY_MODE=compact`` (confidence-scheduled verification) and
+gets the STS / SPS side files of :mod:`~dspec_cli.workflows.serve_files`; on vLLM with
+``enable_adaptive_verification`` when the drafter has a confidence head. A drafter no engine
+serves is refused in one line before anything is written.
 """
 
 from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from dspec_cli.checkpoints.layouts import save, to_foreign
+from dspec_cli.checkpoints.serving import (
+    DSPARK_LAYOUTS,
+    FORMATS,
+    METHODS,
+    check_engine_support,
+    method,
+)
+from dspec_cli.core.chat_template import DEFAULT_KWARGS, describe, warn_if_other
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.outputs import atomic_write_text
 from dspec_cli.workflows.serve_files import (
@@ -34,45 +34,25 @@ from dspec_cli.workflows.serve_files import (
     sglang_sidecars,
 )
 
-FORMATS = ("vllm", "sglang")
-METHODS = {  # layout -> (vLLM method, SGLang algorithm)
-    "Qwen3DSparkModel": ("dspark", "DSPARK"),
-    "Gemma4DSparkModel": ("dspark", "DSPARK"),  # vLLM infers dspark from this architecture too
-    "DFlashDraftModel": ("dflash", "DFLASH"),
-    "LlamaForCausalLMEagle3": ("eagle3", "EAGLE3"),
-}
-DSPARK_LAYOUTS = ("Qwen3DSparkModel", "Gemma4DSparkModel")
 SGLANG_ENV = {"SGLANG_RAGGED_VERIFY_MODE": "compact"}  # DSpark's confidence-scheduled (trimmed) verification
 
 
-def check_engine_support(layout: str, config: dict, fmt: str) -> None:
-    """DspecError when the engine ``fmt`` has no method for this foreign checkpoint."""
-    if layout not in DSPARK_LAYOUTS:
-        return
-    if not config["markov_rank"]:
-        raise DspecError(
-            "dflash in DeepSpec's block layout (the anchor slot predicts) has no vLLM/SGLang method: their dflash "
-            "expects z-lab's layout (anchor_predicts = false) and their dspark needs a Markov head"
-        )
-    if fmt == "vllm" and config.get("markov_head_type") != "vanilla":
-        raise DspecError("vLLM's DSpark (qwen3_dspark.py) serves the vanilla Markov head only, not "
-                         f"{config['markov_head_type']!r} (SGLang's serves it: --format sglang)")
-    if fmt == "sglang" and not config.get("enable_confidence_head"):
-        raise DspecError("SGLang's DSpark compact verification (SGLANG_RAGGED_VERIFY_MODE=compact) needs a trained "
-                         "confidence head and this drafter has none (train with confidence_head = true)")
-
-
-def serve_command(fmt: str, layout: str, drafter, model: str, target: str, files: dict | None = None) -> dict:
+def serve_command(fmt: str, layout: str, drafter, model: str, target: str, files: dict | None = None,
+                  chat_template_kwargs: Mapping[str, Any] = DEFAULT_KWARGS) -> dict:
     """The engine's settings for this draft folder and the shell command that starts the server;
-    ``files``: SGLang's side files ({"sts", "sps"} -> path) to pass."""
+    ``files``: SGLang's side files ({"sts", "sps"} -> path) to pass. Non-empty
+    ``chat_template_kwargs`` become the server's default (``--default-chat-template-kwargs`` of
+    both engines), so requests that send none are rendered as the drafter's training data was."""
     vllm_method, sglang_algorithm = METHODS[layout]
     cfg = drafter.config
     files = files or {}
+    template = ["--default-chat-template-kwargs", describe(chat_template_kwargs)] if chat_template_kwargs else []
     if fmt == "vllm":
         spec = {"method": vllm_method, "model": model, "num_speculative_tokens": cfg.block_size}
         if layout in DSPARK_LAYOUTS and cfg.confidence_head:
             spec["enable_adaptive_verification"] = True
-        command = f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(json.dumps(spec))}"
+        command = " ".join(["vllm serve", shlex.quote(target), "--speculative-config", shlex.quote(json.dumps(spec)),
+                            *map(shlex.quote, template)])
         return {"speculative_config": spec, "command": command}
     args = ["--model-path", target, "--speculative-algorithm", sglang_algorithm,
             "--speculative-draft-model-path", model]
@@ -92,24 +72,28 @@ def serve_command(fmt: str, layout: str, drafter, model: str, target: str, files
     else:
         args += ["--speculative-num-steps", str(cfg.block_size), "--speculative-eagle-topk", "1",
                  "--speculative-num-draft-tokens", str(cfg.block_size + 1)]
+    args += template
     prefix = [f"{k}={shlex.quote(v)}" for k, v in env.items()]
     command = " ".join([*prefix, "python -m sglang.launch_server", *map(shlex.quote, args)])
     return {"args": args, "env": env, "command": command}
 
 
 def export(drafter, target, fmt: str, output: Path, target_name: str, checkpoint: Path | None = None,
-           cost_table: Path | None = None) -> dict:
+           cost_table: Path | None = None, chat_template_kwargs: Mapping[str, Any] = DEFAULT_KWARGS) -> dict:
     """Write ``drafter`` into ``output`` in the layout the engine reads, SGLang DSpark's side files
     (from ``checkpoint``'s calibration and ``cost_table``) and SERVE.md; returns the report
-    (format, drafter, layout, method, output, target, the engine settings, files, notes and the command).
-    Everything is checked before the first file is written."""
+    (format, drafter, layout, method, output, target, the chat-template kwargs served, the engine
+    settings, files, notes and the command). A warning when the drafter was trained under other
+    chat-template kwargs than ``chat_template_kwargs``. Everything is checked before the first file
+    is written."""
     if fmt not in FORMATS:
         raise DspecError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    warn_if_other(drafter.name, drafter.chat_template_kwargs, chat_template_kwargs, target.tokenizer)
     layout, config, tensors = to_foreign(drafter, target)
     check_engine_support(layout, config, fmt)
     dspark = layout in DSPARK_LAYOUTS
     if cost_table is not None and not (dspark and fmt == "sglang"):
-        raise DspecError(f"--cost-table is used by SGLang's DSpark only, not by {fmt} {METHODS[layout][fmt == 'sglang']}"
+        raise DspecError(f"--cost-table is used by SGLang's DSpark only, not by {fmt} {method(layout, fmt)}"
                          + (" (vLLM's DSpark profiles its own cost curves)" if dspark else ""))
     sidecars = Sidecars()
     if dspark and fmt == "sglang" and checkpoint is not None:
@@ -118,9 +102,9 @@ def export(drafter, target, fmt: str, output: Path, target_name: str, checkpoint
         sidecars.notes.append("vLLM's DSpark profiles its cost curves and calibrates at startup: no side files")
     save(output, config, tensors)
     files = sidecars.write(output)
-    method = METHODS[layout][0 if fmt == "vllm" else 1]
-    report = {"format": fmt, "drafter": drafter.name, "layout": layout, "method": method,
-              "output": str(output.resolve()), "target": target_name, "files": files, "notes": sidecars.notes}
-    report.update(serve_command(fmt, layout, drafter, report["output"], target_name, files))
+    report = {"format": fmt, "drafter": drafter.name, "layout": layout, "method": method(layout, fmt),
+              "output": str(output.resolve()), "target": target_name, "chat_template_kwargs": dict(chat_template_kwargs),
+              "files": files, "notes": sidecars.notes}
+    report.update(serve_command(fmt, layout, drafter, report["output"], target_name, files, chat_template_kwargs))
     atomic_write_text(output / SERVE_FILE, serve_markdown(report, sidecars.notes))
     return report

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Sequence
 
 from dspec_cli.runtime.engine import RequestResult
@@ -21,7 +20,7 @@ def acceptance(results: Sequence[RequestResult], block_size: int) -> dict:
     acc = [0] * block_size  # ... that accepted k
     ver = [0] * block_size  # rounds that verified k
     for res in results:
-        for ell, a in zip(res.verified, res.accepted):
+        for ell, a in zip(res.verified, res.accepted, strict=True):
             rounds += 1
             committed += a + 1
             verified += ell
@@ -36,9 +35,9 @@ def acceptance(results: Sequence[RequestResult], block_size: int) -> dict:
         "tau": committed / rounds if rounds else 0.0,
         "mean_verified": verified / rounds if rounds else 0.0,
         "verified_per_committed": (verified + rounds) / committed if committed else 0.0,
-        "cond_accept": [a / r if r else None for a, r in zip(acc, reach)],
+        "cond_accept": [a / r if r else None for a, r in zip(acc, reach, strict=True)],
         "cond_accept_rounds": reach,  # rounds each cond_accept rests on
-        "survival": [a / v if v else None for a, v in zip(acc, ver)],
+        "survival": [a / v if v else None for a, v in zip(acc, ver, strict=True)],
     }
 
 
@@ -46,26 +45,14 @@ def generated_tokens(results: Sequence[RequestResult]) -> int:
     return sum(len(r.output_ids) for r in results)
 
 
-# Student's t, two-sided 95 %: t_0.975 by degrees of freedom 1..30 (beyond: Cornish-Fisher).
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
-         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
-         2.045, 2.042)
-
-
-def t975(df: int) -> float:
-    """The 97.5 % quantile of Student's t with ``df`` >= 1 degrees of freedom."""
-    if df <= len(_T975):
-        return _T975[df - 1]
-    z = 1.959964
-    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
-
-
-def ratio_interval(ratios: Sequence[float]) -> tuple[float, float, float] | None:
-    """Geometric mean of paired ratios and its 95 % t-interval (on log ratios), or None for
-    fewer than two ratios: (mean, low, high)."""
-    logs = [math.log(r) for r in ratios if r > 0]
-    if len(logs) < 2:
-        return None
-    mean = statistics.fmean(logs)
-    half = t975(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
-    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+def median_ci95(values: Sequence[float]) -> tuple[float, float] | None:
+    """Distribution-free 95 % interval of the median of ``values`` (order statistics): [x_(k),
+    x_(n+1-k)] with the largest k such that P(Binomial(n, 1/2) < k) <= 2.5 %, which holds the
+    median with probability >= 95 % whatever the distribution. None for fewer than 6 values (no
+    such k exists)."""
+    xs, n = sorted(values), len(values)
+    k, below = 0, 0.0  # below = P(Binomial(n, 1/2) < k)
+    while below + math.comb(n, k) / 2**n <= 0.025:
+        below += math.comb(n, k) / 2**n
+        k += 1
+    return (xs[k - 1], xs[n - k]) if k else None

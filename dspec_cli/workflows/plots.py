@@ -4,7 +4,6 @@ load-adaptive verification budgets."""
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,21 +13,18 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from dspec_cli.core.hardware import CostTable  # noqa: E402
+from dspec_cli.core.outputs import write_atomic  # noqa: E402
 
 FEW_ROUNDS = 30  # a point resting on fewer rounds is drawn hollow and labelled with its count
 
 
 def _save(fig, path: str | Path) -> Path:
-    """Write the PNG atomically (a temporary file renamed into place) and close the figure."""
+    """Write the PNG atomically (:func:`~dspec_cli.core.outputs.write_atomic`) and close the figure."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
     try:
-        fig.savefig(tmp, dpi=120, bbox_inches="tight")
-        os.replace(tmp, path)
+        write_atomic(path, lambda p: fig.savefig(p, dpi=120, bbox_inches="tight", format="png"))
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
     return path
 
 
@@ -84,9 +80,9 @@ def reliability_diagram(
         series = [("before", pos, "tab:red")] + ([("after", after[i], "tab:blue")] if after else [])
         text = []
         for label, data, color in series:
-            pts = [(p, y) for p, y in zip(data["mean_pred"], data["mean_label"]) if p is not None]
+            pts = [(p, y) for p, y in zip(data["mean_pred"], data["mean_label"], strict=True) if p is not None]
             if pts:
-                ax.plot(*zip(*pts), "o-", ms=3, color=color, label=label)
+                ax.plot(*zip(*pts, strict=True), "o-", ms=3, color=color, label=label)
             text.append(f"ECE {label} {_pct(data['ece'])}")
         auc = pos["auroc"]
         text.append(f"AUC {'-' if auc is None else f'{auc:.3f}'}")
@@ -139,7 +135,7 @@ def threshold_sweep_plot(sweep: Sequence[dict], path: str | Path, title: str = "
     rate.plot(t, [100 * (r["acceptance_rate"] or 0) for r in sweep], "o-", color="tab:red", label="acceptance rate")
     rate.set(ylabel="acceptance rate (%)", ylim=(0, 105))
     handles = ax.get_legend_handles_labels()[0] + rate.get_legend_handles_labels()[0]
-    ax.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15),
+    ax.legend(handles, [str(h.get_label()) for h in handles], fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15),
               ncol=3, frameon=False)
     if title:
         ax.set_title(title)
@@ -155,7 +151,7 @@ def schedule_plot(results: Sequence[dict], path: str | Path, title: str = "") ->
         top.plot(x, [r["tokens_per_s"] for r in rows], "o-", label=name)
         bottom.plot(x, [r["budget"] for r in rows], "o-", label=name)
     plain = sorted({(r["concurrency"], r["plain_tokens_per_s"]) for r in results})
-    top.plot(*zip(*plain), "k--", lw=1, label="plain decoding")
+    top.plot(*zip(*plain, strict=True), "k--", lw=1, label="plain decoding")
     top.set(ylabel="tokens / s (τ·SPS(B))")
     bottom.set(xlabel="concurrent requests", ylabel="verification budget (ℓ + 1)")
     for ax in (top, bottom):
@@ -179,14 +175,14 @@ def acceptance_plot(runs: Sequence[dict], path: str | Path, title: str = "") -> 
     resting on fewer than ``FEW_ROUNDS`` rounds is hollow and labelled n=count."""
     datasets = list(dict.fromkeys(r["dataset"] for r in runs))
     fig, axes = plt.subplots(1, len(datasets), figsize=(4.6 * len(datasets), 4.2), squeeze=False, sharey=True)
-    for ax, dset in zip(axes.flat, datasets):
+    for ax, dset in zip(axes.flat, datasets, strict=False):
         rows = [r for r in runs if r["dataset"] == dset]
         low = min(r.get("concurrency", 1) for r in rows)
         shown = [r for r in rows if r.get("concurrency", 1) == low]
         for i, run in enumerate(shown):
             dx = (i - (len(shown) - 1) / 2) * 0.12  # side by side: intervals and labels of runs do not overlap
             counts = run.get("cond_accept_rounds") or [None] * len(run["cond_accept"])
-            pts = [(k + 1 + dx, a, n) for k, (a, n) in enumerate(zip(run["cond_accept"], counts)) if a is not None]
+            pts = [(k + 1 + dx, a, n) for k, (a, n) in enumerate(zip(run["cond_accept"], counts, strict=False)) if a is not None]
             if not pts:
                 continue
             line = ax.plot([x for x, _, _ in pts], [100 * a for _, a, _ in pts], "-", lw=1.2,
@@ -224,7 +220,7 @@ def load_plots(runs: Sequence[dict], out_dir: str | Path, title: str = "") -> li
             series = sorted((r for r in rows if _run_label(r) == label), key=lambda r: r["concurrency"])
             xs, ys = [r["per_user_tokens_per_s"] for r in series], [r["throughput_tokens_per_s"] for r in series]
             line = left.plot(xs, ys, "o-", label=label)[0]
-            for r, x, y in zip(series, xs, ys):
+            for r, x, y in zip(series, xs, ys, strict=True):
                 left.annotate(f"R={r['concurrency']}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=6,
                               color=line.get_color())
             right.plot([r["concurrency"] for r in series], [r["mean_verify_budget"] for r in series], "o-", label=label)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from dspec_cli.core import sglang_sps
 from dspec_cli.core.calibration import Calibration
+from dspec_cli.core.chat_template import describe
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import CALIBRATION_FILE, COST_TABLE_FILE
 from dspec_cli.core.hardware import CostTable
@@ -63,13 +64,14 @@ def sglang_sidecars(drafter, checkpoint: Path, cost_table: Path | None) -> Sidec
     else:
         out.notes.append(f"no {CALIBRATION_FILE} in the checkpoint: SGLang uses the raw confidences "
                          "(fit one with `dspec calibrate`)")
+    what = "--cost-table"
     if cost_table is None and (checkpoint / COST_TABLE_FILE).is_file():
-        cost_table = checkpoint / COST_TABLE_FILE
+        cost_table, what = checkpoint / COST_TABLE_FILE, "checkpoint cost table"
     if cost_table is None:
         out.notes.append("no cost table: SGLang's planner falls back to verifying every draft "
                          "(give --cost-table from `dspec profile-hardware --drafter NAME`)")
         return out
-    table = CostTable.load(cost_table, block_size=gamma)
+    table = CostTable.load(cost_table, block_size=gamma, what=what)
     raw = json.loads(Path(cost_table).read_text())
     schema = sglang_sps.sps_schema(raw)
     if schema is not None:  # already SGLang's: copy its fields
@@ -90,6 +92,11 @@ def serve_markdown(report: dict, notes: list[str]) -> str:
     lines = [f"# Serving this drafter with {report['format']}", "",
              f"Drafter `{report['drafter']}` in the `{report['layout']}` layout (method `{report['method']}`), "
              f"for the target `{report['target']}`.", "", "```", report["command"], "```", ""]
+    if report.get("chat_template_kwargs"):
+        served = describe(report["chat_template_kwargs"])
+        lines += [(f"Requests without their own `chat_template_kwargs` are rendered with `{served}` "
+                   "(`--default-chat-template-kwargs`); the drafter accepts most in the mode its training data "
+                   "was rendered in."), ""]
     if report["format"] == "vllm":
         lines += ["`speculative_config`:", "", "```json", json.dumps(report["speculative_config"], indent=2), "```", ""]
     else:

@@ -13,7 +13,7 @@ import torch
 
 from dspec_cli.core.calibration import Calibration
 from dspec_cli.core.errors import DspecError
-from dspec_cli.workflows.calibrate import _ENGINE_EPS, Rounds, load_traces
+from dspec_cli.workflows.calibrate import CONFIDENCE_EPS, Rounds, load_traces
 
 STS_FILE = "dspark_sts.json"
 
@@ -76,7 +76,7 @@ def load_sts_shards(path: str | Path, block_size: int | None = None) -> Rounds:
         logits.append(lg)
         masks.append(mk)
     logit, mask = torch.cat(logits), torch.cat(masks)
-    confidence = torch.sigmoid(logit).clamp(_ENGINE_EPS, 1 - _ENGINE_EPS)
+    confidence = torch.sigmoid(logit).clamp(CONFIDENCE_EPS, 1 - CONFIDENCE_EPS)
     verified = torch.full((logit.shape[0],), logit.shape[1], dtype=torch.long)
     return Rounds(confidence, verified, mask.long().sum(1))
 

@@ -22,9 +22,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from dspec_cli.core.errors import DspecError
-from dspec_cli.core.hardware import DEFAULT_CONTEXTS, CostTable, device_name
+from dspec_cli.core.hardware import CostTable, device_name
 from dspec_cli.runtime.graphs import GraphRunner, GraphSettings
 from dspec_cli.runtime.target import Target
+
+DEFAULT_CONTEXTS = (128, 512, 2048)  # cached tokens per row profiled by default
 
 
 def _sync(device: torch.device) -> None:
@@ -58,7 +60,7 @@ def profile_target(
         raise DspecError(
             f"need --repeats >= 1, --warmup >= 0, --row-tokens >= 1; got {repeats}, {warmup}, {row_tokens}"
         )
-    max_ctx = getattr(target.config, "max_position_embeddings", None)
+    max_ctx = target.max_context
     if max_ctx and contexts[-1] + row_tokens > max_ctx:
         raise DspecError(
             f"--contexts {contexts[-1]} plus {row_tokens} new tokens exceeds the model's context of {max_ctx}"
@@ -86,7 +88,7 @@ def profile_target(
             dense = target.dense(batch, q, window)
             padded = graphs.rows(rows)
 
-            def step(ids, window=window, dense=dense):
+            def step(ids, window=window, dense=dense, batch=batch):
                 return target.score(batch, ids, None, window, dense)
 
             samples = []

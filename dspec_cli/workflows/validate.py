@@ -6,6 +6,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from dspec_cli.checkpoints import load_drafter
 from dspec_cli.core import plugins
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import CONFIG_FILE, EMBEDDED, config_target, read_config
@@ -22,7 +23,7 @@ def validate_checkpoint(path: Path, target: str | None = None, device: str = "cp
     raw = read_config(path)
     if not isinstance(raw.get("drafter"), str):
         raise DspecError(f"checkpoint {path}: {CONFIG_FILE} names no drafter (not a dspec drafter checkpoint)")
-    cls = plugins.get_drafter_class(raw["drafter"])
+    plugins.get_drafter_class(raw["drafter"])  # an unknown drafter fails before the target loads
     name = target or config_target(raw).get("name_or_path")
     try:
         with warnings.catch_warnings():  # loaded to check shapes only: no matmul speed concern
@@ -30,5 +31,5 @@ def validate_checkpoint(path: Path, target: str | None = None, device: str = "cp
             tgt = Target.load(None if name in (None, "", EMBEDDED) else name, dtype="bfloat16", device=device)
     except DspecError as exc:
         raise DspecError(f"{exc} (pass --target to validate against another copy of the target)") from None
-    cls.from_pretrained(path, tgt)
+    load_drafter(raw["drafter"], tgt, path)
     return raw

@@ -9,8 +9,12 @@ sample-and-match walk commits only target samples, so the tree's shape never aff
 output distribution. With ``tree_mode="sampled"`` (T > 0) the tree is instead sampled from the
 run's q in a static shape (:func:`~dspec_ddtree.tree.sampled_shape`,
 :func:`~dspec_ddtree.tree.grow_sampled_tree`) and carries q, so the engine verifies it
-by recursive rejection sampling. State, checkpoints and ``advance`` are the base's: a ddtree
-checkpoint is the base drafter's checkpoint.
+by recursive rejection sampling or traversal verification. With ``tree_shape="confidence"`` each
+request's sampled tree is cut, every round, to the nodes DSpark's Algorithm 1 admits under the
+cost table (``cost_table``): node survival from the base's calibrated confidences (its
+confidence head on the node's token, else Σq²), so a tree is wide where the drafter is unsure and
+a chain where it is sure. State, checkpoints and ``advance`` are the base's: a ddtree checkpoint
+is the base drafter's checkpoint.
 """
 
 from __future__ import annotations
@@ -19,12 +23,13 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Protocol, cast
 
 import torch
 
 from dspec_cli import (
     Capability,
+    CostTable,
     Drafter,
     DrafterConfig,
     DraftState,
@@ -34,13 +39,22 @@ from dspec_cli import (
     Sampler,
     Target,
     WrappedDrafter,
+    admit_candidates,
     best_path,
     get_drafter_class,
     registry,
 )
-from dspec_ddtree.tree import grow_sampled_tree, grow_tree, sampled_shape
+from dspec_ddtree.tree import (
+    grow_sampled_tree,
+    grow_tree,
+    node_depths,
+    node_survival,
+    prune_tree,
+    sampled_shape,
+)
 
 TREE_MODES = ("best", "sampled")
+TREE_SHAPES = ("static", "confidence")
 
 
 @dataclass
@@ -51,18 +65,27 @@ class DDTreeConfig(DrafterConfig):
     tree_budget: int = 32  # draft nodes per tree (the root/anchor not counted)
     tree_topk: int = 0  # children considered per node; 0 = tree_budget (capped by the vocabulary)
     # "best": the tree_budget best prefixes (DDTree; sample-and-match verification);
-    # "sampled": children sampled without replacement from the run's q, verified with q by
-    # recursive rejection sampling (at T = 0 the best-first tree is used).
+    # "sampled": children sampled without replacement from the run's q, verified with q (the run's
+    # tree_verify rule: traversal verification or recursive rejection; at T = 0 the best-first tree).
     tree_mode: str = "sampled"
     # sampled trees have a static shape (sampled_shape) from two rates: the chance that a node's
     # first child is accepted, and that a later sibling is once the siblings before it were rejected
     tree_accept: float = 0.7
     tree_rescue: float = 0.3
+    # sampled trees: "static" verifies the whole shape; "confidence" cuts each request's tree to the
+    # nodes DSpark's Algorithm 1 admits under the cost table, from calibrated node confidences
+    tree_shape: str = "static"
+    cost_table: str = ""  # `dspec profile-hardware` table (or SGLang's) for tree_shape=confidence
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.tree_mode not in TREE_MODES:
             raise DspecError(f"tree_mode must be one of {', '.join(TREE_MODES)}, got {self.tree_mode!r}")
+        if self.tree_shape not in TREE_SHAPES:
+            raise DspecError(f"tree_shape must be one of {', '.join(TREE_SHAPES)}, got {self.tree_shape!r}")
+        if (self.tree_shape == "confidence") != bool(self.cost_table):
+            raise DspecError("tree_shape=confidence needs cost_table=PATH (from `dspec profile-hardware --json`), "
+                             "and cost_table is only used by it")
         for key, low in (("tree_budget", 1), ("tree_topk", 0)):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -71,6 +94,19 @@ class DDTreeConfig(DrafterConfig):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
                 raise DspecError(f"{key} must be a number in (0, 1), got {value!r}")
+
+
+class MarginalsDrafter(Protocol):
+    """What a drafter with the ``marginals`` capability provides (dspec_dflash's block drafters)."""
+
+    def block_marginals(self, state: DraftState, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One parallel forward after anchors [R]: base logits U [R, γ, V] and slot features h [R, γ, d]."""
+        ...
+
+    def head_logits(self, logits: torch.Tensor, h: torch.Tensor, prev: torch.Tensor,
+                    head_state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Slot logits U_k [..., V] after the sequential head given the previous tokens prev [...]."""
+        ...
 
 
 def base_class(name: str) -> type[Drafter]:
@@ -107,13 +143,14 @@ class DDTreeDrafter(WrappedDrafter):
     """Best-first draft tree (DDTree) over a ``marginals`` drafter; see the module docstring."""
 
     name = "ddtree"
-    config_class = DDTreeConfig
+    config_class: ClassVar[type[DDTreeConfig]] = DDTreeConfig
+    config: DDTreeConfig
     capabilities = frozenset({Capability.tree})
     description = "DDTree: best-first draft tree over a parallel drafter's per-position distributions (dflash, dspark)"
 
     def __init__(self, config: DDTreeConfig, target: Target, base: Drafter):
         check_base(type(base))
-        max_ctx = getattr(target.config, "max_position_embeddings", None)
+        max_ctx = target.max_context
         if max_ctx and config.tree_budget + 1 > max_ctx:
             raise DspecError(
                 f"tree_budget {config.tree_budget} does not fit the target's context of {max_ctx} tokens "
@@ -124,6 +161,12 @@ class DDTreeDrafter(WrappedDrafter):
         super().__init__(dataclasses.replace(config, base=base.name, block_size=base.config.block_size), target)
         self.base = base
         self._shape: tuple[tuple, torch.Tensor] | None = None  # (its options, sampled_shape(...))
+        self.cost_table = (
+            CostTable.load(config.cost_table, block_size=config.block_size, what="ddtree cost_table")
+            if config.cost_table else None
+        )
+        if self.cost_table is not None:
+            self.cost_table.check(device=target.device)
 
     # -- construction: everything but the tree options comes from the base -----------------
     @classmethod
@@ -167,7 +210,7 @@ class DDTreeDrafter(WrappedDrafter):
     @torch.no_grad()
     def draft_tree(self, state: DraftState, anchors: torch.Tensor, max_len: int) -> tuple[DraftTree, torch.Tensor]:
         """The tree after ``anchors`` [R] and its node scores [R, N] (cumulative log-probs)."""
-        expand, depth, topk = self._expansion(state, anchors, max_len)
+        expand, depth, topk, _ = self._expansion(state, anchors, max_len)
         tokens, parents, scores = grow_tree(expand, anchors, depth, self.config.tree_budget, topk)
         R, N = tokens.shape
         num_nodes = torch.full((R,), N, dtype=torch.long, device=anchors.device)
@@ -178,8 +221,9 @@ class DDTreeDrafter(WrappedDrafter):
         self, state: DraftState, anchors: torch.Tensor, max_len: int, sampler: Sampler
     ) -> tuple[DraftTree, torch.Tensor]:
         """A sampled tree after ``anchors`` [R] (:func:`~dspec_ddtree.tree.grow_sampled_tree`,
-        q = ``sampler.probs``) with its draft probabilities, and its node scores [R, N]."""
-        expand, depth, topk = self._expansion(state, anchors, max_len)
+        q = ``sampler.probs``) with its draft probabilities, and its node scores [R, N]; with
+        ``tree_shape="confidence"`` cut to the nodes :meth:`admitted_nodes` keeps."""
+        expand, depth, topk, h = self._expansion(state, anchors, max_len)
         cfg = self.config
         key = (cfg.tree_budget, cfg.block_size, topk, cfg.tree_accept, cfg.tree_rescue)
         if self._shape is None or self._shape[0] != key:
@@ -187,21 +231,61 @@ class DDTreeDrafter(WrappedDrafter):
         tokens, parents, scores, num_nodes, q = grow_sampled_tree(
             expand, sampler.probs, lambda slot, q, n: sampler.sample_distinct(q, n, slot), anchors, depth, self._shape[1]
         )
+        if cfg.tree_shape == "confidence":
+            keep = self.admitted_nodes(h, anchors, tokens, parents, num_nodes, q, depth)
+            tokens, parents, scores, num_nodes, q = prune_tree(tokens, parents, scores, q, keep)
         return DraftTree(tokens=tokens, parents=parents, num_nodes=num_nodes, draft_probs=q,
-                         fanout=self._shape[1].shape[1]), scores
+                         fanout=self._shape[1].shape[1]), scores  # pruning never adds children
+
+    def admitted_nodes(
+        self,
+        h: torch.Tensor,  # [R, γ, d] the base's slot features
+        anchors: torch.Tensor,  # [R] long
+        tokens: torch.Tensor,  # [R, N] long, -1 padded
+        parents: torch.Tensor,  # [R, N] long, local, -1 padded
+        num_nodes: torch.Tensor,  # [R] long
+        q: torch.Tensor,  # [R, N+1, V] each node's children distribution
+        depth: int,
+    ) -> torch.Tensor:
+        """The nodes [R, N] bool that DSpark's Algorithm 1 admits over the whole batch: survival
+        values from :func:`~dspec_ddtree.tree.node_survival` with c_v = the calibrated chance that
+        v's first child is accepted (the base's confidence head at the children's slot given v's
+        token, else Σq_v²), in descending order until Θ = τ·SPS(B) stops rising. Every value
+        depends on the tokens above a node only, never on its own or its descendants', and the
+        values never rise from a parent to a child or from a sibling to a later one, so the kept
+        nodes are a valid tree of the drafted one (see docs/drafters/ddtree.md)."""
+        R, N = tokens.shape
+        node_depth = node_depths(parents, depth)  # [R, N+1]
+        slot = node_depth.clamp(max=h.shape[1] - 1)  # the slot of a node's children (leaves: unused)
+        node_tokens = torch.cat([anchors[:, None], tokens.clamp(min=0)], 1)  # [R, N+1]
+        h_nodes = h.gather(1, slot[..., None].expand(-1, -1, h.shape[-1]))  # [R, N+1, d]
+        conf = getattr(self.base, "head_confidence", lambda *_: None)(h_nodes, node_tokens)
+        if conf is None:  # no confidence head: the Σq² heuristic of the children's distribution
+            conf = q.float().pow(2).sum(-1)
+        conf = conf.clamp(1e-4, 1 - 1e-4)
+        if self.calibration is not None:  # STS at the children's position
+            conf = self.calibration.apply(conf[..., None].expand(-1, -1, h.shape[1]).contiguous())
+            conf = conf.gather(-1, slot[..., None]).squeeze(-1)
+        survival = node_survival(parents, conf, self.config.tree_rescue, depth)
+        valid = torch.arange(N, device=tokens.device) < num_nodes[:, None]
+        if self.cost_table is None:  # unreachable: DDTreeConfig requires cost_table with tree_shape=confidence
+            raise DspecError("tree_shape=confidence needs cost_table=PATH")
+        sps = self.cost_table.sps_curve(R * (N + 1), None, tokens.device)
+        return admit_candidates(survival, valid, sps)
 
     def _expansion(self, state: DraftState, anchors: torch.Tensor, max_len: int):
         """One parallel forward of the base: the tree builders' ``expand`` (children logits of
-        frontier nodes at a slot), the tree depth and the children considered per node."""
+        frontier nodes at a slot), the tree depth, the children considered per node and the slot
+        features h [R, γ, d]."""
         if max_len < 1:
             raise ValueError(f"max_len must be >= 1, got {max_len}")
-        cfg = self.config
-        logits, h = self.base.block_marginals(state, anchors)  # [R, γ, V], [R, γ, d]
+        cfg, base = self.config, cast(MarginalsDrafter, self.base)  # check_base: capability "marginals"
+        logits, h = base.block_marginals(state, anchors)  # [R, γ, V], [R, γ, d]
 
-        def expand(slot: int, tokens: torch.Tensor, head_state):
-            return self.base.head_logits(logits[:, slot, None], h[:, slot, None], tokens, head_state)
+        def expand(slot: int, tokens: torch.Tensor, head_state: torch.Tensor | None):
+            return base.head_logits(logits[:, slot, None], h[:, slot, None], tokens, head_state)
 
-        return expand, min(max_len, cfg.block_size), min(cfg.tree_topk or cfg.tree_budget, logits.shape[-1])
+        return expand, min(max_len, cfg.block_size), min(cfg.tree_topk or cfg.tree_budget, logits.shape[-1]), h
 
 
 def _base_overrides(overrides: dict[str, Any]) -> dict[str, Any]:

@@ -17,9 +17,11 @@ spine: best child of best child ...) is always kept, so a tree never accepts les
 chain at T = 0; with the chain's deeper nodes less probable than shallow siblings, a pure
 best-first tree of 16 nodes can stop above the chain's depth.
 
-Sampled trees (T > 0, verified by recursive rejection) draw each node's children without
-replacement from the run's q into a static shape, :func:`sampled_shape`: the nodes of largest
-worth under per-rank acceptance rates, the spine first, chosen once per option set.
+Sampled trees (T > 0, verified by recursive rejection or traversal verification) draw each
+node's children without replacement from the run's q into a static shape, :func:`sampled_shape`:
+the nodes of largest worth under per-rank acceptance rates, the spine first, chosen once per
+option set. With confidence budgets each request's drafted tree is then cut to the nodes DSpark's
+Algorithm 1 admits (:func:`node_survival`, :func:`prune_tree`).
 """
 
 from __future__ import annotations
@@ -29,15 +31,15 @@ from collections.abc import Callable
 
 import torch
 
-from dspec_cli import reads_free, select_tree
+from dspec_cli import PAD, reads_free, select_tree
 
-__all__ = ["Expand", "grow_sampled_tree", "grow_tree", "sampled_shape"]
+__all__ = ["Expand", "grow_sampled_tree", "grow_tree", "node_depths", "node_survival", "prune_tree", "sampled_shape"]
 
 # expand(slot, tokens [R, W], state) -> (logits [R, W or 1, V], state'): the distribution of the
 # children of the W frontier nodes of depth ``slot`` (their tokens; at slot 0 the anchors), given
 # the opaque per-node ``state`` (None at slot 0, else what the previous call returned, with its
 # rows re-gathered along dimension 1 to follow the frontier; it must be a tensor [R, W, ...] or None).
-Expand = Callable[[int, torch.Tensor, object], tuple[torch.Tensor, object]]
+Expand = Callable[[int, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]]
 
 
 def grow_tree(
@@ -167,7 +169,7 @@ def grow_sampled_tree(
     shape: torch.Tensor,  # [S + 1, K] long: :func:`sampled_shape`
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A sampled draft tree of the static ``shape`` cut at ``depth``, for lossless verification
-    with ``verify_tree(method="sampled")``.
+    with ``verify_tree(method="traversal")`` or ``method="sampled"``.
 
     Depth by depth, the frontier nodes' child distributions q = ``probs(expand(...))`` are
     computed and node v's m_v children (its children in ``shape``, at most the size of q_v's
@@ -191,8 +193,8 @@ def grow_sampled_tree(
     node = torch.zeros(R, 1, dtype=torch.long, device=dev)  # [R, W] local node index (0 = root)
     sid = torch.zeros(R, 1, dtype=torch.long, device=dev)  # [R, W] shape id (-1: not a node)
     used = torch.zeros(R, dtype=torch.long, device=dev)
-    tokens = torch.full((R, N + 1), -1, dtype=torch.long, device=dev)  # column N: discarded writes
-    parents = torch.full_like(tokens, -1)
+    tokens = torch.full((R, N + 1), PAD, dtype=torch.long, device=dev)  # column N: discarded writes
+    parents = torch.full_like(tokens, PAD)
     scores = torch.full((R, N + 1), float("-inf"), device=dev)
     draft_probs = None
     state = None
@@ -237,4 +239,70 @@ def grow_sampled_tree(
             rows = (pick // K).view(R, -1, *([1] * (state.dim() - 2)))
             state = state.gather(1, rows.expand(-1, -1, *state.shape[2:]))
     tokens, parents, scores = tokens[:, :N], parents[:, :N], scores[:, :N]
+    assert draft_probs is not None  # written at the first slot
     return tokens, parents, scores, used, draft_probs[:, : N + 1]
+
+
+def node_depths(parents: torch.Tensor, depth: int) -> torch.Tensor:
+    """Depth of every node [R, N+1] (column 0: the root, depth 0) from parents [R, N] (local,
+    parents first, -1 padded; padded nodes get 0), for trees at most ``depth`` deep."""
+    R, N = parents.shape
+    par = torch.cat([parents.new_zeros(R, 1), parents.clamp(min=0)], 1)  # [R, N+1]; the root its own parent
+    real = torch.cat([parents.new_zeros(R, 1, dtype=torch.bool), parents >= 0], 1)
+    d = torch.zeros_like(par)
+    for _ in range(depth):
+        d = torch.where(real, d.gather(1, par) + 1, 0)
+    return d
+
+
+def node_survival(
+    parents: torch.Tensor,  # [R, N] long, local (0 = root), -1 padded; parents first, siblings in draw order
+    confidence: torch.Tensor,  # [R, N+1]: c_v, the chance that node v's first child is accepted once v is
+    rescue: float,
+    depth: int,
+) -> torch.Tensor:
+    """The chance that each node's path is accepted, a [R, N] float64 (0 for padded nodes), with
+    :func:`sampled_shape`'s rates made per node: node v's j-th child (in draw order) is worth
+    a_v·c_v for j = 1 and a_v·min(c_v, (1 − c_v)(1 − rescue)^(j−2)·rescue) after (so a node never
+    outranks an earlier sibling or its parent: admitting by value keeps the tree prefix-closed)."""
+    R, N = parents.shape
+    par = parents.clamp(min=0)
+    earlier = (parents[:, :, None] == parents[:, None, :]) & torch.ones(N, N, dtype=torch.bool, device=parents.device).tril(-1)
+    rank = earlier.sum(-1)  # [R, N]: earlier siblings
+    c = confidence.double().gather(1, par)  # [R, N]: the parent's confidence
+    later = (1 - c) * (1 - rescue) ** (rank - 1).clamp(min=0) * rescue
+    rate = torch.where(rank == 0, c, torch.minimum(c, later))
+    a = torch.ones(R, N + 1, dtype=torch.float64, device=parents.device)
+    for _ in range(depth):
+        a = torch.cat([a[:, :1], a.gather(1, par) * rate], 1)
+    return torch.where(parents >= 0, a[:, 1:], 0.0)
+
+
+def prune_tree(
+    tokens: torch.Tensor,  # [R, N] long, -1 padded
+    parents: torch.Tensor,  # [R, N] long, local, -1 padded
+    scores: torch.Tensor,  # [R, N] float, -inf padded
+    draft_probs: torch.Tensor,  # [R, N+1, V]
+    keep: torch.Tensor,  # [R, N] bool, prefix-closed (a kept node's parent is kept)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kept nodes of each tree, renumbered in their order (parents still first, siblings in
+    draw order): tokens, parents, scores [R, N'] (padded as the input), num_nodes [R] and
+    draft_probs [R, N'+1, V], N' = the most nodes any tree keeps (at least 1) where reading that
+    is free, else N' = N (no host read)."""
+    R, N = tokens.shape
+    count = keep.sum(1)
+    if reads_free(count):
+        width = max(int(count.max()) if keep.numel() else 0, 1)  # one padded column when no node is kept
+    else:
+        width = max(N, 1)
+    order = (~keep).long().argsort(dim=1, stable=True)[:, :width]  # [R, N'] kept nodes first, in order
+    alive = torch.arange(width, device=tokens.device) < count[:, None]
+    new_id = torch.cat([keep.new_zeros(R, 1, dtype=torch.long), keep.long().cumsum(1)], 1)  # [R, N+1]: old -> new
+    old_parent = parents.gather(1, order).clamp(min=0)
+    new_parents = torch.where(alive, new_id.gather(1, old_parent), -1)
+    new_tokens = torch.where(alive, tokens.gather(1, order), -1)
+    new_scores = torch.where(alive, scores.gather(1, order), float("-inf"))
+    rows = torch.cat([order.new_zeros(R, 1), order + 1], 1)  # [R, N'+1] draft_probs rows (root first)
+    q = draft_probs.gather(1, rows[..., None].expand(-1, -1, draft_probs.shape[-1]))
+    q = q * torch.cat([alive.new_ones(R, 1), alive], 1)[..., None]
+    return new_tokens, new_parents, new_scores, count, q

@@ -5,7 +5,8 @@ keys/values in every layer (:mod:`dspec_cli.nn.backbone`); one forward drafts a 
 γ tokens, each slot sampled independently at the run's temperature (q_k goes into the
 proposal, so verification is lossless rejection sampling). Uses DeepSpec's block layout:
 the anchor slot is the first prediction position (γ inputs -> γ drafts); see
-:mod:`dspec_dflash.drafter`. The DSpark drafters (``dspec_dspark``) reuse this class.
+:mod:`dspec_dflash.drafter`. The DSpark drafters (``dspec_dspark``) subclass it with their own
+proposer.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """The parallel block drafter shared by ``dflash``, ``dspark-markov`` and ``dspark-rnn``.
 
-One implementation: the :mod:`dspec_cli.nn.backbone` backbone plus an optional sequential head
-(Markov / RNN, :mod:`dspec_cli.nn.heads`) and an optional confidence head. DFlash has neither.
+One implementation of everything but the draw: the :mod:`dspec_cli.nn.backbone` backbone plus an
+optional sequential head (Markov / RNN, :mod:`dspec_cli.nn.heads`; DSpark's) and an optional
+confidence head. :meth:`DFlashDrafter.propose` draws DFlash's independent slots; DSpark's
+left-to-right proposer is ``dspec_dspark.drafter``.
 
 Block layout (DeepSpec's variant, ``deepspec/modeling/dspark/common.py``): the block is [anchor, mask × (γ−1)] and
 the anchor slot is itself the first prediction position, so γ input slots give γ drafts
@@ -105,14 +107,21 @@ class BlockDrafterConfig(BackboneConfig, DrafterConfig):
 
 @dataclass
 class DFlashConfig(BlockDrafterConfig):
-    """DFlash (DeepSpec defaults): no sequential head, no confidence head, CE only."""
+    """DFlash (DeepSpec defaults): no sequential head, CE only; a confidence head is optional
+    (DeepSpec's DSpark layout with ``markov_rank`` 0 carries one)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.head != "none":
+            raise DspecError(f"dflash has no sequential head (head = 'none', got {self.head!r}); "
+                             "dspark-markov and dspark-rnn have one")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class BlockDraftState(DraftState):
     """Context K/V of committed tokens for every row (``context`` token lists are not kept)."""
 
-    cache: ContextCache | None = None
+    cache: ContextCache
 
     @property
     def num_requests(self) -> int:
@@ -171,7 +180,7 @@ def resolve_config(cfg: BlockDrafterConfig, target: Target) -> BlockDrafterConfi
     if cfg.vocab_size and cfg.vocab_size != vocab:
         raise DspecError(f"drafter vocabulary size {cfg.vocab_size} does not match the target's {vocab}")
     ids = tuple(cfg.target_layer_ids) or build_target_layer_ids(target.num_layers, cfg.num_layers)
-    if any(b <= a for a, b in zip(ids, ids[1:])) or not -1 <= min(ids) <= max(ids) < target.num_layers:
+    if any(b <= a for a, b in zip(ids, ids[1:], strict=False)) or not -1 <= min(ids) <= max(ids) < target.num_layers:
         raise DspecError(
             f"target_layer_ids {list(ids)} must increase strictly within [-1, {target.num_layers - 1}] for this target"
         )
@@ -187,6 +196,8 @@ class DFlashDrafter(TrainableDrafter):
 
     name = "dflash"
     config_class = DFlashConfig
+    config: BlockDrafterConfig
+    net: BlockDrafterNet
     capabilities = frozenset({Capability.draft_probs, Capability.marginals, Capability.trainable})
     description = "parallel block drafter with target KV injection (DFlash, DeepSpec variant)"
 
@@ -254,8 +265,8 @@ class DFlashDrafter(TrainableDrafter):
         """One parallel forward for tree builders (capability ``marginals``): base logits
         U [R, γ, V] (float) and slot features h [R, γ, d]; :meth:`head_logits` conditions slot k
         on the previous token."""
-        h = self._block_hidden(state, anchors)
-        return self._lm_logits(h), h
+        h = self.block_hidden(state, anchors)
+        return self.lm_logits(h), h
 
     def head_logits(self, logits: torch.Tensor, h: torch.Tensor, prev: torch.Tensor, head_state):
         """Slot logits after the sequential head: U_k [..., V] (float) and h_k [..., d], both
@@ -273,48 +284,38 @@ class DFlashDrafter(TrainableDrafter):
         bias, head_state = head.step_bias(head_state, prev, h)
         return logits + bias, head_state  # float logits + a half-precision bias: float (exact promotion)
 
+    def head_confidence(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
+        """Raw confidence [...] (float, uncalibrated) that a draft in the slot of features h [..., d]
+        is accepted once its prefix is, from the confidence head and the previous token prev [...]
+        (for tree builders: prev is the parent node's token); None without a confidence head."""
+        conf_head, head = self.net.confidence, self.net.head
+        if conf_head is None:
+            return None
+        return torch.sigmoid(conf_head(h, head.embed(prev) if head is not None else None).float())
+
     @torch.no_grad()
     def propose(self, state: BlockDraftState, anchors: torch.Tensor, max_len: int, sampler: Sampler) -> Proposal:
-        """One parallel forward, then min(max_len, γ) draws with the run's sampler: q_k =
-        sampler.probs(U_k [+ head bias]) is what x_k is drawn from (all slots at once without a
-        sequential head, left to right with one); the confidence uses h_k and x_{k−1} only.
-        Greedy runs draft the argmax and carry no distribution (deterministic drafts)."""
-        R, gamma = anchors.shape[0], min(max_len, self.config.block_size)
-        h = self._block_hidden(state, anchors)[:, :gamma]  # [R, γ, d]
-        base = self._lm_logits(h)  # [R, γ, V]: one LM-head matmul for the whole block
-        head, conf_head = self.net.head, self.net.confidence
-        probs = None
-        if head is None and sampler.greedy:
-            drafts = base.argmax(-1)  # [R, γ]
-        elif head is None:  # independent slots: every draw at once
-            probs = sampler.probs(base.flatten(0, 1)).view_as(base)  # [R, γ, V]
-            drafts = sampler.sample(probs, 0)  # [R, γ]
-        else:
-            prev, hstate = anchors, None
-            tokens, qs = [], []
-            for k in range(gamma):
-                logits, hstate = self.head_logits(base[:, k], h[:, k], prev, hstate)  # [R, V]
-                if sampler.greedy:
-                    prev = logits.argmax(-1)
-                else:
-                    q = sampler.probs(logits)  # [R, V]
-                    prev = sampler.sample(q, k)
-                    qs.append(q)
-                tokens.append(prev)
-            drafts = torch.stack(tokens, 1)  # [R, γ]
-            probs = torch.stack(qs, 1) if qs else None  # [R, γ, V]
-        conf = None
-        if conf_head is not None:  # one pass over the block: slot k sees h_k and x_{k−1} only
-            prevs = torch.cat([anchors[:, None], drafts[:, :-1]], 1)  # [R, γ]: x_{k−1}
-            conf = torch.sigmoid(conf_head(h, head.embed(prevs) if head is not None else None).float())  # raw
-        return Proposal(
-            tokens=drafts,
-            lengths=torch.full((R,), gamma, dtype=torch.long, device=anchors.device),
-            draft_probs=probs,
-            confidence=conf,
-        )
+        """DFlash's proposal after ``anchors`` [R]: one parallel forward, then every slot drawn at
+        once and independently, x_k from q_k = sampler.probs(U_k). Greedy runs draft the argmax
+        and carry no distribution (deterministic drafts). The DSpark drafters (``dspec_dspark``)
+        draw left to right through their sequential head instead."""
+        h = self.block_hidden(state, anchors)[:, : min(max_len, self.config.block_size)]  # [R, γ, d]
+        base = self.lm_logits(h)  # [R, γ, V]: one LM-head matmul for the whole block
+        if sampler.greedy:
+            return self.block_proposal(h, anchors, base.argmax(-1), None)
+        probs = sampler.probs(base.flatten(0, 1)).view_as(base)  # [R, γ, V]
+        return self.block_proposal(h, anchors, sampler.sample(probs, 0), probs)
 
-    def _block_hidden(self, state: BlockDraftState, anchors: torch.Tensor) -> torch.Tensor:
+    def block_proposal(self, h: torch.Tensor, anchors: torch.Tensor, drafts: torch.Tensor,
+                       probs: torch.Tensor | None) -> Proposal:
+        """The proposal of drafts [R, γ] drawn from probs [R, γ, V] (None: deterministic) after
+        anchors [R], with the confidence head's raw c_k (if any) from slot features h [R, γ, d]
+        and x_{k−1} only, in one pass over the block."""
+        conf = self.head_confidence(h, torch.cat([anchors[:, None], drafts[:, :-1]], 1))  # raw, x_{k−1} [R, γ]
+        lengths = torch.full((anchors.shape[0],), drafts.shape[1], dtype=torch.long, device=anchors.device)
+        return Proposal(tokens=drafts, lengths=lengths, draft_probs=probs, confidence=conf)
+
+    def block_hidden(self, state: BlockDraftState, anchors: torch.Tensor) -> torch.Tensor:
         """h [R, γ, d] for blocks [anchor, mask × (γ−1)] after each row's committed context."""
         cache = state.cache
         rows = anchors.shape[0]
@@ -327,7 +328,7 @@ class DFlashDrafter(TrainableDrafter):
         pos = cache.lengths_rows(rows)[:, None] + torch.arange(slots, device=anchors.device)
         return self.net.backbone.forward_block(self.embed(ids), pos, cache)[:, skip:]
 
-    def _lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+    def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
         """The target's frozen LM head (with its final-logit softcap, if any) -> float logits.
         Gradients reach h, never the target's weights."""
         w, b = self.lm_head.weight.detach(), self.lm_head.bias
@@ -390,7 +391,7 @@ class DFlashDrafter(TrainableDrafter):
         h = h[:, :, skip:]  # [b, N, B, d]: the draft slots
         # draft slot k: label x_{a+k+1}, previous token x_{a+k}, target distribution at position a+k
         labels, prev, sel, pos = (t[..., :B] for t in (blocks.labels, blocks.prev, blocks.valid, blocks.positions))
-        logits = self._lm_logits(h[sel])  # [M, V]
+        logits = self.lm_logits(h[sel])  # [M, V]
         head, conf_head = self.net.head, self.net.confidence
         if head is not None:
             logits = logits + head.bias(head.block_features(prev, h)[sel]).float()
@@ -400,6 +401,6 @@ class DFlashDrafter(TrainableDrafter):
             conf_logits = conf_head(h[sel], prev_embed).float()
         where = sel.nonzero()  # [M, 3] (sequence, block, slot)
         with torch.no_grad():
-            target_logits = self._lm_logits(last[where[:, 0], pos[sel]])  # p_t at position a+k
+            target_logits = self.lm_logits(last[where[:, 0], pos[sel]])  # p_t at position a+k
         return BlockOutputs(logits, target_logits, labels[sel], where, conf_logits)
 

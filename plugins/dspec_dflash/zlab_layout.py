@@ -50,6 +50,7 @@ def read(config: dict, tensors: dict, where: str) -> Converted:
         "target_layer_ids": list(require(config, "target_layer_ids", where)),
         "mask_token_id": int(require(config, "mask_token_id", where)),
         "anchor_predicts": False,
+        "layer_style": "qwen3",  # whatever the target: z-lab's draft layers are Qwen3's
     }
     state, _ = rename_state(tensors, RULES, (), IGNORED, where)
     layers = value(config, "num_target_layers")

@@ -4,11 +4,18 @@ The draft model drafts autoregressively with its own batched KV cache (a second
 :class:`~dspec_cli.runtime.target.Target`), sampling each token at the run's settings and returning
 its full distribution q_k, so verification uses lossless rejection sampling. After
 verification the draft cache is rolled back to the committed prefix.
+
+Models of one family often pad their embedding tables differently (Qwen2.5-0.5B has 151,936
+rows, Qwen2.5-7B 152,064, one tokenizer): what must agree is the tokenizer, not the row count.
+The draft's logits are cut to the target's rows, or extended with −inf (zero probability) up
+to them, so q_k lives on the target's vocabulary; the rows past the tokenizer's ids are
+padding in both models.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -34,25 +41,40 @@ class DraftModelConfig(DrafterConfig):
 
 @dataclass
 class DraftModelState(DraftState):
-    batch: object = None  # the draft model's TargetBatch
+    batch: Any = None  # the draft model's TargetBatch
     pending: list[torch.Tensor] = field(default_factory=list)  # committed ids not yet in the draft cache, per row
     fed: int = -1  # drafts fed into the draft cache by the last propose (-1: none this round)
 
 
 def check_same_vocabulary(draft: Target, target: Target) -> None:
-    """Draft and target must share token ids: same vocabulary size and, if known, same tokenizer."""
-    if draft.vocab_size != target.vocab_size:
-        raise DspecError(
-            f"draft model vocabulary ({draft.vocab_size}) does not match the target's ({target.vocab_size})"
-        )
-    if draft.tokenizer is not None and target.tokenizer is not None:
-        if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
-            raise DspecError("draft model tokenizer differs from the target's tokenizer (token ids would not match)")
+    """Draft and target must share token ids: the same tokenizer vocabulary, every id of which
+    both models embed (their padded rows may differ); without both tokenizers, the same size."""
+    if draft.tokenizer is None or target.tokenizer is None:
+        if draft.vocab_size != target.vocab_size:
+            raise DspecError(f"draft model vocabulary ({draft.vocab_size}) does not match the target's "
+                             f"({target.vocab_size}) and without both tokenizers the token ids cannot be compared")
+        return
+    vocab = target.tokenizer.get_vocab()
+    if draft.tokenizer.get_vocab() != vocab:
+        raise DspecError("draft model tokenizer differs from the target's tokenizer (token ids would not match)")
+    ids = max(vocab.values(), default=-1) + 1
+    for who, model in (("draft model", draft), ("target", target)):
+        if model.vocab_size < ids:
+            raise DspecError(f"the {who} embeds {model.vocab_size} token ids, fewer than its tokenizer's {ids}")
+
+
+def to_vocabulary(logits: torch.Tensor, size: int) -> torch.Tensor:
+    """Logits [R, V_d] on ``size`` rows: padding rows past ``size`` cut, missing rows at −inf."""
+    extra = size - logits.shape[-1]
+    if extra <= 0:
+        return logits[:, :size]
+    return torch.cat([logits, logits.new_full((logits.shape[0], extra), float("-inf"))], dim=-1)
 
 
 class DraftModelDrafter(Drafter):
     name = "draft-model"
     config_class = DraftModelConfig
+    config: DraftModelConfig
     capabilities = frozenset({Capability.draft_probs})
     description = "a separate small causal LM sharing the tokenizer (classic speculative sampling)"
 
@@ -67,7 +89,7 @@ class DraftModelDrafter(Drafter):
     @classmethod
     def from_pretrained(cls, path, target: Target, **overrides) -> DraftModelDrafter:
         """A draft-model "checkpoint" is the draft LM itself: a local path or Hub id."""
-        return cls.build(cls.config_class(model=str(path), **overrides), target)
+        return cls(DraftModelConfig(model=str(path), **overrides), target)
 
     def save_pretrained(self, path) -> None:
         """The draft LM itself (weights and tokenizer): what :meth:`from_pretrained` reads."""
@@ -78,12 +100,13 @@ class DraftModelDrafter(Drafter):
     def init_state(self) -> DraftModelState:
         return DraftModelState(batch=self.model.new_batch())
 
-    def add_requests(self, state, prompts, hidden) -> None:
+    def add_requests(self, state: DraftModelState, prompts: list[torch.Tensor],
+                     hidden: list[torch.Tensor] | None) -> None:
         super().add_requests(state, prompts, hidden)
         self.model.prefill(state.batch, [p.tolist() for p in prompts])
         state.pending.extend(p[:0] for p in prompts)
 
-    def remove_requests(self, state, keep) -> None:
+    def remove_requests(self, state: DraftModelState, keep: list[int]) -> None:
         super().remove_requests(state, keep)
         self.model.select_rows(state.batch, keep)
         state.pending = [state.pending[r] for r in keep]
@@ -93,11 +116,12 @@ class DraftModelDrafter(Drafter):
         # first step feeds what the draft cache lacks: pending committed ids + the anchor
         feed = [torch.cat([state.pending[r], anchors[r : r + 1]]) for r in range(R)]
         lengths = torch.tensor([f.numel() for f in feed], device=anchors.device)
-        logits = self.model.append(state.batch, torch.cat(feed), lengths)  # [R, V]
+        ids = torch.cat(feed).clamp(max=self.model.vocab_size - 1)  # a target id past the draft's rows is padding
+        logits = self.model.append(state.batch, ids, lengths)  # [R, V_d]
         ones = torch.ones_like(anchors)
         tokens, probs = [], []
         for k in range(max_len):
-            q = sampler.probs(logits)  # [R, V]
+            q = sampler.probs(to_vocabulary(logits, self.target.vocab_size))  # [R, V]
             x = sampler.sample(q, k)  # [R]
             tokens.append(x)
             probs.append(q)
@@ -115,11 +139,11 @@ class DraftModelDrafter(Drafter):
         super().advance(state, committed, counts, hidden)
         chunks = torch.split(committed, counts.tolist())
         if state.fed < 0:  # no propose this round: everything committed is still missing
-            state.pending = [torch.cat([p, c]) for p, c in zip(state.pending, chunks)]
+            state.pending = [torch.cat([p, c]) for p, c in zip(state.pending, chunks, strict=True)]
             return
         kept = (counts - 1).clamp(max=state.fed)  # fed drafts that were accepted
         self.model.rollback(state.batch, state.fed - kept)  # drop rejected drafts from the draft cache
-        state.pending = [c[1 + k :] for c, k in zip(chunks, kept.tolist())]
+        state.pending = [c[1 + k :] for c, k in zip(chunks, kept.tolist(), strict=True)]
         state.fed = -1
 
 

@@ -76,12 +76,12 @@ class Eagle3Config(BackboneConfig, DrafterConfig):
                 raise DspecError(message)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Eagle3State(DraftState):
     """Draft K/V of committed pairs and the pending features per row (module docstring)."""
 
-    cache: ContextCache | None = None
-    pending: torch.Tensor | None = None  # [R, n·d]
+    cache: ContextCache
+    pending: torch.Tensor  # [R, n·d]
 
     @property
     def num_requests(self) -> int:
@@ -120,6 +120,8 @@ class Eagle3Drafter(TrainableDrafter):
 
     name = "eagle3"
     config_class = Eagle3Config
+    config: Eagle3Config
+    net: Eagle3Net
     capabilities = frozenset({Capability.draft_probs, Capability.tree, Capability.trainable})
     description = "EAGLE-3: one decoder layer over fused low/mid/high target features (chain or EAGLE-2 tree)"
 
@@ -191,7 +193,7 @@ class Eagle3Drafter(TrainableDrafter):
         """Prefill: pairs (taps_t, prompt_{t+1}) for t < L−1; taps_{L−1} become pending."""
         if hidden is None or len(hidden) != len(prompts):
             raise ValueError(f"hidden: {self.name} needs the target's taps for every prompt")
-        if any(h.shape[0] != p.numel() or p.numel() == 0 for h, p in zip(hidden, prompts)):
+        if any(h.shape[0] != p.numel() or p.numel() == 0 for h, p in zip(hidden, prompts, strict=True)):
             raise ValueError("hidden: need one row of taps per prompt token (non-empty prompts)")
         self._check_taps(hidden[0])
         dev = self.target.device
@@ -380,10 +382,11 @@ class _Run:
         """parent [R, Q]: processed index of each new node's parent -> [R, Q, P+Q] (ancestors and
         self); the new rows are kept for deeper levels."""
         R, Q = parent.shape
-        P = self.processed
-        rows = self.anc.gather(1, parent[..., None].expand(R, Q, P))  # [R, Q, P]
+        P, anc = self.processed, self.anc
+        assert anc is not None  # set by root()
+        rows = anc.gather(1, parent[..., None].expand(R, Q, P))  # [R, Q, P]
         new = torch.cat([rows, torch.eye(Q, dtype=torch.bool, device=parent.device).expand(R, Q, Q)], dim=2)
-        self.anc = torch.cat([torch.cat([self.anc, self.anc.new_zeros(R, P, Q)], dim=2), new], dim=1)
+        self.anc = torch.cat([torch.cat([anc, anc.new_zeros(R, P, Q)], dim=2), new], dim=1)
         return new
 
     def step(self, tokens: torch.Tensor, g: torch.Tensor, local_mask: torch.Tensor) -> torch.Tensor:

@@ -100,7 +100,7 @@ def ttt_losses(
             rate = torch.minimum(logq.exp(), p_full[r]).sum() / count
         stats.append(torch.stack([acc, rate, torch.tensor(float(where.shape[0]), device=acc.device)]))
     acc, rate, tokens = torch.stack(stats).T.tolist()  # metrics to the host in one transfer
-    out = {"loss": loss}
+    out: dict[str, torch.Tensor | float] = {"loss": loss}
     out.update({f"acc@{j + 1}": a for j, a in enumerate(acc)})
     out.update({f"accept_rate@{j + 1}": a for j, a in enumerate(rate)})
     out.update(tau_probabilistic=1.0 + float(torch.tensor(rate).cumprod(0).sum()), tokens=int(tokens[0]))

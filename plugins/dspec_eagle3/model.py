@@ -23,7 +23,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dspec_cli.nn import MLP, BackboneConfig, Linear, RMSNorm, Rotary, apply_rotary, attend
+from dspec_cli.nn import (
+    MLP,
+    BackboneConfig,
+    Linear,
+    RMSNorm,
+    Rotary,
+    apply_rotary,
+    attend,
+)
 
 __all__ = ["Eagle3Net", "build_vocab_mapping", "ttt_attention_mask"]
 

@@ -3,7 +3,8 @@
 config.json is a Llama config (``num_hidden_layers`` 1) with ``architectures =
 ["LlamaForCausalLMEagle3"]``, ``vocab_size`` V and ``draft_vocab_size`` N, optionally
 ``eagle_aux_hidden_state_layer_ids`` (vLLM indexing: id j = output of layer j − 1, 0 =
-embeddings; absent = EAGLE's default layers). Weights: ``embed_tokens`` (frozen copy of the
+embeddings; absent = EAGLE's default layers), at the top level (vLLM reads it there) or in
+``eagle_config`` (SGLang reads it there; export writes both). Weights: ``embed_tokens`` (frozen copy of the
 target's), ``fc`` [d, 3·d], ``midlayer.{input_layernorm (on the embedding), hidden_norm,
 self_attn.{q,k,v,o}_proj (q/k/v read 2d; no q/k norms), post_attention_layernorm,
 mlp.*}``, ``norm``, ``lm_head`` [N, d] (trained), ``d2t`` [N] (target id = draft id +
@@ -49,7 +50,8 @@ def read(config: dict, tensors: dict, where: str) -> Converted:
     N = int(config.get("draft_vocab_size") or V)
     if config.get("target_hidden_size") not in (None, d):
         raise DspecError(f"{where}: target_hidden_size {config['target_hidden_size']} differs from hidden_size {d}")
-    aux = config.get("eagle_aux_hidden_state_layer_ids")
+    nested = config["eagle_config"] if isinstance(config.get("eagle_config"), dict) else {}
+    aux = config.get("eagle_aux_hidden_state_layer_ids") or nested.get("eagle_aux_hidden_state_layer_ids")
     t2d = tensors.pop("t2d", None)
     state, shared = rename_state(tensors, RULES, SHARED, (), where)
     d2t = state.pop("d2t", None)
@@ -91,6 +93,7 @@ def write(drafter, target) -> tuple[dict, dict]:
         raise DspecError(f"LlamaForCausalLMEagle3 fuses exactly {TAPS} target layers, this drafter reads "
                          f"{len(cfg.target_layer_ids)}")
     V = cfg.vocab_size
+    aux = [i + 1 for i in cfg.target_layer_ids]
     ids = net.draft_ids()
     ids = torch.arange(V, device=net.fc.weight.device) if ids is None else ids
     config = {
@@ -101,7 +104,8 @@ def write(drafter, target) -> tuple[dict, dict]:
         "num_hidden_layers": 1,
         "vocab_size": V,
         "draft_vocab_size": ids.numel(),
-        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
+        "eagle_aux_hidden_state_layer_ids": aux,  # vLLM reads it here,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True},  # SGLang here
         "tie_word_embeddings": False,
     }
     tensors = foreign_state(net.state_dict(), RULES)

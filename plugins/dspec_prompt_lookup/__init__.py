@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from dspec_cli import (
+    PAD,
     Drafter,
     DrafterConfig,
     DraftState,
@@ -53,12 +54,13 @@ def lookup(context: torch.Tensor, max_len: int, max_ngram: int, min_ngram: int) 
 class PromptLookupDrafter(Drafter):
     name = "prompt-lookup"
     config_class = PromptLookupConfig
+    config: PromptLookupConfig
     capabilities = frozenset()
     description = "n-gram match in the request's context (training-free)"
 
     def propose(self, state: DraftState, anchors: torch.Tensor, max_len: int, sampler: Sampler) -> Proposal:
         R = anchors.shape[0]
-        tokens = torch.zeros(R, max_len, dtype=torch.long)
+        tokens = torch.full((R, max_len), PAD, dtype=torch.long)
         lengths = torch.zeros(R, dtype=torch.long)
         for r, anchor in enumerate(anchors.tolist()):
             ctx = torch.cat([state.context[r], torch.tensor([anchor])])

@@ -4,9 +4,8 @@ import json
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
 from corpus import EOT, SPECIALS
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 VOCAB = 8192
 

@@ -1,7 +1,7 @@
 """Build the embedded default target and its draft model from offline text, seeded.
 
     python recipes/tiny/build.py [--stage corpus|tokenizer|target|draft|export|all]
-                                 [--minutes 30] [--draft-minutes 8] [--max-steps N]
+                                 [--install-packages] [--minutes 30] [--draft-minutes 8] [--max-steps N]
                                  [--draft-max-steps N] [--out work-data/tiny]
 
 Stages write under --out: corpus/ (text), tokenizer.json, data/ (uint16 token arrays),
@@ -32,7 +32,7 @@ def _log(msg: str) -> None:
 def stage_corpus(args) -> None:
     import corpus
     t = time.time()
-    stats = corpus.build(args.out, args.seed)
+    stats = corpus.build(args.out, args.seed, install_packages=args.install_packages)
     _log(f"corpus: {len(stats['streams'])} streams, prompts {stats['prompts']}, "
          f"{time.time() - t:.0f}s")
 
@@ -107,6 +107,9 @@ def main(argv=None) -> None:
     p.add_argument("--assets", type=Path, default=REPO / "dspec_cli" / "assets",
                    help="export: folder that receives tiny-target/ and tiny-draft-model/")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--install-packages", action="store_true",
+                   help="corpus: install the missing Debian text packages with apt-get (needs root); "
+                        "without it a missing package stops the stage, naming the packages")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="tokenizer stage: encode with this tokenizer.json instead of training one")
     p.add_argument("--fp32", action="store_true",

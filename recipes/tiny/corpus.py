@@ -94,9 +94,10 @@ def write_prompts(pools: chatgen.Pools, out: Path, seed: int) -> dict[str, int]:
     return counts
 
 
-def build(out: Path, seed: int) -> dict:
-    """Write the corpus and prompt files under `out`; return statistics."""
-    sources.install_packages()
+def build(out: Path, seed: int, install_packages: bool = False) -> dict:
+    """Write the corpus and prompt files under `out`; return statistics. The Debian text packages
+    are installed (apt-get) only with ``install_packages``."""
+    sources.install_packages(install_packages)
     rng = random.Random(seed)
     stdlib = sources.stdlib_files()
     pools = chatgen.Pools.load(stdlib)

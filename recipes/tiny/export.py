@@ -6,13 +6,16 @@ import shutil
 import time
 from pathlib import Path
 
-import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig,
-                          PreTrainedTokenizerFast)
-
 import chatgen
+import torch
 import train
 from corpus import DOMAINS
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedTokenizerFast,
+)
 
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"

@@ -32,7 +32,7 @@ def _money(x: int) -> str:
 
 
 def t_change(rng):
-    n, (one, many) = _name(rng), rng.choice(GOODS)
+    n, (_, many) = _name(rng), rng.choice(GOODS)
     k, p = rng.randint(2, 9), rng.randint(2, 15)
     bill = next(b for b in (20, 50, 100, 200) if b > k * p)
     q = (f"{n} buys {k} {many} that cost {_money(p)} each. {n} pays with a {_money(bill)} bill. "
@@ -72,7 +72,7 @@ def t_weekly(rng):
 
 
 def t_savings(rng):
-    n, (one, many) = _name(rng), rng.choice(GOODS)
+    n, (one, _) = _name(rng), rng.choice(GOODS)
     w, k = rng.randint(5, 30), rng.randint(3, 12)
     c = rng.randint(5, w * k - 1)
     q = (f"{n} saves {_money(w)} every week for {k} weeks. Then {n} spends {_money(c)} on a "
@@ -97,7 +97,7 @@ def t_fraction(rng):
 
 
 def t_discount(rng):
-    n, (one, many) = _name(rng), rng.choice(GOODS)
+    n, (one, _) = _name(rng), rng.choice(GOODS)
     d = rng.choice([10, 20, 25, 30, 50])
     p = rng.randint(1, 8) * 40 if d == 25 else rng.randint(2, 30) * 10
     off = p * d // 100
@@ -214,7 +214,7 @@ def t_share(rng):
 
 
 def t_profit(rng):
-    n, (one, many) = _name(rng), rng.choice(GOODS)
+    n, (_, many) = _name(rng), rng.choice(GOODS)
     k, cost, price = rng.randint(10, 60), rng.randint(2, 9), rng.randint(10, 25)
     rent = rng.randint(5, max(6, k * (price - cost) // 2))
     q = (f"{n} makes {k} {many} at a cost of {_money(cost)} each and sells all of them for "
@@ -248,7 +248,7 @@ def t_rooms(rng):
 
 
 def t_half(rng):
-    n, (one, many) = _name(rng), rng.choice(GOODS)
+    n, (one, _) = _name(rng), rng.choice(GOODS)
     a = 2 * rng.randint(2, 20)
     q = (f"{n} needs {a} meters of red ribbon for a {one} and half as much green ribbon. "
          f"How many meters of ribbon does {n} need in total?")

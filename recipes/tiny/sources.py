@@ -31,16 +31,29 @@ _SKIP_CODE_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages
                    "pydoc_data", "__pycache__", "turtledemo", "config-3.11-x86_64-linux-gnu"}
 
 
-def install_packages() -> None:
-    """apt-get update once, then install the text packages (idempotent; needs root)."""
-    missing = [p for p in APT_PACKAGES
-               if subprocess.run(["dpkg", "-s", p], capture_output=True).returncode != 0]
+def missing_packages() -> list[str]:
+    """The text packages not installed (all of them where there is no dpkg: not Debian/Ubuntu)."""
+    try:
+        return [p for p in APT_PACKAGES
+                if subprocess.run(["dpkg", "-s", p], capture_output=True, check=False).returncode != 0]
+    except FileNotFoundError:
+        return list(APT_PACKAGES)
+
+
+def install_packages(install: bool) -> None:
+    """Check the text packages are there; install the missing ones with apt-get only when
+    ``install`` (needs root), else stop naming them and the command that installs them."""
+    missing = missing_packages()
     if not missing:
         return
+    command = f"apt-get install -y --no-install-recommends {' '.join(missing)}"
+    if not install:
+        raise SystemExit(f"error: the corpus reads these Debian/Ubuntu packages, not installed here: "
+                         f"{', '.join(missing)}. Install them with `{command}` (as root), or rerun with "
+                         "--install-packages to let build.py run apt-get")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     subprocess.run(["apt-get", "update"], check=True, env=env, stdout=subprocess.DEVNULL)
-    subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", *APT_PACKAGES],
-                   check=True, env=env, stdout=subprocess.DEVNULL)
+    subprocess.run(command.split(), check=True, env=env, stdout=subprocess.DEVNULL)
 
 
 def _clean(text: str) -> str:
@@ -102,7 +115,7 @@ def stdlib_functions(files: list[tuple[str, str]]) -> list[dict]:
 
 def _span(lines: list[str], *bounds: int) -> str:
     """Dedented text of 1-based inclusive line ranges (a1, b1, a2, b2, ...)."""
-    parts = [ln for a, b in zip(bounds[::2], bounds[1::2]) for ln in lines[a - 1:b]]
+    parts = [ln for a, b in zip(bounds[::2], bounds[1::2], strict=False) for ln in lines[a - 1:b]]
     return textwrap.dedent("\n".join(parts))
 
 
@@ -186,7 +199,7 @@ def jargon_entries() -> list[tuple[str, str]]:
     text = gzip.decompress(JARGON.read_bytes()).decode("utf-8", errors="replace")
     parts = re.split(r"\n   :([^:\n]{1,60}):[^\n]*\n", text)
     out = []
-    for term, body in zip(parts[1::2], parts[2::2]):
+    for term, body in zip(parts[1::2], parts[2::2], strict=False):
         body = _clean("\n".join(ln[3:] if ln.startswith("   ") else ln for ln in body.split("\n")))
         if len(body) > 60:
             out.append((term.strip(), body))
@@ -202,7 +215,7 @@ def debian_faq() -> list[tuple[str, str]]:
     text = _gz_text(DEBIAN_FAQ)
     parts = re.split(r"\n(\d+(?:\.\d+)+)\. +([^\n]+(?:\n[^\n ][^\n]*)?)\n\n", text)
     out = []
-    for head, body in zip(parts[2::3], parts[3::3]):
+    for head, body in zip(parts[2::3], parts[3::3], strict=False):
         head = " ".join(head.split())
         body = _clean("\n".join(ln[4:] if ln.startswith("    ") else ln for ln in body.split("\n")))
         if head.endswith("?") and len(body) > 80:

@@ -9,11 +9,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tokenizers import Tokenizer
-from transformers import Qwen3ForCausalLM
-
 from corpus import DOMAINS, SPECIALS
 from models import make_config
+from tokenizers import Tokenizer
+from transformers import Qwen3ForCausalLM
 
 # Share of training sequences per (domain, kind): 60% raw text, 40% ChatML conversations.
 WEIGHTS = {("code", "raw"): .18, ("prose", "raw"): .19, ("docs", "raw"): .17, ("math", "raw"): .04,

@@ -10,18 +10,41 @@ import math
 
 import pytest
 import torch
-from dspec_ddtree import DDTreeConfig, DDTreeDrafter, grow_sampled_tree, grow_tree, sampled_shape
+from dspec_ddtree import (
+    DDTreeConfig,
+    DDTreeDrafter,
+    grow_sampled_tree,
+    grow_tree,
+    sampled_shape,
+)
+from dspec_ddtree.tree import node_depths, node_survival, prune_tree
 from test_dflash import PROMPTS, SAMPLINGS, build, plain_greedy
 from test_dspark import ForcedSampler, _state_after_prompt, strong
 from tiny_models import GreedySampler, assert_cli_error, run_cli, tiny_target
 
 from dspec_cli.core.errors import DspecError
-from dspec_cli.core.sampling import logits_to_probs, torch_exponential
+from dspec_cli.core.hardware import CostTable
 from dspec_cli.core.plugins import get_drafter_class
+from dspec_cli.core.sampling import logits_to_probs, torch_exponential
+from dspec_cli.core.types import DraftTree
 from dspec_cli.runtime import engine as engine_module
 from dspec_cli.runtime.engine import GenerationConfig, SpeculativeEngine
 from dspec_cli.runtime.kv_cache import ancestor_visibility
-from dspec_cli.testing import check_engine_lossless, results_by_concurrency
+from dspec_cli.runtime.schedule import (
+    admit_candidates,
+    early_stop_count,
+    sorted_candidates,
+)
+from dspec_cli.testing import (
+    ToyDrafter,
+    ToyLM,
+    assert_same_distribution,
+    check_engine_lossless,
+    exact_target_joint,
+    gof_test,
+    results_by_concurrency,
+    simulate_tree_speculative,
+)
 
 BASES = ["dflash", "dspark-markov"]
 
@@ -93,7 +116,7 @@ def spine_oracle(child_logp, anchor: int, depth: int, budget: int, topk: int) ->
 def tree_paths(anchor: int, tokens, parents, scores) -> dict:
     """{path (anchor first): score} of one row of a tree."""
     paths, out = {0: (anchor,)}, {}
-    for i, (t, p, s) in enumerate(zip(tokens.tolist(), parents.tolist(), scores.tolist())):
+    for i, (t, p, s) in enumerate(zip(tokens.tolist(), parents.tolist(), scores.tolist(), strict=True)):
         paths[i + 1] = paths[p] + (t,)
         out[paths[i + 1]] = s
     return out
@@ -302,12 +325,12 @@ def test_children_are_the_sequential_heads_conditionals(target, name):
     tokens, parents = tree.tokens[0].tolist(), tree.parents[0].tolist()
     paths, score = {0: []}, {0: 0.0}
     head_matters = False
-    for i, (x, p) in enumerate(zip(tokens, parents)):
+    for i, (x, p) in enumerate(zip(tokens, parents, strict=True)):
         k = len(paths[p])
         forced = torch.tensor([paths[p] + [0] * (4 - k)])
         q = base.propose(state, anchors, k + 1, ForcedSampler(forced)).draft_probs[0, k]  # [V]
         assert math.isclose(float(scores[0, i]) - score[p], float(q[x].log()), abs_tol=1e-4)
-        siblings = {t for t, pp in zip(tokens, parents) if pp == p}
+        siblings = {t for t, pp in zip(tokens, parents, strict=True) if pp == p}
         assert siblings == set(q.topk(len(siblings)).indices.tolist())
         head_matters |= not math.isclose(float(q[x].log()), float(uncorrected[k, x]), abs_tol=1e-2)
         paths[i + 1], score[i + 1] = paths[p] + [x], float(scores[0, i])
@@ -340,7 +363,7 @@ def test_greedy_equals_plain_greedy(target, base, R):
     greedy = {tuple(p): plain_greedy(target, p, 16) for p in prompts}
     cfg = GenerationConfig(max_new_tokens=16, temperature=0.0, block_size=4, max_batch=R)
     results = SpeculativeEngine(target, ddtree(target, base, tree_budget=32), cfg, stop_ids=[]).generate(prompts)
-    for prompt, res in zip(prompts, results):
+    for prompt, res in zip(prompts, results, strict=True):
         assert res.output_ids == greedy[tuple(prompt)]
     assert {v for r in results for v in r.verified} == {0, 32}  # the budget (0: the last token)
     assert sum(a for r in results for a in r.accepted) > 0
@@ -358,14 +381,15 @@ def test_batch_invariant(target, base):
                                   block_size=4, seed=5)
     outs = [[r.output_ids for r in results] for results in runs]
     for other in outs[1:]:
-        assert sum(a != b for a, b in zip(outs[0], other)) <= 1
+        assert sum(a != b for a, b in zip(outs[0], other, strict=True)) <= 1
     assert sum(a for r in runs[-1] for a in r.accepted) > 0
 
 
-def check_lossless(target, base: str, sampling: dict, R: int | None, per_prompt: int, **options) -> None:
+def check_lossless(target, base: str, sampling: dict, R: int | None, per_prompt: int, verify: dict | None = None,
+                   **options) -> None:
     prompts = [target.render_prompt(PROMPTS[0])]
     results = check_engine_lossless(target, ddtree(target, base, **options), prompts, per_prompt=per_prompt,
-                                    max_batch=R, sampling=sampling, name=f"ddtree:{base} R={R}")
+                                    max_batch=R, sampling=sampling, name=f"ddtree:{base} R={R}", verify=verify)
     assert sum(sum(r.accepted) for r in results) > 0  # tree nodes were really accepted
 
 
@@ -375,15 +399,18 @@ def test_lossless_quick(target, base, sampling):
     check_lossless(target, base, sampling, None, 4000, tree_budget=8, tree_mode="best")
 
 
+@pytest.mark.parametrize("rule", ["sampled", "traversal"])
 @pytest.mark.parametrize("sampling", SAMPLINGS)
-def test_sampled_tree_lossless(target, sampling, monkeypatch):
-    """The sampled tree over DSpark-Markov, verified with its q by recursive rejection sampling."""
+def test_sampled_tree_lossless(target, sampling, rule, monkeypatch):
+    """The sampled tree over DSpark-Markov, verified with its q by recursive rejection sampling
+    ("sampled") or traversal verification."""
     methods = []
     verify = engine_module.verify_tree_grid
     monkeypatch.setattr(engine_module, "verify_tree_grid",
                         lambda *a, **kw: methods.append(kw["method"]) or verify(*a, **kw))
-    check_lossless(target, "dspark-markov", sampling, None, 4000, tree_budget=8, tree_mode="sampled")
-    assert set(methods) == {"sampled"}
+    check_lossless(target, "dspark-markov", sampling, None, 4000, verify=dict(tree_verify=rule), tree_budget=8,
+                   tree_mode="sampled")
+    assert set(methods) == {rule}
 
 
 def test_lossless_check_catches_sampled_siblings_chosen_by_value(target, monkeypatch):
@@ -445,6 +472,10 @@ def test_registered_and_checkpoints(target, tmp_path, monkeypatch):
         (dict(tree_mode="beam"), "tree_mode must be one of best, sampled, got 'beam'"),
         (dict(tree_accept=1.0), "tree_accept must be a number in (0, 1), got 1.0"),
         (dict(tree_rescue=0), "tree_rescue must be a number in (0, 1), got 0"),
+        (dict(tree_shape="auto"), "tree_shape must be one of static, confidence, got 'auto'"),
+        (dict(tree_shape="confidence"), "tree_shape=confidence needs cost_table=PATH"),
+        (dict(cost_table="table.json"), "tree_shape=confidence needs cost_table=PATH"),
+        (dict(tree_shape="confidence", cost_table="missing.json"), "cost_table missing.json: file not found"),
         (dict(tree_topk=385), "tree_topk 385 exceeds the vocabulary (384)"),
         (dict(base="eagle3"), "base 'eagle3' has no per-position marginals (capability 'marginals'); ddtree bases: dflash, dspark-markov, dspark-rnn"),
         (dict(base="prompt-lookup"), "base 'prompt-lookup' has no per-position marginals"),
@@ -464,13 +495,13 @@ def test_cli_bench(target, model_dir, tmp_path, capsys):
     build("dspark-markov", target).save_pretrained(tmp_path / "dspark")
     report = tmp_path / "bench.json"
     specs = ["ddtree", "ddtree:dspark,tree_budget=8,tree_topk=2"]
-    code, _, _ = run_cli(
+    code, _, err = run_cli(
         ["bench", "--target", str(model_dir), "--drafter", specs[0], "--drafter", specs[1], "--checkpoint",
          str(tmp_path / "dspark"), "--checkpoint", str(tmp_path / "dspark"), "--num-prompts", "2",
          "--max-new-tokens", "8", "--block-size", "4", "--json", str(report)],
         capsys,
     )
-    assert code == 0
+    assert code == 0, err
     runs = {r["drafter"]: r for r in json.loads(report.read_text())["runs"]}
     assert set(runs) == set(specs) and all(r["tau"] >= 1 for r in runs.values())
     assert runs[specs[0]]["mean_verified"] > 8 >= runs[specs[1]]["mean_verified"]  # budgets 32 and 8
@@ -482,3 +513,125 @@ def test_cli_bench(target, model_dir, tmp_path, capsys):
         ("ddtree,block_size=3", "unknown option(s) block_size"),
     ]:
         assert_cli_error(["bench", "--target", str(model_dir), "--drafter", spec], capsys, message)
+
+
+# -- confidence budgets (tree_shape=confidence) ------------------------------------------------
+
+
+def steep_cost_table(path, slope: float = 0.05) -> str:
+    """A cost table whose steps cost 1 + slope·B: every verified node must earn its price."""
+    grid = [*range(1, 512), *range(512, 65537, 512)]
+    CostTable(device="cpu", device_name="", dtype="float32", model="", torch="", grid=grid, contexts=[128],
+              measured={"128": [1.0 / (1 + slope * b) for b in grid]}).save(path)
+    return str(path)
+
+
+def test_node_survival_by_hand():
+    """Root children with c_root = 0.6 and rescue 0.5: 0.6, then min(0.6, 0.4·0.5) = 0.2, then
+    0.4·0.5·0.5 = 0.1; node 1's children (c = 0.9): 0.6·0.9 and 0.6·min(0.9, 0.1·0.5)."""
+    parents = torch.tensor([[0, 0, 0, 1, 1, -1]])
+    conf = torch.tensor([[0.6, 0.9, 0.5, 0.5, 0.5, 0.5, 0.5]])
+    a = node_survival(parents, conf, 0.5, depth=2)
+    assert torch.allclose(a, torch.tensor([[0.6, 0.2, 0.1, 0.54, 0.03, 0.0]], dtype=torch.float64))
+    # a confident node keeps a chain, an unsure one gets siblings worth more than its deep child
+    sure, unsure = node_survival(parents, conf.fill_(0.9), 0.5, 2), node_survival(parents, conf.fill_(0.2), 0.5, 2)
+    assert sure[0, 3] > sure[0, 1] and unsure[0, 1] > unsure[0, 3]
+    assert node_depths(parents, 2).tolist() == [[0, 1, 1, 1, 2, 2, 0]]
+
+
+def test_admit_candidates_is_algorithm_1():
+    """The admitted candidates are the first early_stop_count ones in sorted order."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.rand(6, 9, generator=g, dtype=torch.float64)
+    valid = torch.rand(6, 9, generator=g) > 0.2
+    sps = 1.0 / (1 + 0.04 * torch.arange(64, dtype=torch.float64).clamp(min=1))
+    keep = admit_candidates(a, valid, sps)
+    values, rows, num_valid = sorted_candidates(a, valid)
+    count = int(early_stop_count(values, num_valid, 6, sps))
+    assert int(keep.sum()) == count and 0 < count < int(valid.sum())
+    assert (a[keep].min() >= a[valid & ~keep].max()) and not (keep & ~valid).any()
+
+
+def test_prune_tree_renumbers_the_kept_nodes():
+    tokens = torch.tensor([[5, 6, 7, 8, 9], [1, 2, -1, -1, -1]])
+    parents = torch.tensor([[0, 0, 1, 2, 3], [0, 1, -1, -1, -1]])
+    scores = torch.arange(10.0).view(2, 5)
+    q = torch.arange(2 * 6 * 3, dtype=torch.float).view(2, 6, 3)
+    keep = torch.tensor([[True, False, True, False, True], [False, False, False, False, False]])
+    t, p, sc, n, qq = prune_tree(tokens, parents, scores, q, keep)
+    assert t.tolist() == [[5, 7, 9], [-1, -1, -1]] and p.tolist() == [[0, 1, 2], [-1, -1, -1]]
+    assert n.tolist() == [3, 0] and sc[0].tolist() == [0.0, 2.0, 4.0]
+    assert torch.equal(qq[0], q[0, [0, 1, 3, 5]]) and torch.equal(qq[1, 1:], torch.zeros(3, 3))
+
+
+def test_confidence_trees_follow_the_cost_table(target, tmp_path):
+    """A steeper cost table keeps fewer nodes; the kept trees are valid (prefix-closed, siblings
+    in draw order) subtrees of the static ones, whose sizes vary by request."""
+    prompts = [target.render_prompt(p) for p in PROMPTS]
+    cfg = GenerationConfig(max_new_tokens=16, block_size=4, max_batch=4, seed=2)
+    sizes = {}
+    for slope in (0.01, 0.1):
+        drafter = ddtree(target, "dspark-markov", tree_budget=16, tree_shape="confidence",
+                         cost_table=steep_cost_table(tmp_path / f"t{slope}.json", slope))
+        trees = []
+        draft = drafter.draft_sampled_tree
+
+        def record(*args, draft=draft, trees=trees):
+            out = draft(*args)
+            trees.append(out[0])
+            return out
+
+        drafter.draft_sampled_tree = record
+        SpeculativeEngine(target, drafter, cfg, stop_ids=[]).generate(prompts)
+        sizes[slope] = torch.cat([t.num_nodes for t in trees]).double()
+        for tree in trees:
+            real = tree.parents >= 0
+            assert ((tree.parents < torch.arange(1, tree.parents.shape[1] + 1)) | ~real).all()
+            assert (torch.arange(tree.tokens.shape[1]) < tree.num_nodes[:, None]).eq(real).all()
+    assert sizes[0.1].mean() < sizes[0.01].mean() <= 16
+    assert sizes[0.01].max() > sizes[0.01].min()
+
+
+@pytest.mark.parametrize("rule", ["sampled", "traversal"])
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_confidence_tree_lossless(target, tmp_path, sampling, rule):
+    """4000 requests in one batch: a slope of 2e-4 per token keeps the nodes worth more than ~0.4."""
+    check_lossless(target, "dspark-markov", sampling, None, 4000, verify=dict(tree_verify=rule), tree_budget=8,
+                   tree_shape="confidence", cost_table=steep_cost_table(tmp_path / "table.json", 2e-4))
+
+
+def _budget_policy(own_value: bool, depth: int = 3, rescue: float = 0.3):
+    """testing.simulate_tree_speculative's tree_policy: the confidence budget's pipeline
+    (node_survival with c_v = Σq_v², admit_candidates over the batch, prune_tree), or, with
+    ``own_value``, every node priced by its own draft probability (an anticipating value)."""
+
+    def cut(tree):
+        R, N = tree.tokens.shape
+        q = tree.draft_probs  # [R, N+1, V]
+        conf = q.pow(2).sum(-1)
+        if own_value:
+            own = q.gather(1, tree.parents.clamp(min=0)[..., None].expand(-1, -1, q.shape[-1]))
+            own = own.gather(2, tree.tokens.clamp(min=0)[..., None]).squeeze(-1)  # q_parent(x_node)
+            conf = torch.cat([own, own[:, -1:]], 1)  # node v priced with node v+1's own value
+        survival = node_survival(tree.parents, conf, rescue, depth)
+        valid = torch.arange(N) < tree.num_nodes[:, None]
+        sps = 1.0 / (1 + torch.arange(R * (N + 1) + 1, dtype=torch.float64).clamp(min=1) / R)  # cutoff ~ 0.4
+        tokens, parents, _, num_nodes, q = prune_tree(tree.tokens, tree.parents, torch.zeros(R, N), q,
+                                                      admit_candidates(survival, valid, sps))
+        return DraftTree(tokens=tokens, parents=parents, num_nodes=num_nodes, draft_probs=q)
+
+    return cut
+
+
+@pytest.mark.parametrize("rule", ["traversal", "sampled"])
+def test_budget_cut_is_lossless_and_an_anticipating_cut_is_caught(rule):
+    """Toy chains (V = 8, 100k requests): trees cut by confidence budgets verify exactly; the
+    same cut with values that look at the nodes' own tokens fails the same chi-square."""
+    g = lambda s: torch.Generator().manual_seed(s)  # noqa: E731
+    target, drafter = ToyLM.random(8, scale=2.0, generator=g(3)), ToyDrafter(ToyLM.random(8, scale=2.0, generator=g(4)))
+    joint = exact_target_joint(target, 1, 2)
+    kw = dict(num_requests=100_000, depth=3, branching=2, num_tokens=2, x0=1, method=rule)
+    tokens = simulate_tree_speculative(target, drafter, generator=g(5), tree_policy=_budget_policy(False), **kw)
+    assert_same_distribution(tokens, joint, alpha=1e-5, name=f"budget cut, {rule}")
+    biased = simulate_tree_speculative(target, drafter, generator=g(5), tree_policy=_budget_policy(True), **kw)
+    assert gof_test(biased, joint).p_value < 1e-12

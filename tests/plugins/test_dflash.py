@@ -49,7 +49,7 @@ def check_greedy(target: Target, drafter) -> None:
     prompts = [target.render_prompt(p) for p in PROMPTS]
     cfg = GenerationConfig(max_new_tokens=20, temperature=0.0, block_size=4, max_batch=2)
     results = SpeculativeEngine(target, drafter, cfg, stop_ids=[]).generate(prompts)
-    for prompt, res in zip(prompts, results):
+    for prompt, res in zip(prompts, results, strict=True):
         assert res.output_ids == plain_greedy(target, prompt, 20)
     assert sum(sum(r.verified) for r in results) > 0
 
@@ -200,7 +200,7 @@ def test_save_load_round_trip(target, tmp_path):
     state = drafter.init_state(), loaded.init_state()
     prompt = torch.tensor(target.render_prompt("hello"))
     _, taps = target.forward_full(prompt[None], drafter.target_layer_ids)
-    for d, s in zip((drafter, loaded), state):
+    for d, s in zip((drafter, loaded), state, strict=True):
         d.add_requests(s, [prompt], [taps])
     anchors = torch.tensor([5])
     torch.testing.assert_close(drafter.block_logits(state[0], anchors), loaded.block_logits(state[1], anchors))

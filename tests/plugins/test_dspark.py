@@ -186,3 +186,17 @@ def test_markov_transition_table_is_the_low_rank_bias():
     big = MarkovHead(int((TABLE_MAX_BYTES // 4) ** 0.5) + 1, 1, 4)
     with torch.no_grad():
         assert big.transition_table() is None  # too large to cache: the matrix-vector product
+
+
+def test_each_drafter_has_its_own_head_and_proposer():
+    """dflash draws its slots independently and has no sequential head; DSpark's proposer (its
+    own module) draws through a Markov or RNN head."""
+    from dspec_dspark.drafter import DSparkDrafter
+
+    with pytest.raises(DspecError, match="dflash has no sequential head"):
+        get_drafter_class("dflash").config_class(head="markov", markov_rank=8)
+    with pytest.raises(DspecError, match="markov or rnn"):
+        get_drafter_class("dspark-markov").config_class(head="none")
+    for name in NAMES:
+        assert get_drafter_class(name).propose is DSparkDrafter.propose
+    assert get_drafter_class("dflash").propose is not DSparkDrafter.propose

@@ -169,7 +169,7 @@ def test_greedy_equals_plain_greedy(target):
     prompts = [target.render_prompt(p) for p in PROMPTS]
     cfg = GenerationConfig(max_new_tokens=20, temperature=0.0, block_size=4, max_batch=2)
     results = SpeculativeEngine(target, build(target), cfg, stop_ids=[]).generate(prompts)
-    for prompt, res in zip(prompts, results):
+    for prompt, res in zip(prompts, results, strict=True):
         assert res.output_ids == plain_greedy(target, prompt, 20)
     assert sum(sum(r.verified) for r in results) > 0
 
@@ -258,7 +258,7 @@ def check_tree(drafter: Eagle3Drafter, target: Target, seqs: list[list[int]], an
         toks, pars = tree.tokens[r].tolist(), tree.parents[r].tolist()
         assert all(0 <= p <= i for i, p in enumerate(pars))  # node i+1's parent precedes it
         paths = {0: []}
-        for i, (t, p) in enumerate(zip(toks, pars)):
+        for i, (t, p) in enumerate(zip(toks, pars, strict=True)):
             paths[i + 1] = paths[p] + [t]
         assert max(len(p) for p in paths.values()) <= cfg.tree_depth
         kids: dict[int, list[int]] = {}
@@ -326,7 +326,7 @@ def test_tree_greedy_equals_plain_greedy(target):
 
     while min(map(len, outputs)) < 12:
         drv.tree_round(greedy_walk)
-    for prompt, out in zip(prompts, outputs):
+    for prompt, out in zip(prompts, outputs, strict=True):
         assert out[:12] == plain_greedy(target, prompt, 12)
 
 
@@ -354,7 +354,7 @@ def test_flex_attention_matches_dense(target):
         warnings.simplefilter("ignore")
         dense, flex = ttt_outputs(*args, "dense"), ttt_outputs(*args, "flex")
     valid = batch["attention_mask"].bool()
-    for d, f in zip(dense, flex):
+    for d, f in zip(dense, flex, strict=True):
         torch.testing.assert_close(d[valid], f[valid], atol=1e-4, rtol=0)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -43,6 +43,8 @@ from dspec_cli.core.files import read_config
 if TYPE_CHECKING:  # annotations only: checkpoints/ sits below runtime/
     from dspec_cli.runtime.drafter import TrainableDrafter
     from dspec_cli.runtime.target import Target
+
+D = TypeVar("D", bound="TrainableDrafter")
 
 __all__ = [
     "ARCH_FIELDS", "Converted", "Layout", "Rules", "arch_config", "arch_values", "checkpoint_drafter", "convert",
@@ -112,7 +114,7 @@ def checkpoint_drafter(folder: str | Path) -> str:
     return config["drafter"]
 
 
-def load_foreign(cls: type[TrainableDrafter], path: Path, target: Target, overrides: dict[str, Any]):
+def load_foreign(cls: type[D], path: Path, target: Target, overrides: dict[str, Any]) -> D | None:
     """The loading hook: a drafter built from a foreign checkpoint, or None if ``path`` is not one."""
     try:
         config = read_config(path)
@@ -126,7 +128,7 @@ def load_foreign(cls: type[TrainableDrafter], path: Path, target: Target, overri
         raise DspecError(f"{where} holds a {conv.drafter!r} drafter, not {cls.name!r}")
     if conv.num_target_layers not in (None, target.num_layers):
         raise DspecError(f"{where}: trained for a target with {conv.num_target_layers} layers, "
-                         f"this target has {target.num_layers}")
+                         f"this target has {target.num_layers} (pass the --target it was trained for)")
     try:
         drafter = cls.build(cls.config_class.from_dict({**conv.config, **overrides}, where="config.json"), target)
     except DspecError as exc:

@@ -66,7 +66,8 @@ def read_tensors(folder: Path, where: str) -> dict[str, torch.Tensor]:
 
 
 def save(folder: Path, config: dict, tensors: dict[str, torch.Tensor]) -> None:
-    """config.json and model.safetensors (a tensor seen twice, e.g. a tied LM head, is copied)."""
+    """config.json and model.safetensors of tensors (name -> tensor [any shape]; a tensor seen
+    twice, e.g. a tied LM head, is copied)."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -106,7 +107,8 @@ def rename(name: str, rules: Rules, reverse: bool = False) -> str | None:
 def rename_state(
     tensors: dict[str, torch.Tensor], rules: Rules, shared: tuple[str, ...], ignored: tuple[str, ...], where: str
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Foreign tensors -> (our state, the shared frozen copies); unknown names are an error."""
+    """Foreign tensors (name -> tensor [any shape]) -> (our state, the shared frozen copies);
+    unknown names are an error."""
     state, frozen = {}, {}
     for name, tensor in tensors.items():
         if name in shared:
@@ -132,10 +134,18 @@ def arch_values(config: dict) -> dict[str, Any]:
 
 
 def arch_config(cfg) -> dict[str, Any]:
-    """The reverse of :func:`arch_values` for a resolved config (both rope spellings written)."""
+    """The reverse of :func:`arch_values` for a resolved config, with RoPE in every spelling the
+    engines read: ``rope_parameters`` (transformers 5, vLLM), ``rope_theta`` + ``rope_scaling``
+    (transformers 4 and SGLang's model code; null for plain RoPE) and a top-level
+    ``partial_rotary_factor`` when the parameters carry one."""
     out = {k: getattr(cfg, k) for k in ARCH_FIELDS}
-    out["rope_parameters"] = dict(cfg.rope_parameters)
-    out["rope_theta"] = cfg.rope_parameters.get("rope_theta", 10000.0)
+    rope = dict(cfg.rope_parameters)
+    out["rope_parameters"] = rope
+    out["rope_theta"] = rope.get("rope_theta", 10000.0)
+    scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor") and v is not None}
+    out["rope_scaling"] = scaling if rope.get("rope_type", "default") != "default" else None
+    if "partial_rotary_factor" in rope:
+        out["partial_rotary_factor"] = rope["partial_rotary_factor"]
     return out
 
 
@@ -145,5 +155,12 @@ def dtype_fields(dtype: torch.dtype) -> dict[str, str]:
 
 
 def foreign_state(state: dict[str, torch.Tensor], rules: Rules) -> dict[str, torch.Tensor]:
-    """Our state dict renamed into a foreign layout."""
-    return {rename(k, rules, reverse=True): v for k, v in state.items()}
+    """Our state dict (name -> tensor [any shape], kept as is) renamed into a foreign layout;
+    a name no rule covers is a ValueError."""
+    out = {}
+    for name, tensor in state.items():
+        foreign = rename(name, rules, reverse=True)
+        if foreign is None:
+            raise ValueError(f"no layout rule names parameter {name!r}")
+        out[foreign] = tensor
+    return out

@@ -3,42 +3,56 @@
 Layout (like vLLM): request r proposes ℓ_r >= 0 drafts; its target rows are one per draft
 position followed by its bonus row, so target rows number Σ(ℓ_r + 1) and drafts Σℓ_r.
 
-Randomness, in order of precedence: explicit ``uniforms`` / ``noise`` (bit-for-bit comparable
-across backends), counter-based ``seeds`` / ``offsets`` (per request; ``offsets`` is the
+Chains are verified token by token (``method="token"``: each draft accepted with probability
+min(1, p/q) until the first rejection) or as a block (``method="block"``, Sun et al. 2025:
+:mod:`dspec_cli.runtime.verify.block`), both exact at any temperature; trees by the methods of
+:func:`verify_tree`.
+
+Randomness, in order of precedence: explicit ``uniforms`` (the coins) and ``noise`` or
+``final_uniforms`` (the final token: an Exp(1) vector per request for the exponential race, or
+one uniform per request for the inverse CDF; bit-for-bit comparable across backends), counter-based ``seeds`` / ``offsets`` (per request; ``offsets`` is the
 absolute position of the first draft, so numbers never depend on the batch and never repeat
 across steps), else ``generator`` (torch randomness). Coins are never exactly 0.
 
 Backends: ``"torch"`` (reference, any device), ``"triton"`` (CUDA, or CPU under
 TRITON_INTERPRET=1), ``"auto"`` (Triton on CUDA tensors when it imports, else torch).
 Chain and greedy calls synchronise with the host once (ragged lengths and, with ``validate=True``, the
-value checks); ``validate=False`` skips the value checks on hot paths. The ``*_grid`` variants take
-padded rows instead ([R, W + 1] target rows, [R, W] drafts, lengths on the device), check shapes
-only and never read the device: what the engine's captured round runs (torch backend).
+value checks); ``validate=False`` skips the value checks on hot paths, and the logits-level calls
+(:func:`verify_chain_logits`, :func:`sample_logits`) given ``max_draft`` never synchronise. The
+``*_grid`` variants take padded rows instead ([R, W + 1] target rows, [R, W] drafts, lengths on
+the device), check shapes only and never read the device: what the engine's static round runs
+(torch backend).
 """
 
 from __future__ import annotations
 
 import importlib.util
+from types import ModuleType
 
 import torch
 
 from dspec_cli.core.sampling import (
     COIN_SALT,
     NOISE_SALT,
-    exponential,
+    CounterNoise,
+    logits_to_probs,
+    sample_from_probs,
     torch_exponential,
     torch_uniform,
     uniform,
 )
 from dspec_cli.core.types import VerifyResult
-from dspec_cli.runtime.verify import checks, reference
+from dspec_cli.runtime.verify import block, checks, reference
 from dspec_cli.runtime.verify.tree import verify_tree, verify_tree_grid
 
 __all__ = [
+    "CHAIN_METHODS",
     "VerifyResult",
+    "sample_logits",
     "triton_available",
     "verify_chain",
     "verify_chain_grid",
+    "verify_chain_logits",
     "verify_greedy",
     "verify_greedy_grid",
     "verify_tree",
@@ -46,6 +60,7 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "torch", "triton")
+CHAIN_METHODS = ("token", "block")
 
 
 def triton_available() -> bool:
@@ -56,7 +71,7 @@ def triton_available() -> bool:
         return False
 
 
-def _backend(backend: str, device: torch.device):
+def _backend(backend: str, device: torch.device) -> ModuleType:
     """The module implementing `chain` / `greedy` for this backend and device."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
@@ -72,9 +87,34 @@ def _backend(backend: str, device: torch.device):
     return triton_backend
 
 
-def _ragged_sizes(values, stats, draft_tokens, target, target_name: str, R: int) -> tuple[int, int]:
-    """(Σℓ, max ℓ) from the synced stats, checked against the draft and target row counts."""
-    total, width = (int(values[i]) for i in stats)
+def _block_backend(impl: ModuleType) -> ModuleType:
+    """The module implementing `block` next to the chain backend ``impl``."""
+    if impl is reference:
+        return block
+    from dspec_cli.runtime.verify import triton_block
+
+    return triton_block
+
+
+def _ragged_sizes(c: checks.Checks, num_draft, draft_tokens, target, target_name: str, validate: bool,
+                  max_draft: int | None) -> tuple[int, int]:
+    """(Σℓ, max ℓ), checked against the draft and target row counts; runs the recorded checks.
+
+    Without ``max_draft`` the lengths are read back with the checks (one sync); with it and
+    ``validate=False`` nothing is read back.
+    """
+    R = num_draft.numel()
+    if max_draft is None:
+        stats = checks.lengths(c, "num_draft", num_draft, validate)
+        values = c.run()
+        total, width = (int(values[i]) for i in stats)
+    else:
+        total, width = draft_tokens.numel(), max_draft
+        if validate:
+            checks.lengths(c, "num_draft", num_draft, validate)
+            c.require("max_draft", num_draft.max() == max_draft if R else max_draft == 0, "must equal max(num_draft)")
+            c.require("num_draft", num_draft.sum() == total, f"must sum to the {total} draft_tokens")
+        c.run()
     if draft_tokens.numel() != total:
         raise ValueError(f"draft_tokens: has {draft_tokens.numel()} entries but num_draft sums to {total}")
     if target.shape[0] != total + R:
@@ -95,13 +135,13 @@ def _chain_coins(num_draft, total, uniforms, generator, seeds, offsets, device) 
     return uniforms.double()
 
 
-def _chain_noise(R: int, vocab: int, noise, generator, seeds, offsets, device) -> torch.Tensor:
-    """Final-token noise [R, V] float32 from the highest-precedence source."""
+def _chain_noise(R: int, vocab: int, noise, generator, seeds, offsets, device) -> torch.Tensor | CounterNoise:
+    """Final-token noise [R, V] float32 from the highest-precedence source (counter noise by its
+    keys: the Triton kernels compute it where they use it)."""
     if noise is None:
         if seeds is not None:
-            noise = exponential(seeds, offsets, vocab, NOISE_SALT)
-        else:
-            noise = torch_exponential((R, vocab), generator=generator, device=device)
+            return CounterNoise(seeds.long(), offsets.long(), NOISE_SALT)
+        noise = torch_exponential((R, vocab), generator=generator, device=device)
     return noise.float()
 
 
@@ -111,10 +151,11 @@ def verify_chain(
     draft_probs: torch.Tensor | None,  # [Σℓ_r, V] or None (one-hot drafts)
     num_draft: torch.Tensor,  # [R]
     *,
+    method: str = "token",
     generator: torch.Generator | None = None,
-    uniforms: torch.Tensor | None = None,  # [Σℓ_r] float64 in (0, 1)
-    noise: torch.Tensor | None = None,  # [R, V] Exp(1), > 0
-    final_uniforms: torch.Tensor | None = None,  # [R] float64 in (0, 1): final token by inverse CDF
+    uniforms: torch.Tensor | None = None,  # [Σℓ_r] float64 in (0, 1): one coin per draft
+    noise: torch.Tensor | None = None,  # [R, V] Exp(1), > 0: the final token's exponential race
+    final_uniforms: torch.Tensor | None = None,  # [R] float64 in (0, 1): the final token by inverse CDF
     seeds: torch.Tensor | None = None,  # [R] int64
     offsets: torch.Tensor | None = None,  # [R] int64
     backend: str = "auto",
@@ -122,15 +163,89 @@ def verify_chain(
 ) -> VerifyResult:
     """Chain speculative sampling (lossless at any temperature).
 
-    Draft x_k is accepted with probability min(1, p(x_k)/q(x_k)) (q = 1 for one-hot drafts);
-    at the first rejection the token is drawn from norm(max(0, p - q)) (one-hot: p with x_k
-    removed; p itself if the residual is all zero), else the bonus token from p at row ℓ_r.
-    The final token is drawn by the exponential race argmax(w / noise) (no renormalisation),
-    or, given ``final_uniforms`` (torch backend), by the inverse CDF of w with one uniform per
-    request: the same distribution without a vocabulary-wide noise vector (cheaper on a CPU).
+    ``method="token"``: draft x_k is accepted with probability min(1, p(x_k)/q(x_k)) (q = 1 for
+    one-hot drafts); at the first rejection the token is drawn from norm(max(0, p - q))
+    (one-hot: p with x_k removed; p itself if the residual is all zero), else the bonus token
+    from p at row ℓ_r. ``method="block"``: block verification
+    (:mod:`dspec_cli.runtime.verify.block`), which accepts at least as many drafts in
+    distribution; one-hot drafts (``draft_probs`` None) gain nothing from it and take the token
+    rule. The final token is drawn by the exponential race argmax(w / noise) (no
+    renormalisation), or, given ``final_uniforms`` (torch backend), by the inverse CDF of w with
+    one uniform per request: the same distribution without a vocabulary-wide noise vector
+    (cheaper on a CPU).
     """
-    checks.tensor("target_probs", target_probs, dim=2, kind="float")
-    device, vocab = target_probs.device, target_probs.shape[1]
+    return _chain(
+        target_probs, None, draft_tokens, draft_probs, num_draft, method=method, generator=generator, uniforms=uniforms,
+        noise=noise, final_uniforms=final_uniforms, seeds=seeds, offsets=offsets, backend=backend,
+        validate=validate, max_draft=None,
+    )  # fmt: skip
+
+
+def verify_chain_logits(
+    target_logits: torch.Tensor,  # [Σ(ℓ_r+1), V]
+    draft_tokens: torch.Tensor,  # [Σℓ_r]
+    draft_probs: torch.Tensor | None,  # [Σℓ_r, V] or None (one-hot drafts)
+    num_draft: torch.Tensor,  # [R]
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    top_k: int | torch.Tensor = 0,
+    top_p: float | torch.Tensor = 1.0,
+    method: str = "token",
+    generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,  # [Σℓ_r] float64 in (0, 1)
+    noise: torch.Tensor | None = None,  # [R, V] Exp(1), > 0
+    final_uniforms: torch.Tensor | None = None,  # [R] float64 in (0, 1): final token by inverse CDF
+    seeds: torch.Tensor | None = None,  # [R] int64
+    offsets: torch.Tensor | None = None,  # [R] int64
+    max_draft: int | None = None,  # max ℓ_r when the caller knows it: no read-back of the lengths
+    backend: str = "auto",
+    validate: bool = True,
+) -> VerifyResult:
+    """:func:`verify_chain` against ``logits_to_probs(target_logits, temperature, top_k, top_p)``;
+    temperature 0 is :func:`verify_greedy` (the same tokens; draft probabilities are not read);
+    ``method`` as in :func:`verify_chain`.
+
+    On the Triton backend with temperature alone (scalar top_k = 0, top_p = 1) the target
+    probabilities are never written: the kernels reduce softmax statistics per row and read the
+    logits of the few entries and the one row each request needs. Otherwise the probabilities
+    come from ``logits_to_probs`` (the torch reference, and top-k / top-p everywhere).
+    """
+    if _scalar(temperature) and float(temperature) == 0:
+        return _greedy(target_logits, draft_tokens, num_draft, backend, validate, max_draft)
+    fused = _scalar(temperature) and _scalar(top_k) and _scalar(top_p) and int(top_k) == 0 and float(top_p) == 1
+    fused = fused and (method == "token" or draft_probs is None)  # the block kernels read probabilities
+    if fused and final_uniforms is None and _backend(backend, target_logits.device) is not reference:
+        checks.positive("temperature", float(temperature))
+        target, temp = target_logits, float(temperature)
+    else:
+        target, temp = logits_to_probs(target_logits, temperature, top_k, top_p), None
+    return _chain(
+        target, temp, draft_tokens, draft_probs, num_draft, method=method, generator=generator, uniforms=uniforms, noise=noise,
+        final_uniforms=final_uniforms, seeds=seeds, offsets=offsets, backend=backend, validate=validate,
+        max_draft=max_draft,
+    )  # fmt: skip
+
+
+def _scalar(value) -> bool:
+    return not (isinstance(value, torch.Tensor) and value.dim() > 0)
+
+
+def _chain(
+    target: torch.Tensor,  # [Σ(ℓ_r+1), V] probabilities, or logits when temperature is set
+    temperature: float | None,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    num_draft: torch.Tensor,
+    *,
+    method: str, generator, uniforms, noise, final_uniforms, seeds, offsets, backend: str, validate: bool,
+    max_draft: int | None,
+) -> VerifyResult:
+    """Checks, randomness and dispatch of both chain verifications."""
+    if method not in CHAIN_METHODS:
+        raise ValueError(f"method: expected one of {CHAIN_METHODS}, got {method!r}")
+    name = "target_probs" if temperature is None else "target_logits"
+    checks.tensor(name, target, dim=2, kind="float")
+    device, vocab = target.device, target.shape[1]
     checks.tensor("num_draft", num_draft, dim=1, kind="int", device=device)
     checks.tensor("draft_tokens", draft_tokens, dim=1, kind="int", device=device)
     R = num_draft.numel()
@@ -154,9 +269,11 @@ def verify_chain(
         raise ValueError("final_uniforms: the Triton backend draws the final token with noise; pass noise or seeds")
 
     c = checks.Checks(device)
-    stats = checks.lengths(c, "num_draft", num_draft, validate)
     if validate:
-        checks.prob_rows(c, "target_probs", target_probs)
+        if temperature is None:
+            checks.prob_rows(c, name, target)
+        else:
+            checks.no_nan(c, name, target)
         if draft_probs is not None:
             checks.prob_rows(c, "draft_probs", draft_probs)
         checks.token_range(c, "draft_tokens", draft_tokens, vocab)
@@ -166,15 +283,27 @@ def verify_chain(
             checks.positive_finite(c, "noise", noise)
         if final_uniforms is not None:
             checks.open_unit(c, "final_uniforms", final_uniforms)
-    total, width = _ragged_sizes(c.run(), stats, draft_tokens, target_probs, "target_probs", R)
+    total, width = _ragged_sizes(c, num_draft, draft_tokens, target, name, validate, max_draft)
 
     num_draft, draft_tokens = num_draft.long(), draft_tokens.long()
     uniforms = _chain_coins(num_draft, total, uniforms, generator, seeds, offsets, device)
-    if final_uniforms is None:
-        noise = _chain_noise(R, vocab, noise, generator, seeds, offsets, device)
-    else:
-        noise = final_uniforms.double()  # [R]: the reference draws the final token by inverse CDF
-    return impl.chain(target_probs, draft_tokens, draft_probs, num_draft, uniforms, noise, total, width)
+    block_q = draft_probs if method == "block" else None  # one-hot drafts: block = token in law
+    if final_uniforms is not None:  # torch backend only (checked above)
+        fu = final_uniforms.double()
+        if block_q is not None:
+            return block.block(target, draft_tokens, block_q, num_draft, uniforms, None, total, width,
+                               final_uniforms=fu)
+        return reference.chain(target, draft_tokens, draft_probs, num_draft, uniforms, None, total, width,
+                               final_uniforms=fu)
+    noise = _chain_noise(R, vocab, noise, generator, seeds, offsets, device)
+    if block_q is not None:
+        if isinstance(noise, CounterNoise):
+            noise = noise.tensor(vocab)
+        return _block_backend(impl).block(target, draft_tokens, block_q, num_draft, uniforms, noise, total, width)
+    rest = (draft_tokens, draft_probs, num_draft, uniforms, noise, total, width)
+    if temperature is not None:  # the Triton backend (verify_chain_logits chose it)
+        return impl.chain_logits(target, temperature, *rest)
+    return impl.chain(target, *rest)
 
 
 def verify_greedy(
@@ -187,6 +316,10 @@ def verify_greedy(
 ) -> VerifyResult:
     """Greedy (T = 0) verification: accept while draft == argmax(logits) (first index on
     ties); the correction or bonus token is the argmax at the first mismatch / row ℓ_r."""
+    return _greedy(target_logits, draft_tokens, num_draft, backend, validate, None)
+
+
+def _greedy(target_logits, draft_tokens, num_draft, backend: str, validate: bool, max_draft: int | None):
     checks.tensor("target_logits", target_logits, dim=2, kind="float")
     device, vocab = target_logits.device, target_logits.shape[1]
     checks.tensor("num_draft", num_draft, dim=1, kind="int", device=device)
@@ -194,13 +327,52 @@ def verify_greedy(
     impl = _backend(backend, device)
 
     c = checks.Checks(device)
-    stats = checks.lengths(c, "num_draft", num_draft, validate)
     if validate:
         checks.no_nan(c, "target_logits", target_logits)
         checks.token_range(c, "draft_tokens", draft_tokens, vocab)
-    R = num_draft.numel()
-    total, width = _ragged_sizes(c.run(), stats, draft_tokens, target_logits, "target_logits", R)
+    total, width = _ragged_sizes(c, num_draft, draft_tokens, target_logits, "target_logits", validate, max_draft)
     return impl.greedy(target_logits, draft_tokens.long(), num_draft.long(), total, width)
+
+
+def sample_logits(
+    logits: torch.Tensor,  # [N, V]
+    seeds: torch.Tensor,  # [N] int64
+    offsets: torch.Tensor,  # [N] int64
+    *,
+    salt: int,
+    temperature: float | torch.Tensor = 1.0,
+    top_k: int | torch.Tensor = 0,
+    top_p: float | torch.Tensor = 1.0,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """One token per row [N] at the sampling settings, keyed by (seed, offset, salt): temperature 0
+    gives the argmax (first index on ties), else the exponential race over
+    ``logits_to_probs(logits, temperature, top_k, top_p)`` with noise ``exponential(seeds,
+    offsets, V, salt)``. Nothing is read back to the host (with scalar settings).
+
+    On the Triton backend with temperature alone the race runs on the logits (argmax of
+    logits / T - log E) in one pass over them, so T = 1 costs what T = 0 costs; with top-k /
+    top-p the probabilities come from ``logits_to_probs`` and the race from the chain kernels.
+    """
+    checks.tensor("logits", logits, dim=2, kind="float")
+    N, device = logits.shape[0], logits.device
+    checks.rng_keys(seeds, offsets, N, device)
+    impl = _backend(backend, device)
+    noise = CounterNoise(seeds.long(), offsets.long(), salt)
+    greedy = _scalar(temperature) and float(temperature) == 0
+    if impl is reference:
+        if greedy:
+            return logits.argmax(-1)
+        return sample_from_probs(logits_to_probs(logits, temperature, top_k, top_p), noise.tensor(logits.shape[1]))
+    if greedy:
+        return impl.draw(logits, 0.0, None)
+    if _scalar(temperature) and _scalar(top_k) and _scalar(top_p) and int(top_k) == 0 and float(top_p) == 1:
+        checks.positive("temperature", float(temperature))
+        return impl.draw(logits, float(temperature), noise)
+    probs = logits_to_probs(logits, temperature, top_k, top_p)
+    bonus_only = torch.zeros(N, dtype=torch.long, device=device)  # no drafts: each row races over p
+    coins = torch.empty(0, dtype=torch.float64, device=device)
+    return impl.chain(probs, bonus_only[:0], None, bonus_only, coins, noise, 0, 0).tokens[:, 0]
 
 
 def _grid_shapes(target: torch.Tensor, name: str, draft_tokens: torch.Tensor, num_draft: torch.Tensor) -> tuple[int, int]:
@@ -221,12 +393,19 @@ def verify_chain_grid(
     draft_probs: torch.Tensor | None,  # [R, W, V] or None (one-hot drafts)
     num_draft: torch.Tensor,  # [R], each <= W
     *,
+    method: str = "token",
     uniforms: torch.Tensor,  # [R, W] float64 in (0, 1): draft k's coin
-    noise: torch.Tensor | None = None,  # [R, V] Exp(1): final token by the exponential race
+    noise: torch.Tensor | CounterNoise | None = None,  # [R, V] Exp(1) (or its keys): final token by the race
     final_uniforms: torch.Tensor | None = None,  # [R] float64: final token by the inverse CDF
 ) -> VerifyResult:
     """:func:`verify_chain` over padded rows: row r verifies its first ``num_draft[r]`` drafts
-    against target rows [r, 0..num_draft[r]]; the padding is never read. No host reads."""
+    against target rows [r, 0..num_draft[r]] by ``method`` ("token" or "block"; one-hot drafts
+    take the token rule, the same law). The padding never decides anything: both references
+    compute every column and mask those past ℓ_r (:func:`reference.chain`,
+    :func:`block.block`), so a row's outcome equals the ragged call's with the same randomness.
+    No host reads (torch reference)."""
+    if method not in CHAIN_METHODS:
+        raise ValueError(f"method: expected one of {CHAIN_METHODS}, got {method!r}")
     R, W = _grid_shapes(target_probs, "target_probs", draft_tokens, num_draft)
     vocab = target_probs.shape[2]
     if draft_probs is not None:
@@ -234,11 +413,15 @@ def verify_chain_grid(
     checks.shape("uniforms", uniforms, (R, W))
     if (noise is None) == (final_uniforms is None):
         raise ValueError("verify_chain_grid: give exactly one of noise and final_uniforms for the final token")
-    final = noise.float() if noise is not None else final_uniforms.double()
-    return reference.chain(
-        target_probs.flatten(0, 1), draft_tokens.flatten().long(), None if draft_probs is None else draft_probs.flatten(0, 1),
-        num_draft.long(), uniforms.flatten().double(), final, R * W, W, grid=True,
-    )  # fmt: skip
+    if isinstance(noise, torch.Tensor):
+        noise = noise.float()
+    probs, drafts = target_probs.flatten(0, 1), draft_tokens.flatten().long()
+    q = None if draft_probs is None else draft_probs.flatten(0, 1)
+    fu = None if final_uniforms is None else final_uniforms.double()
+    args = (num_draft.long(), uniforms.flatten().double(), noise, R * W, W)
+    if method == "block" and q is not None:
+        return block.block(probs, drafts, q, *args, final_uniforms=fu, grid=True)
+    return reference.chain(probs, drafts, q, *args, final_uniforms=fu, grid=True)
 
 
 def verify_greedy_grid(

@@ -31,9 +31,15 @@ def tensor(name: str, x, *, dim: int, kind: str, device: torch.device | None = N
     return x
 
 
+def positive(name: str, value: float) -> None:
+    """Host-side check of a scalar setting: finite and > 0."""
+    if not 0 < value < float("inf"):
+        _fail(name, f"must be finite and > 0, got {value}")
+
+
 def shape(name: str, x: torch.Tensor, expected: tuple) -> None:
     """Exact shape check (entries of None are free)."""
-    if len(x.shape) != len(expected) or any(e is not None and s != e for s, e in zip(x.shape, expected)):
+    if len(x.shape) != len(expected) or any(e is not None and s != e for s, e in zip(x.shape, expected, strict=True)):
         want = ", ".join("*" if e is None else str(e) for e in expected)
         _fail(name, f"expected shape [{want}], got {list(x.shape)}")
 

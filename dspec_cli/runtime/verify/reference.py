@@ -3,6 +3,11 @@
 Inputs are already validated and the randomness is explicit (see :mod:`dspec_cli.runtime.verify`).
 The acceptance rule and the residual are the module-level functions :func:`acceptance_prob`
 and :func:`residual`, looked up at call time, so tests can swap them for biased versions.
+Block verification's reference is :mod:`dspec_cli.runtime.verify.block`.
+
+The final token of a request is drawn from its weights either by the exponential race with
+``noise`` (one Exp(1) vector per request, as the Triton kernels do) or, given
+``final_uniforms``, by the inverse CDF with one uniform per request (:func:`final_draw`).
 """
 
 from __future__ import annotations
@@ -10,29 +15,46 @@ from __future__ import annotations
 import torch
 
 from dspec_cli.core.ragged import prefix_sums
-from dspec_cli.core.sampling import sample_from_probs, sample_inverse_cdf
+from dspec_cli.core.sampling import CounterNoise, sample_from_probs, sample_inverse_cdf
 from dspec_cli.core.types import VerifyResult
 
-# Salts of the counter-based streams (dspec_cli.core.sampling.uniform / exponential) used by the
-# verifiers. Drafters sampling their own proposals must use other salts: a proposal and the
-# residual it is checked against must not share noise.
 
-
-def acceptance_prob(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
-    """min(1, p(x)/q(x)) in float64; q(x) = 0 gives 1 if p(x) > 0 else 0 (no division by 0)."""
+def acceptance_prob(
+    p_x: torch.Tensor,  # [...] target probability of each draft
+    q_x: torch.Tensor,  # [...] its draft probability
+) -> torch.Tensor:
+    """min(1, p(x)/q(x)) [...] in float64; q(x) = 0 gives 1 if p(x) > 0 else 0 (no division by 0)."""
     p64, q64 = p_x.double(), q_x.double()
     ratio = p64 / torch.where(q_x > 0, q64, torch.ones_like(q64))
     return torch.where(q_x > 0, ratio.clamp(max=1.0), (p_x > 0).double())
 
 
-def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Unnormalised residual max(0, p - q) [.., V]."""
+def residual(
+    p: torch.Tensor,  # [..., V] target probabilities
+    q: torch.Tensor,  # [..., V] draft probabilities
+) -> torch.Tensor:
+    """Unnormalised residual max(0, p - q) [..., V]."""
     return (p - q).clamp(min=0)
 
 
-def _layout(num_draft: torch.Tensor, total: int, width: int, grid: bool):
-    """Flattened ragged layout (or, with ``grid``, padded rows of ``width`` drafts and
-    ``width + 1`` target rows flattened) as padded grids.
+def final_draw(
+    weights: torch.Tensor,  # [R, V] unnormalised
+    noise: torch.Tensor | CounterNoise | None,  # [R, V] Exp(1) (or its counter keys): the exponential race
+    final_uniforms: torch.Tensor | None,  # [R] float64 in (0, 1): the inverse CDF
+) -> torch.Tensor:
+    """One token [R] per row of ``weights``, from whichever source of randomness is given."""
+    if final_uniforms is not None:
+        return sample_inverse_cdf(weights, final_uniforms)
+    if noise is None:
+        raise ValueError("final_draw: needs noise or final_uniforms")
+    if isinstance(noise, CounterNoise):
+        noise = noise.tensor(weights.shape[-1])
+    return sample_from_probs(weights, noise)
+
+
+def layout(num_draft: torch.Tensor, total: int, width: int, grid: bool = False):  # num_draft [R] long
+    """Flattened ragged layout (or, with ``grid``, padded rows of ``width`` drafts and ``width + 1``
+    target rows, flattened) as padded grids.
 
     Returns d_start [R] (first draft of each request), p_start [R] (its first target row),
     d_idx [R, width] (flat draft index, clamped in range) and valid [R, width].
@@ -47,8 +69,13 @@ def _layout(num_draft: torch.Tensor, total: int, width: int, grid: bool):
     return d_start, p_start, d_idx, valid
 
 
-def _tokens(drafts: torch.Tensor, accepted: torch.Tensor, final: torch.Tensor, width: int) -> torch.Tensor:
-    """[R, width+1]: accepted drafts [R, width], then the final token [R] at column accepted; -1 after."""
+def committed(
+    drafts: torch.Tensor,  # [R, width] long
+    accepted: torch.Tensor,  # [R] long
+    final: torch.Tensor,  # [R] long
+    width: int,
+) -> torch.Tensor:
+    """[R, width+1]: the accepted drafts, then the final token at column ``accepted``; -1 after."""
     k = torch.arange(width, device=drafts.device)
     out = torch.full((accepted.numel(), width + 1), -1, dtype=torch.long, device=drafts.device)
     out[:, :width] = torch.where(k < accepted[:, None], drafts, -1)
@@ -61,14 +88,16 @@ def chain(
     draft_probs: torch.Tensor | None,  # [Σℓ_r, V] or None (one-hot drafts)
     num_draft: torch.Tensor,  # [R] long
     uniforms: torch.Tensor,  # [Σℓ_r] float64 in (0, 1)
-    noise: torch.Tensor,  # [R, V] Exp(1) (exponential race), or [R] float64 uniforms (inverse CDF)
+    noise: torch.Tensor | CounterNoise | None,  # [R, V] Exp(1) for the final token's race (None with final_uniforms)
     total: int,
     width: int,
+    *,
+    final_uniforms: torch.Tensor | None = None,  # [R] float64 in (0, 1): the final token by inverse CDF
     grid: bool = False,
 ) -> VerifyResult:
     """Chain rejection sampling; total = Σℓ_r and width = max ℓ_r (host ints); ``grid``: every
     request has ``width`` draft rows and ``width + 1`` target rows (padded, total = R·width)."""
-    d_start, p_start, d_idx, valid = _layout(num_draft, total, width, grid)
+    d_start, p_start, d_idx, valid = layout(num_draft, total, width, grid)
     rows = target_probs.shape[0]
     p_idx = (p_start[:, None] + torch.arange(width, device=num_draft.device)).clamp(max=rows - 1)
     x = draft_tokens[d_idx]  # [R, L]
@@ -91,8 +120,8 @@ def chain(
         q_fin = torch.where(rejected, q_fin, torch.zeros_like(q_fin))
     res = residual(p_fin, q_fin)
     dist = torch.where((res > 0).any(-1, keepdim=True), res, p_fin)
-    final = sample_inverse_cdf(dist, noise) if noise.dim() == 1 else sample_from_probs(dist, noise)
-    return VerifyResult(accepted, _tokens(x, accepted, final, width), accepted + 1)
+    final = final_draw(dist, noise, final_uniforms)
+    return VerifyResult(accepted, committed(x, accepted, final, width), accepted + 1)
 
 
 def greedy(
@@ -104,7 +133,7 @@ def greedy(
     grid: bool = False,
 ) -> VerifyResult:
     """Greedy verification: accept while draft == argmax; the final token is the argmax."""
-    d_start, p_start, d_idx, valid = _layout(num_draft, total, width, grid)
+    _, p_start, d_idx, valid = layout(num_draft, total, width, grid)
     best = target_logits.argmax(-1)  # [Σ(ℓ_r+1)]
     rows = target_logits.shape[0]
     p_idx = (p_start[:, None] + torch.arange(width, device=num_draft.device)).clamp(max=rows - 1)
@@ -112,4 +141,4 @@ def greedy(
     ok = (x == best[p_idx]) & valid
     accepted = ok.long().cumprod(1).sum(1)
     final = best[p_start + accepted]
-    return VerifyResult(accepted, _tokens(x, accepted, final, width), accepted + 1)
+    return VerifyResult(accepted, committed(x, accepted, final, width), accepted + 1)

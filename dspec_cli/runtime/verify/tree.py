@@ -4,7 +4,7 @@ Request r has nodes 1..N_r (local indices; 0 is the root, i.e. the anchor row) w
 tokens and parents (parent 0 = child of the root; parents precede children). Its target rows
 are the root row, then one row per node in order: Σ(N_r + 1) rows in all.
 
-Three lossless walks, all starting at the root:
+Four lossless walks, all starting at the root:
 
 * ``"match"`` (sample-and-match, DDTree / JetSpec): at the current node draw y from the
   target's p (exponential race with one noise vector per depth, or with ``final_draw=
@@ -15,7 +15,7 @@ Three lossless walks, all starting at the root:
 * ``"recursive"`` (SpecInfer / EAGLE-2 recursive rejection for deterministic tree drafts):
   at the current node try its children in order, accepting child x with probability
   p'(x) / Σp' where p' starts at p and has each rejected child's token zeroed; if none is
-  accepted, draw the final token from p'. One coin per node, one noise vector per request.
+  accepted, draw the final token from p'. One coin per node, final-token noise per depth.
   Exact when the tree is chosen deterministically from the drafter (q one-hot); it gives the
   same distribution as "match" (both accept child x with probability p(x) overall).
 * ``"sampled"`` (recursive rejection sampling over siblings drawn without replacement; Jeon et
@@ -42,6 +42,15 @@ Three lossless walks, all starting at the root:
   every committed token has the target's conditional distribution. A child with q̂'(x) = 0
   (outside q's remaining support, e.g. after it is exhausted) can only be a deterministic
   choice; it is verified as a one-hot draft (q̂' := δ_x), which is exact too.
+* ``"traversal"`` (traversal verification, Weng et al. 2025, arXiv 2505.12398) for the same
+  sampled trees: block verification's sequence-level acceptance carried down the tree, the
+  same as ``"sampled"`` at the root and more accepting below it; the rule and why it is exact are in
+  :mod:`dspec_cli.runtime.verify.traversal`.
+
+Randomness: one coin per node (``uniforms``, or counter-based with salt NODE_SALT + node) for
+every method but "match", and one target draw per depth: an exponential race with ``noise``
+[R, D+1, V] (row d for depth d), or with ``final_draw="inverse_cdf"`` the inverse CDF with one
+uniform per depth.
 """
 
 from __future__ import annotations
@@ -49,7 +58,6 @@ from __future__ import annotations
 import torch
 
 from dspec_cli.core.host import reads_free
-from dspec_cli.core.ragged import prefix_sums
 from dspec_cli.core.sampling import (
     NODE_SALT,
     NOISE_SALT,
@@ -61,61 +69,18 @@ from dspec_cli.core.sampling import (
     uniform,
 )
 from dspec_cli.core.types import VerifyResult
-from dspec_cli.runtime.verify import checks, reference
+from dspec_cli.runtime.verify import checks, reference, traversal
+from dspec_cli.runtime.verify.tree_walk import (
+    Tree,
+    all_stopped,
+    mass,
+    normalised,
+    outputs,
+    rejection_walk,
+)
 
-METHODS = ("match", "recursive", "sampled")
-
-
-class _Tree:
-    """Padded per-request view [R, M] (M = max(max N_r, 1)) of the flattened tree."""
-
-    def __init__(self, tokens, parents, num_nodes, total: int, widest: int):
-        R, dev = num_nodes.numel(), num_nodes.device
-        self.n_start = prefix_sums(num_nodes)[:-1]  # [R] first node of each request
-        self.p_start = self.n_start + torch.arange(R, device=dev)  # [R] root row
-        j = torch.arange(max(widest, 1), device=dev)
-        self.valid = j < num_nodes[:, None]  # [R, M]
-        self.flat = (self.n_start[:, None] + j).clamp(max=max(total - 1, 0))
-        if total:
-            self.tokens = torch.where(self.valid, tokens[self.flat], -1)
-            self.parents = torch.where(self.valid, parents[self.flat], -1)
-        else:
-            self.tokens = self.parents = torch.full_like(self.flat, -1)
-        self.local = j + 1  # [M] local index of padded column j
-
-    @classmethod
-    def grid(cls, tokens: torch.Tensor, parents: torch.Tensor) -> _Tree:
-        """Padded rows: tokens, parents [R, N]; a column with parent -1 is not a node. Target rows
-        are [R, N + 1] flattened (the root, then one row per column)."""
-        tree = cls.__new__(cls)
-        R, N = tokens.shape
-        rows = torch.arange(R, device=tokens.device)
-        j = torch.arange(N, device=tokens.device)
-        tree.n_start, tree.p_start = rows * N, rows * (N + 1)
-        tree.valid = parents >= 0
-        tree.flat = tree.n_start[:, None] + j
-        tree.tokens = torch.where(tree.valid, tokens, -1)
-        tree.parents = torch.where(tree.valid, parents, -1)
-        tree.local = j + 1
-        return tree
-
-    def depths(self) -> torch.Tensor:
-        """Depth of every node [R, M+1] (root = 0) by pointer jumping; invalid columns -> 0."""
-        R, M = self.parents.shape
-        jump = torch.cat([self.parents.new_zeros(R, 1), self.parents.clamp(min=0)], 1)
-        jump = torch.minimum(jump, torch.arange(M + 1, device=jump.device))  # keep in range
-        dist = torch.cat([self.valid.new_zeros(R, 1), self.valid], 1).long()
-        for _ in range(max(M, 1).bit_length()):
-            dist = dist + dist.gather(1, jump)
-            jump = jump.gather(1, jump)
-        return dist
-
-    def fanout(self) -> torch.Tensor:
-        """Largest number of children of any node (0-d)."""
-        R, M = self.parents.shape
-        counts = torch.zeros(R, M + 1, dtype=torch.long, device=self.parents.device)
-        counts.scatter_add_(1, self.parents.clamp(min=0), self.valid.long())
-        return counts.max()
+METHODS = ("match", "recursive", "sampled", "traversal")
+SAMPLED_METHODS = ("sampled", "traversal")  # trees whose siblings are drawn without replacement from q
 
 
 def verify_tree(
@@ -125,13 +90,13 @@ def verify_tree(
     num_nodes: torch.Tensor,  # [R]
     *,
     method: str = "match",
-    draft_probs: torch.Tensor | None = None,  # sampled: [Σ(N_r+1), V] q of each row's children
+    draft_probs: torch.Tensor | None = None,  # sampled, traversal: [Σ(N_r+1), V] q of each row's children
     generator: torch.Generator | None = None,
-    uniforms: torch.Tensor | None = None,  # recursive, sampled: [ΣN_r] float64 coin per node
-    noise: torch.Tensor | None = None,  # match, sampled: [R, D+1, V]; recursive: [R, V]
+    uniforms: torch.Tensor | None = None,  # all but match: [ΣN_r] float64 coin per node, in (0, 1)
+    noise: torch.Tensor | None = None,  # [R, D+1, V] Exp(1): the target draw at depth d races with row d
     seeds: torch.Tensor | None = None,  # [R] int64
     offsets: torch.Tensor | None = None,  # [R] int64, absolute position of the first draft
-    final_draw: str = "race",  # match, sampled: "race" (Exp(1) noise) or "inverse_cdf" (one uniform per depth)
+    final_draw: str = "race",  # "race" (Exp(1) noise) or "inverse_cdf" (one uniform per depth)
     validate: bool = True,
 ) -> VerifyResult:
     """Verify one draft tree per request; returns the committed tokens and the accepted path.
@@ -139,16 +104,16 @@ def verify_tree(
     D is the deepest node's depth. Result: accepted [R] (depth reached), tokens [R, D+1]
     (path tokens then the bonus), num_tokens = accepted + 1, path [R, D+1] (root 0, then the
     accepted nodes; -1 padded). Randomness as in :func:`dspec_cli.runtime.verify.verify_chain`.
-    ``draft_probs`` (method "sampled" only, required there): row of node v = the distribution
-    v's children were drawn from (without replacement, in node order); rows of leaves are
-    ignored.
+    ``draft_probs`` (methods "sampled" and "traversal", required there): row of node v = the
+    distribution v's children were drawn from (without replacement, in node order); rows of
+    leaves are ignored.
     """
     if method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
     if final_draw not in ("race", "inverse_cdf"):
         raise ValueError(f"final_draw: expected 'race' or 'inverse_cdf', got {final_draw!r}")
-    if final_draw == "inverse_cdf" and (method == "recursive" or noise is not None):
-        raise ValueError("final_draw: 'inverse_cdf' is for methods 'match' and 'sampled', without explicit noise")
+    if final_draw == "inverse_cdf" and noise is not None:
+        raise ValueError("final_draw: 'inverse_cdf' draws with uniforms; give no noise")
     checks.tensor("target_probs", target_probs, dim=2, kind="float")
     device, vocab = target_probs.device, target_probs.shape[1]
     checks.tensor("num_nodes", num_nodes, dim=1, kind="int", device=device)
@@ -156,19 +121,18 @@ def verify_tree(
     checks.tensor("tree_parents", tree_parents, dim=1, kind="int", device=device)
     checks.shape("tree_parents", tree_parents, tuple(tree_tokens.shape))
     R = num_nodes.numel()
-    if (draft_probs is None) == (method == "sampled"):
-        raise ValueError("draft_probs: required by method='sampled' and only used by it")
+    if (draft_probs is None) == (method in SAMPLED_METHODS):
+        raise ValueError(f"draft_probs: required by methods {SAMPLED_METHODS} and only used by them")
     if draft_probs is not None:
         checks.tensor("draft_probs", draft_probs, dim=2, kind="float", device=device)
         checks.shape("draft_probs", draft_probs, tuple(target_probs.shape))
-    per_depth_noise = method != "recursive"
     if uniforms is not None:
         if method == "match":
-            raise ValueError("uniforms: per-node coins are only used by methods 'recursive' and 'sampled'")
+            raise ValueError("uniforms: per-node coins are not used by method 'match'")
         checks.tensor("uniforms", uniforms, dim=1, kind="float", device=device)
         checks.shape("uniforms", uniforms, tuple(tree_tokens.shape))
     if noise is not None:
-        checks.tensor("noise", noise, dim=3 if per_depth_noise else 2, kind="float", device=device)
+        checks.tensor("noise", noise, dim=3, kind="float", device=device)
     checks.rng_keys(seeds, offsets, R, device)
 
     c = checks.Checks(device)
@@ -189,7 +153,7 @@ def verify_tree(
     if target_probs.shape[0] != total + R:
         raise ValueError(f"target_probs: has {target_probs.shape[0]} rows, expected Σ(num_nodes + 1) = {total + R}")
 
-    tree = _Tree(tree_tokens.long(), tree_parents.long(), num_nodes.long(), total, widest)
+    tree = Tree(tree_tokens.long(), tree_parents.long(), num_nodes.long(), total, widest)
     c = checks.Checks(device)
     if validate and total:
         ok = (tree.parents >= 0) & (tree.parents < tree.local)
@@ -199,16 +163,19 @@ def verify_tree(
     values = c.run()
     depth, fanout = int(values[depth_i]), int(values[fanout_i])
     if noise is not None:
-        checks.shape("noise", noise, (R, depth + 1, vocab) if per_depth_noise else (R, vocab))
+        checks.shape("noise", noise, (R, depth + 1, vocab))
 
+    draw = _depth_draw(final_draw, noise, seeds, offsets, generator, R, vocab, device)
     if method == "match":
-        return _match(target_probs, tree, depth, _depth_draw(final_draw, noise, seeds, offsets, generator, R, vocab, device))
+        return _match(target_probs, tree, depth, draw)
+    coins = _node_coins(tree, uniforms, seeds, offsets, generator, total)
+    if method == "recursive":
+        return _recursive(target_probs, tree, depth, fanout, coins, draw)
+    if draft_probs is None:  # unreachable: checked above; for the type checker
+        raise ValueError(f"draft_probs: required by method {method!r}")
     if method == "sampled":
-        coins = _node_coins(tree, uniforms, seeds, offsets, generator, total)
-        draw = _depth_draw(final_draw, noise, seeds, offsets, generator, R, vocab, device)
         return _sampled(target_probs, draft_probs, tree, depth, fanout, coins, draw)
-    coins, final_noise = _recursive_randomness(tree, uniforms, noise, seeds, offsets, generator, total, vocab)
-    return _recursive(target_probs, tree, depth, fanout, coins, final_noise)
+    return traversal.walk(target_probs, draft_probs, tree, depth, coins, draw)
 
 
 def verify_tree_grid(
@@ -219,17 +186,24 @@ def verify_tree_grid(
     depth: int,  # >= the deepest node's depth
     fanout: int = 0,  # >= the most children of any node (methods "recursive" and "sampled")
     method: str = "match",
-    draft_probs: torch.Tensor | None = None,  # sampled: [R, N+1, V]
+    draft_probs: torch.Tensor | None = None,  # sampled, traversal: [R, N+1, V]
     seeds: torch.Tensor,  # [R] int64
     offsets: torch.Tensor,  # [R] int64
     final_draw: str = "race",
 ) -> VerifyResult:
     """:func:`verify_tree` over padded rows with host-known bounds on depth and fan-out: no host
-    reads (shapes are checked on the host, values are not). Counter-based randomness only."""
+    reads (shapes are checked on the host, values are not). Counter-based randomness only.
+
+    The nodes of a row are a prefix of its columns (the columns after them have parent -1). Every
+    method walks the same padded view (:meth:`Tree.grid`) that :func:`verify_tree` builds from
+    the ragged layout, with the same coins (salt NODE_SALT + local index) and target draws, so a
+    row's outcome does not depend on the padding: the exactness arguments above carry over
+    unchanged. The loops over depth and siblings run to the host bounds instead of stopping when
+    every walk has (the remaining iterations change nothing on stopped rows)."""
     if method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
-    if final_draw not in ("race", "inverse_cdf") or (final_draw == "inverse_cdf" and method == "recursive"):
-        raise ValueError(f"final_draw: expected 'race' or 'inverse_cdf' (not with 'recursive'), got {final_draw!r}")
+    if final_draw not in ("race", "inverse_cdf"):
+        raise ValueError(f"final_draw: expected 'race' or 'inverse_cdf', got {final_draw!r}")
     checks.tensor("target_probs", target_probs, dim=3, kind="float")
     device = target_probs.device
     checks.tensor("tree_tokens", tree_tokens, dim=2, kind="int", device=device)
@@ -238,27 +212,31 @@ def verify_tree_grid(
     vocab = target_probs.shape[2]
     checks.shape("tree_parents", tree_parents, (R, N))
     checks.shape("target_probs", target_probs, (R, N + 1, vocab))
-    if (draft_probs is None) == (method == "sampled"):
-        raise ValueError("draft_probs: required by method='sampled' and only used by it")
+    if (draft_probs is None) == (method in SAMPLED_METHODS):
+        raise ValueError(f"draft_probs: required by methods {SAMPLED_METHODS} and only used by them")
     if draft_probs is not None:
         checks.shape("draft_probs", draft_probs, (R, N + 1, vocab))
         draft_probs = draft_probs.flatten(0, 1)
     checks.rng_keys(seeds, offsets, R, device)
-    tree = _Tree.grid(tree_tokens.long(), tree_parents.long())
+    tree = Tree.grid(tree_tokens.long(), tree_parents.long())
     probs = target_probs.flatten(0, 1)
+    draw = _depth_draw(final_draw, None, seeds, offsets, None, R, vocab, device)
     if method == "match":
-        return _match(probs, tree, depth, _depth_draw(final_draw, None, seeds, offsets, None, R, vocab, device))
+        return _match(probs, tree, depth, draw)
     coins = _node_coins(tree, None, seeds, offsets, None, R * N)
+    if method == "recursive":
+        return _recursive(probs, tree, depth, fanout, coins, draw)
+    assert draft_probs is not None  # checked above
     if method == "sampled":
-        draw = _depth_draw(final_draw, None, seeds, offsets, None, R, vocab, device)
         return _sampled(probs, draft_probs, tree, depth, fanout, coins, draw)
-    return _recursive(probs, tree, depth, fanout, coins, exponential(seeds, offsets, vocab, NOISE_SALT))
+    return traversal.walk(probs, draft_probs, tree, depth, coins, draw)
 
 
 def _depth_draw(final_draw: str, noise, seeds, offsets, generator, R: int, vocab: int, device):
     """draw(d, weights [R, V]) -> tokens [R]: the target draw at depth d, by the exponential race
-    with noise [R, V] drawn lazily (or given), or by the inverse CDF with one uniform per row
-    (the same distribution without a vocabulary-wide noise vector: cheaper on a CPU)."""
+    with noise [R, V] drawn lazily (or row d of the given noise [R, D+1, V]), or by the inverse
+    CDF with one uniform per row (the same distribution without a vocabulary-wide noise vector:
+    cheaper on a CPU). seeds, offsets: [R] int64 or None."""
     if final_draw == "inverse_cdf":
         if seeds is not None:
             return lambda d, w: sample_inverse_cdf(w, uniform(seeds, offsets + d, NOISE_SALT))
@@ -270,8 +248,9 @@ def _depth_draw(final_draw: str, noise, seeds, offsets, generator, R: int, vocab
     return lambda d, w: sample_from_probs(w, torch_exponential((R, vocab), generator=generator, device=device))
 
 
-def _node_coins(tree: _Tree, uniforms, seeds, offsets, generator, total: int) -> torch.Tensor:
-    """Coins [R, M] (one per node, padded): node i at (seed, offset) with salt NODE_SALT + i."""
+def _node_coins(tree: Tree, uniforms, seeds, offsets, generator, total: int) -> torch.Tensor:
+    """Coins [R, M] (one per node, padded) from uniforms [ΣN_r], else node i at (seed, offset)
+    ([R] int64 each) with salt NODE_SALT + i, else the generator."""
     if uniforms is not None:
         return uniforms.double()[tree.flat] if total else torch.full_like(tree.valid, 0.5, dtype=torch.float64)
     if seeds is not None:
@@ -279,31 +258,14 @@ def _node_coins(tree: _Tree, uniforms, seeds, offsets, generator, total: int) ->
     return torch_uniform(tree.valid.shape, generator=generator, device=tree.valid.device)
 
 
-def _recursive_randomness(tree: _Tree, uniforms, noise, seeds, offsets, generator, total: int, vocab: int):
-    """Coins [R, M] (one per node, padded) and final-token noise [R, V]."""
+def _match(target_probs, tree: Tree, depth: int, draw) -> VerifyResult:  # target_probs [Σ(N_r+1), V]
     R, device = tree.valid.shape[0], tree.valid.device
-    coins = _node_coins(tree, uniforms, seeds, offsets, generator, total)
-    if noise is None:
-        if seeds is not None:
-            noise = exponential(seeds, offsets, vocab, NOISE_SALT)
-        else:
-            noise = torch_exponential((R, vocab), generator=generator, device=device)
-    return coins, noise.float()
-
-
-def _outputs(R: int, depth: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = torch.full((R, depth + 1), -1, dtype=torch.long, device=device)
-    return tokens, torch.full_like(tokens, -1)
-
-
-def _match(target_probs, tree: _Tree, depth: int, draw) -> VerifyResult:
-    R, device = tree.valid.shape[0], tree.valid.device
-    tokens, path = _outputs(R, depth, device)
+    tokens, path = outputs(R, depth, device)
     cur = torch.zeros(R, dtype=torch.long, device=device)  # current node (local index)
     active = torch.ones(R, dtype=torch.bool, device=device)
     accepted = torch.zeros_like(cur)
     for d in range(depth + 1):
-        if d and _all_stopped(active):
+        if d and all_stopped(active):
             break
         y = draw(d, target_probs.index_select(0, tree.p_start + cur).float())  # [R]
         tokens[:, d] = torch.where(active, y, -1)
@@ -316,7 +278,8 @@ def _match(target_probs, tree: _Tree, depth: int, draw) -> VerifyResult:
     return VerifyResult(accepted, tokens, accepted + 1, path)
 
 
-def _recursive(target_probs, tree: _Tree, depth: int, fanout: int, coins, noise) -> VerifyResult:
+def _recursive(target_probs, tree: Tree, depth: int, fanout: int, coins, draw) -> VerifyResult:
+    """target_probs [Σ(N_r+1), V], coins [R, M]."""
     def begin(rows):
         p = target_probs.index_select(0, rows).float()  # [R, V]
         return p, p  # (p, residual p' unnormalised)
@@ -328,70 +291,9 @@ def _recursive(target_probs, tree: _Tree, depth: int, fanout: int, coins, noise)
 
     def final(d, state):
         p, res = state
-        return sample_from_probs(torch.where((res > 0).any(-1, keepdim=True), res, p), noise)
+        return draw(d, torch.where((res > 0).any(-1, keepdim=True), res, p))
 
-    return _rejection_walk(tree, depth, fanout, coins, begin, child, final)
-
-
-def _rejection_walk(tree: _Tree, depth: int, fanout: int, coins, begin, child, final) -> VerifyResult:
-    """The walk of "recursive" and "sampled": at the current node try its children in node order,
-    one coin [R, M] each, and move to the first accepted; else draw the final token and stop.
-    ``begin(rows [R])`` -> residual state (a tuple of [R, ...] tensors) at the current nodes;
-    ``child(state, x [R])`` -> (acceptance probability [R], a function giving the state after
-    rejecting x: called only when some row rejects, which on a CPU is a free read);
-    ``final(d, state)`` -> token [R] at depth d when no child is accepted."""
-    R, device = tree.valid.shape[0], tree.valid.device
-    tokens, path = _outputs(R, depth, device)
-    cur = torch.zeros(R, dtype=torch.long, device=device)
-    active = torch.ones(R, dtype=torch.bool, device=device)
-    accepted = torch.zeros_like(cur)
-    for d in range(depth + 1):
-        if d and _all_stopped(active):
-            break
-        state = begin(tree.p_start + cur)
-        kids = tree.parents == cur[:, None]  # [R, M]
-        rank = kids.long().cumsum(1) - 1
-        moved = torch.zeros_like(active)
-        nxt = cur.clone()
-        for j in range(_children_to_try(kids, active, fanout)):
-            pick = kids & (rank == j)
-            tried = pick.any(1) & active & ~moved
-            col = pick.long().argmax(1, keepdim=True)  # [R, 1]
-            prob, after = child(state, tree.tokens.gather(1, col).squeeze(1).clamp(min=0))
-            ok = tried & (coins.gather(1, col).squeeze(1) < prob)
-            moved |= ok
-            nxt = torch.where(ok, col.squeeze(1) + 1, nxt)
-            rejected = tried & ~ok
-            if not reads_free(rejected) or bool(rejected.any()):
-                rows = rejected[:, None]
-                state = tuple(new if new is old else torch.where(rows, new, old) for new, old in zip(after(), state))
-        node_tok = tree.tokens.gather(1, (nxt - 1).clamp(min=0)[:, None]).squeeze(1)
-        tokens[:, d] = torch.where(moved, node_tok, torch.where(active, final(d, state), -1))
-        path[:, d] = torch.where(active, cur, -1)
-        cur = nxt
-        accepted += moved
-        active = moved
-    return VerifyResult(accepted, tokens, accepted + 1, path)
-
-
-def _all_stopped(active: torch.Tensor) -> bool:
-    """True when no walk is still active [R]: read on a CPU only (free there; a host sync per
-    depth elsewhere, where the remaining depths run on inactive rows instead)."""
-    return reads_free(active) and not bool(active.any())
-
-
-def _children_to_try(kids: torch.Tensor, active: torch.Tensor, fanout: int) -> int:
-    """Children to try at the current nodes (kids [R, M]): on a CPU the most any active row's node
-    has, elsewhere ``fanout`` (no host sync)."""
-    if not reads_free(kids):
-        return fanout
-    return min(fanout, int((kids & active[:, None]).sum(1).max())) if kids.numel() else 0
-
-
-def _normalised(w: torch.Tensor) -> torch.Tensor:
-    """w [R, V] / Σw per row; all-zero rows stay zero."""
-    mass = w.sum(-1, keepdim=True)
-    return w / torch.where(mass > 0, mass, torch.ones_like(mass))
+    return rejection_walk(tree, depth, fanout, coins, begin, child, final)
 
 
 def sibling_accept(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -399,15 +301,15 @@ def sibling_accept(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> torch.T
     against residuals p', q' [R, V] (unnormalised): min(1, p̂'(x) / q̂'(x)), or p̂'(x) for a child
     outside q̂''s support (verified as a one-hot draft). Module-level (looked up at call time),
     as :func:`sibling_reject`, so tests can swap in biased versions."""
-    p_x = p.gather(1, x[:, None]).squeeze(1).double() / _mass(p)
-    q_x = q.gather(1, x[:, None]).squeeze(1).double() / _mass(q)
+    p_x = p.gather(1, x[:, None]).squeeze(1).double() / mass(p)
+    q_x = q.gather(1, x[:, None]).squeeze(1).double() / mass(q)
     return reference.acceptance_prob(p_x, torch.where(q_x > 0, q_x, 1.0))
 
 
 def sibling_reject(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(p', q') [R, V] after child x [R] was rejected: p' ← max(p̂' − q̂', 0), with q̂' := δ_x for
     a child outside q̂''s support; q' ← q̂' with x zeroed."""
-    p_hat, q_hat = _normalised(p), _normalised(q)
+    p_hat, q_hat = normalised(p), normalised(q)
     q_eff = q_hat
     outside = q_hat.gather(1, x[:, None]).squeeze(1) <= 0
     if not reads_free(outside) or bool(outside.any()):  # rare; the check is a free read on a CPU
@@ -416,13 +318,8 @@ def sibling_reject(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> tuple[t
     return reference.residual(p_hat, q_eff), q_hat.scatter(1, x[:, None], 0.0)
 
 
-def _mass(w: torch.Tensor) -> torch.Tensor:
-    """Σw per row [R] float64; 1 where it is 0 (all-zero rows stay zero after dividing)."""
-    mass = w.sum(-1).double()
-    return torch.where(mass > 0, mass, 1.0)
-
-
-def _sampled(target_probs, draft_probs, tree: _Tree, depth: int, fanout: int, coins, draw) -> VerifyResult:
+def _sampled(target_probs, draft_probs, tree: Tree, depth: int, fanout: int, coins, draw) -> VerifyResult:
+    """target_probs, draft_probs [Σ(N_r+1), V], coins [R, M]."""
     def begin(rows):
         p = target_probs.index_select(0, rows).float()  # [R, V]
         return p, p, draft_probs.index_select(0, rows).float()  # (p, residuals p', q')
@@ -435,4 +332,4 @@ def _sampled(target_probs, draft_probs, tree: _Tree, depth: int, fanout: int, co
         p, res_p, _ = state
         return draw(d, torch.where((res_p > 0).any(-1, keepdim=True), res_p, p))
 
-    return _rejection_walk(tree, depth, fanout, coins, begin, child, final)
+    return rejection_walk(tree, depth, fanout, coins, begin, child, final)

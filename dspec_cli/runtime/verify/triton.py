@@ -1,180 +1,132 @@
-"""Triton kernels for chain and greedy verification (optional; needs the `triton` package).
+"""Triton backend: chain, greedy and logits-level verification and the target's draw.
 
-One program per request over the flattened ragged layout: the exclusive prefix sums of ℓ_r are
-computed once on the device and each program reads its span from them. The final token of a
-request comes from one pass over the vocabulary in blocks of BLOCK_V, keeping two running
-exponential-race argmaxes (residual and target) so no renormalisation is needed. Arithmetic
-mirrors :mod:`dspec_cli.runtime.verify.reference` bit for bit (float64 acceptance ratio, IEEE
-round-to-nearest division for the race, first index on ties), so both backends give identical
-tokens for the same explicit randomness.
+Each call launches a few kernels (:mod:`.triton_kernels`): the vocabulary is split into
+blocks, one program per (row, block) reduces its block to partials, and one small program per
+request combines them and decides. Arithmetic on given probabilities mirrors
+:mod:`dspec_cli.runtime.verify.reference` bit for bit (float64 acceptance ratio, IEEE division
+for the race, first index on ties), so both backends give identical tokens for the same explicit
+randomness. From logits (temperature folded in, no probabilities written) the tokens agree with
+``reference`` on ``logits_to_probs`` except where two candidates are within rounding.
 
-Kernels are jitted lazily, once per TRITON_INTERPRET setting (Triton reads it when a function
-is jitted): CUDA tensors use compiled kernels; CPU tensors need TRITON_INTERPRET=1 (the Triton
-interpreter, for tests), which may be set at any time before the call.
+No call reads anything back to the host: sizes come from shapes or are passed in, so the calls
+can be captured in a CUDA graph.
+
+CUDA tensors run compiled kernels; CPU tensors need the Triton interpreter, which Triton binds
+when ``TRITON_INTERPRET=1`` is set before ``triton`` is first imported.
 """
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import torch
 import triton
-import triton.language as tl
 
-from dspec_cli.core.ragged import prefix_sums
+from dspec_cli.core.sampling import CounterNoise
 from dspec_cli.core.types import VerifyResult
+from dspec_cli.runtime.verify import triton_kernels as K
 
+MIN_BLOCK_V = 1024  # vocabulary entries per program, at least (smaller vocabularies: one block)
 MAX_BLOCK_V = 4096
-
-# (value, index) argmax combine with the first index on ties: the one behind tl.max(...,
-# return_indices=True). Used through the builtin tl.reduce so the kernels also run in the
-# interpreter when TRITON_INTERPRET is set after `import triton` (tl.max itself is a jitted
-# function, bound to the mode in force at import); the interpreter recognises this combine.
-_ARGMAX = tl.standard._argmax_combine_tie_break_left
-
-
-def _chain_kernel(
-    target_ptr,  # [Σ(ℓ+1), V] target probabilities
-    draft_tok_ptr,  # [Σℓ] int64
-    draft_prob_ptr,  # [Σℓ, V] (unused when HAS_DRAFT_PROBS is False)
-    cu_ptr,  # [R+1] int64, exclusive prefix sums of ℓ
-    uniform_ptr,  # [Σℓ] float64 acceptance coins
-    noise_ptr,  # [R, V] float32 Exp(1)
-    out_tok_ptr,  # [R, out_width] int64, pre-filled with -1
-    out_acc_ptr,  # [R] int64
-    vocab,
-    out_width,
-    HAS_DRAFT_PROBS: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-):
-    r = tl.program_id(0)
-    d_start = tl.load(cu_ptr + r)
-    n = tl.load(cu_ptr + r + 1) - d_start
-    p_start = d_start + r
-    out_row = out_tok_ptr + r.to(tl.int64) * out_width
-
-    accepted = 0
-    for k in range(0, n):
-        if accepted == k:  # still accepting
-            x = tl.load(draft_tok_ptr + d_start + k)
-            p_x = tl.load(target_ptr + (p_start + k) * vocab + x).to(tl.float32)
-            p64 = p_x.to(tl.float64)
-            if HAS_DRAFT_PROBS:
-                q_x = tl.load(draft_prob_ptr + (d_start + k) * vocab + x).to(tl.float32)
-                ratio = p64 / tl.where(q_x > 0, q_x.to(tl.float64), 1.0)
-                prob = tl.where(q_x > 0, tl.minimum(ratio, 1.0), tl.where(p_x > 0, 1.0, 0.0))
-            else:
-                prob = tl.minimum(p64, 1.0)
-            if tl.load(uniform_ptr + d_start + k) < prob:
-                tl.store(out_row + k, x)
-                accepted += 1
-
-    rejected = accepted < n
-    q_len = tl.where(rejected, vocab, 0)  # q row length to read (0: bonus, no residual)
-    fin_row = (p_start + accepted) * vocab
-    q_row = (d_start + accepted) * vocab
-    x_rej = tl.load(draft_tok_ptr + d_start + accepted, mask=rejected, other=-1)
-    noise_row = r.to(tl.int64) * vocab
-    best_r = -1.0
-    idx_r = 0
-    best_p = -1.0
-    idx_p = 0
-    any_r = 0
-    lane = tl.arange(0, BLOCK_V)
-    for v0 in range(0, vocab, BLOCK_V):
-        offs = v0 + lane
-        m = offs < vocab
-        p = tl.load(target_ptr + fin_row + offs, mask=m, other=0.0).to(tl.float32)
-        if HAS_DRAFT_PROBS:
-            q = tl.load(draft_prob_ptr + q_row + offs, mask=offs < q_len, other=0.0).to(tl.float32)
-        else:
-            q = tl.where(offs == x_rej, 1.0, 0.0)
-        res = tl.maximum(p - q, 0.0)
-        e = tl.load(noise_ptr + noise_row + offs, mask=m, other=1.0)
-        s_r = tl.where(m, tl.div_rn(res, e), -1.0)
-        s_p = tl.where(m, tl.div_rn(p, e), -1.0)
-        b_r, i_r = tl.reduce((s_r, lane), 0, _ARGMAX)
-        b_p, i_p = tl.reduce((s_p, lane), 0, _ARGMAX)
-        top_res, _ = tl.reduce((res, lane), 0, _ARGMAX)
-        idx_r = tl.where(b_r > best_r, v0 + i_r, idx_r)
-        best_r = tl.maximum(best_r, b_r)
-        idx_p = tl.where(b_p > best_p, v0 + i_p, idx_p)
-        best_p = tl.maximum(best_p, b_p)
-        any_r = tl.maximum(any_r, (top_res > 0).to(tl.int32))
-    token = tl.where(any_r > 0, idx_r, idx_p)
-    tl.store(out_row + accepted, token.to(tl.int64))
-    tl.store(out_acc_ptr + r, accepted.to(tl.int64))
-
-
-def _greedy_kernel(
-    logits_ptr,  # [Σ(ℓ+1), V] target logits
-    draft_tok_ptr,  # [Σℓ] int64
-    cu_ptr,  # [R+1] int64
-    out_tok_ptr,  # [R, out_width] int64, pre-filled with -1
-    out_acc_ptr,  # [R] int64
-    vocab,
-    out_width,
-    BLOCK_V: tl.constexpr,
-):
-    r = tl.program_id(0)
-    d_start = tl.load(cu_ptr + r)
-    n = tl.load(cu_ptr + r + 1) - d_start
-    p_start = d_start + r
-    out_row = out_tok_ptr + r.to(tl.int64) * out_width
-
-    lane = tl.arange(0, BLOCK_V)
-    accepted = 0
-    for k in range(0, n + 1):
-        if accepted == k:  # rows after the first mismatch are never read
-            row = (p_start + k) * vocab
-            best = -float("inf")
-            idx = 0
-            for v0 in range(0, vocab, BLOCK_V):
-                offs = v0 + lane
-                z = tl.load(logits_ptr + row + offs, mask=offs < vocab, other=-float("inf")).to(tl.float32)
-                b, i = tl.reduce((z, lane), 0, _ARGMAX)
-                idx = tl.where(b > best, v0 + i, idx)
-                best = tl.maximum(best, b)
-            x = tl.load(draft_tok_ptr + d_start + k, mask=k < n, other=-1)
-            if x == idx:
-                tl.store(out_row + k, x)
-                accepted += 1
-            else:
-                tl.store(out_row + k, idx.to(tl.int64))
-    tl.store(out_acc_ptr + r, accepted.to(tl.int64))
-
-
-_JIT: dict[bool, tuple] = {}
+PER_THREAD = 8  # entries per thread: num_warps = BLOCK_V / (32 * PER_THREAD), registers stay low
+MAX_BLOCKS = 256  # blocks per row: a request's partials are combined by one program
+TARGET_PROGRAMS = 2048  # enough (row, block) programs to keep every SM of a large GPU reading
 
 
 def interpreting() -> bool:
-    """True when TRITON_INTERPRET is set (kernels then run in the Triton interpreter)."""
-    return bool(triton.knobs.runtime.interpret)
-
-
-def _kernels() -> tuple:
-    mode = interpreting()
-    if mode not in _JIT:  # triton.jit reads TRITON_INTERPRET when it wraps the function
-        _JIT[mode] = (
-            triton.jit(_chain_kernel, do_not_specialize=["out_width"]),
-            triton.jit(_greedy_kernel, do_not_specialize=["out_width"]),
-        )
-    return _JIT[mode]
+    """True when the kernels run in the Triton interpreter (TRITON_INTERPRET=1 at ``import triton``)."""
+    return not isinstance(K.block_argmax_kernel, triton.runtime.JITFunction)
 
 
 def check_device(device: torch.device) -> None:
-    if device.type != "cuda" and not interpreting():
+    """Raise ValueError unless the kernels can run on tensors of ``device``."""
+    if device.type == "cuda" or interpreting():
+        return
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise ValueError(
-            f"backend: 'triton' needs CUDA tensors (got {device}); on CPU set TRITON_INTERPRET=1 "
-            "(the Triton interpreter) or use backend='torch'"
+            "backend: TRITON_INTERPRET=1 was set after triton was imported; set it before "
+            "(e.g. in the environment of the process) to run the Triton backend on CPU tensors"
         )
+    raise ValueError(
+        f"backend: 'triton' needs CUDA tensors (got {device}); on CPU set TRITON_INTERPRET=1 "
+        "(the Triton interpreter) before triton is imported, or use backend='torch'"
+    )
 
 
-def _block(vocab: int, block_v: int | None) -> int:
-    return block_v or min(MAX_BLOCK_V, triton.next_power_of_2(max(vocab, 16)))
+def _block(vocab: int, rows: int, block_v: int | None) -> int:
+    """Vocabulary entries per program: about TARGET_PROGRAMS programs over ``rows`` rows."""
+    if block_v is None:
+        want = triton.next_power_of_2(triton.cdiv(vocab * max(rows, 1), TARGET_PROGRAMS))
+        block_v = max(MIN_BLOCK_V, min(MAX_BLOCK_V, want), triton.next_power_of_2(triton.cdiv(vocab, MAX_BLOCKS)))
+        block_v = min(block_v, triton.next_power_of_2(max(vocab, 16)))
+    if triton.cdiv(vocab, block_v) > MAX_BLOCKS:
+        raise ValueError(f"block_v: {block_v} splits V = {vocab} into more than {MAX_BLOCKS} blocks")
+    return block_v
 
 
-def _outputs(R: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = torch.full((R, width + 1), -1, dtype=torch.long, device=device)
-    return tokens, torch.zeros(R, dtype=torch.long, device=device)
+def _run(kernel: Any, grid: tuple[int, ...], *args, block_v: int | None = None, **constants) -> None:
+    """Launch a kernel: no FMA contraction (the reference's rounding), PER_THREAD entries a thread."""
+    if block_v is not None:
+        constants.update(BLOCK_V=block_v, num_warps=max(4, min(16, block_v // (32 * PER_THREAD))))
+    kernel[grid](*args, enable_fp_fusion=False, **constants)
+
+
+def _width(n: int) -> int:
+    return triton.next_power_of_2(max(n, 1))
+
+
+def _rows_2d(x: torch.Tensor) -> torch.Tensor:
+    """x [M, V] with unit stride along V (rows may be strided): no copy when it already is."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _outputs(R: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tokens [R, width + 1], accepted [R], num_tokens [R] (every entry written by the kernels)."""
+    long = torch.long
+    return _scratch((R, width + 1), long, device), _scratch(R, long, device), _scratch(R, long, device)
+
+
+def _scratch(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _empty(width: int, device) -> VerifyResult:
+    tokens, accepted, num_tokens = _outputs(0, width, device)
+    return VerifyResult(accepted, tokens, num_tokens)
+
+
+def _noise_args(noise: torch.Tensor | CounterNoise, dummy: torch.Tensor) -> tuple:
+    """(noise, noise row stride, seeds, offsets, salt, HASHED) kernel arguments."""
+    if isinstance(noise, CounterNoise):
+        return dummy, 0, noise.seeds, noise.offsets, noise.salt, True
+    noise = _rows_2d(noise.float())
+    return noise, noise.stride(0), dummy, dummy, 0, False
+
+
+def _race(target, from_logits: bool, temperature: float, draft_tokens, draft_probs, num_draft, cu, uniforms,
+          noise, accepted, fin_stats, width: int, block_v: int | None) -> VerifyResult:
+    """The final token's race partials and the per-request decision (shared by both chains)."""
+    R, vocab, dev = num_draft.numel(), target.shape[1], target.device
+    block = _block(vocab, R, block_v)
+    n_blocks = triton.cdiv(vocab, block)
+    tokens, _, num_tokens = _outputs(R, width, dev)
+    parts = [_scratch((R, n_blocks), dtype, dev) for dtype in (torch.float32, torch.int32) * 2 + (torch.float32,)]
+    q = target if draft_probs is None else _rows_2d(draft_probs)
+    noise_t, noise_stride, seeds, offsets, salt, hashed = _noise_args(noise, num_draft)
+    fin_max, fin_sum = fin_stats if fin_stats is not None else (target, target)
+    _run(
+        K.race_partials_kernel, (R, n_blocks),
+        target, draft_tokens, q, num_draft, cu, uniforms, noise_t, seeds, offsets, accepted, fin_max, fin_sum, *parts,
+        target.stride(0), q.stride(0), noise_stride, vocab, n_blocks, temperature, salt,
+        FROM_LOGITS=from_logits, HAS_Q=draft_probs is not None, HASHED=hashed, WIDTH=_width(width + 1), block_v=block,
+    )  # fmt: skip
+    _run(
+        K.race_decide_kernel, (R,),
+        draft_tokens, num_draft, cu, accepted, *parts, tokens, num_tokens, n_blocks, width + 1,
+        WIDTH=_width(width + 1), NB=_width(n_blocks),
+    )  # fmt: skip
+    return VerifyResult(accepted, tokens, num_tokens)
 
 
 def chain(
@@ -183,35 +135,78 @@ def chain(
     draft_probs: torch.Tensor | None,  # [Σℓ_r, V] or None
     num_draft: torch.Tensor,  # [R] long
     uniforms: torch.Tensor,  # [Σℓ_r] float64
-    noise: torch.Tensor,  # [R, V] float32
+    noise: torch.Tensor | CounterNoise,  # [R, V] float32, or computed in the kernel
     total: int,
     width: int,
     *,
     block_v: int | None = None,
 ) -> VerifyResult:
-    """Triton chain rejection sampling; same contract as :func:`reference.chain`."""
+    """Triton chain rejection sampling; same contract as :func:`reference.chain`. Two launches
+    (race partials with the accepted prefix, then the decision) and one cumulative sum."""
     check_device(target_probs.device)
-    R, vocab = num_draft.numel(), target_probs.shape[1]
-    tokens, accepted = _outputs(R, width, target_probs.device)
-    if R:
-        target = target_probs.contiguous()
-        chain_kernel, _ = _kernels()
-        chain_kernel[(R,)](
-            target,
-            draft_tokens.contiguous(),
-            target if draft_probs is None else draft_probs.contiguous(),
-            prefix_sums(num_draft),
-            uniforms.contiguous(),
-            noise.contiguous(),
-            tokens,
-            accepted,
-            vocab,
-            width + 1,
-            HAS_DRAFT_PROBS=draft_probs is not None,
-            BLOCK_V=_block(vocab, block_v),
-            enable_fp_fusion=False,  # no FMA contraction: bit-identical to the reference
-        )
-    return VerifyResult(accepted, tokens, accepted + 1)
+    R = num_draft.numel()
+    if not R:
+        return _empty(width, target_probs.device)
+    accepted = _scratch(R, torch.long, target_probs.device)
+    return _race(_rows_2d(target_probs), False, 1.0, draft_tokens, draft_probs, num_draft, num_draft.cumsum(0),
+                 uniforms, noise, accepted, None, width, block_v)  # fmt: skip
+
+
+def chain_logits(
+    target_logits: torch.Tensor,  # [Σ(ℓ_r+1), V]
+    temperature: float,  # > 0
+    draft_tokens: torch.Tensor,  # [Σℓ_r] long
+    draft_probs: torch.Tensor | None,  # [Σℓ_r, V] or None
+    num_draft: torch.Tensor,  # [R] long
+    uniforms: torch.Tensor,  # [Σℓ_r] float64
+    noise: torch.Tensor | CounterNoise,  # [R, V] float32, or computed in the kernel
+    total: int,
+    width: int,
+    *,
+    block_v: int | None = None,
+) -> VerifyResult:
+    """Chain rejection sampling against softmax(target_logits / temperature), without writing
+    the probabilities: softmax statistics per (row, block), the accepted prefix per request,
+    then the final token's race as :func:`chain`. Four launches and one cumulative sum."""
+    check_device(target_logits.device)
+    R, dev = num_draft.numel(), target_logits.device
+    if not R:
+        return _empty(width, dev)
+    logits = _rows_2d(target_logits)
+    rows, vocab = logits.shape
+    block = _block(vocab, rows, block_v)
+    n_blocks = triton.cdiv(vocab, block)
+    part_max, part_sum = (_scratch((rows, n_blocks), torch.float32, dev) for _ in range(2))
+    _run(K.row_stats_kernel, (rows, n_blocks), logits, part_max, part_sum, logits.stride(0), vocab, n_blocks,
+         temperature, block_v=block)  # fmt: skip
+    cu = num_draft.cumsum(0)
+    q = logits if draft_probs is None else _rows_2d(draft_probs)
+    accepted = _scratch(R, torch.long, dev)
+    fin_max, fin_sum = _scratch(R, torch.float32, dev), _scratch(R, torch.float32, dev)
+    _run(
+        K.chain_accept_kernel, (R,),
+        logits, part_max, part_sum, draft_tokens, q, num_draft, cu, uniforms, accepted, fin_max, fin_sum,
+        logits.stride(0), q.stride(0), n_blocks, temperature,
+        HAS_Q=draft_probs is not None, WIDTH=_width(width + 1), NB=_width(n_blocks),
+    )  # fmt: skip
+    return _race(logits, True, temperature, draft_tokens, draft_probs, num_draft, cu, uniforms, noise, accepted,
+                 (fin_max, fin_sum), width, block_v)  # fmt: skip
+
+
+def _argmax_rows(logits, temperature: float, noise: CounterNoise | None, block_v: int | None):
+    """Per (row, block) partials of the argmax (or, with noise, of the Gumbel race)."""
+    rows, vocab = logits.shape
+    block = _block(vocab, rows, block_v)
+    n_blocks = triton.cdiv(vocab, block)
+    part_val = _scratch((rows, n_blocks), torch.float32, logits.device)
+    part_idx = _scratch((rows, n_blocks), torch.int32, logits.device)
+    seeds, offsets, salt = (noise.seeds, noise.offsets, noise.salt) if noise is not None else (part_idx, part_idx, 0)
+    _run(
+        K.block_argmax_kernel, (rows, n_blocks),
+        logits, seeds, offsets, part_val, part_idx, logits.stride(0), vocab, n_blocks, temperature, salt,
+        GUMBEL=noise is not None, block_v=block,
+    )  # fmt: skip
+    return part_val, part_idx, n_blocks
 
 
 def greedy(
@@ -223,21 +218,40 @@ def greedy(
     *,
     block_v: int | None = None,
 ) -> VerifyResult:
-    """Triton greedy verification; same contract as :func:`reference.greedy`."""
+    """Triton greedy verification; same contract as :func:`reference.greedy`. Two launches
+    (block argmaxes of every row, then the decision) and one cumulative sum."""
     check_device(target_logits.device)
-    R, vocab = num_draft.numel(), target_logits.shape[1]
-    tokens, accepted = _outputs(R, width, target_logits.device)
+    R, dev = num_draft.numel(), target_logits.device
+    tokens, accepted, num_tokens = _outputs(R, width, dev)
     if R:
-        _, greedy_kernel = _kernels()
-        greedy_kernel[(R,)](
-            target_logits.contiguous(),
-            draft_tokens.contiguous(),
-            prefix_sums(num_draft),
-            tokens,
-            accepted,
-            vocab,
-            width + 1,
-            BLOCK_V=_block(vocab, block_v),
-            enable_fp_fusion=False,
-        )
-    return VerifyResult(accepted, tokens, accepted + 1)
+        part_val, part_idx, n_blocks = _argmax_rows(_rows_2d(target_logits), 1.0, None, block_v)
+        _run(
+            K.greedy_decide_kernel, (R,),
+            part_val, part_idx, draft_tokens, num_draft, num_draft.cumsum(0), tokens, accepted, num_tokens,
+            n_blocks, width + 1, HAS_DRAFTS=True, WIDTH=_width(width + 1), NB=_width(n_blocks),
+        )  # fmt: skip
+    return VerifyResult(accepted, tokens, num_tokens)
+
+
+def draw(
+    logits: torch.Tensor,  # [N, V]
+    temperature: float,
+    noise: CounterNoise | None,
+    *,
+    block_v: int | None = None,
+) -> torch.Tensor:
+    """One token per row [N]: the argmax (first index on ties) when ``noise`` is None, else the
+    exponential race over softmax(logits / temperature) with the counter noise, computed as
+    argmax(logits / T - log E). Two launches; T = 1 costs what T = 0 costs."""
+    check_device(logits.device)
+    N, dev = logits.shape[0], logits.device
+    tokens, accepted, num_tokens = _outputs(N, 0, dev)
+    if N:
+        part_val, part_idx, n_blocks = _argmax_rows(_rows_2d(logits), temperature, noise, block_v)
+        unused = part_idx  # no drafts: the draft pointers are never read
+        _run(
+            K.greedy_decide_kernel, (N,),
+            part_val, part_idx, unused, unused, unused, tokens, accepted, num_tokens, n_blocks, 1,
+            HAS_DRAFTS=False, WIDTH=1, NB=_width(n_blocks),
+        )  # fmt: skip
+    return tokens[:, 0]

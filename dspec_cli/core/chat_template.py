@@ -1,0 +1,97 @@
+"""Chat-template keyword arguments: how conversations are rendered for the target.
+
+One setting, passed to ``tokenizer.apply_chat_template`` wherever dspec renders a conversation
+(prompts of bench and calibrate, regeneration, training text) and sent as ``chat_template_kwargs``
+to servers. Reasoning models switch modes with it: Qwen3's template takes ``enable_thinking``
+(true: the model thinks first; false: its generation prompt closes an empty think block). The
+default is Qwen3's non-thinking mode; templates that do not use a key ignore it.
+
+A drafter learns the target's answers in the mode its training data was rendered in, and accepts
+far less on traffic of another mode, so checkpoints record the kwargs (config.json
+``chat_template_kwargs``) and :func:`warn_if_other` warns when a drafter runs under others that
+the target's template renders differently.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from dspec_cli.core.errors import DspecError
+
+DEFAULT_KWARGS: Mapping[str, Any] = MappingProxyType({"enable_thinking": False})  # Qwen3's non-thinking mode
+OPTION = "--chat-template-kwargs"
+
+
+def default_kwargs() -> dict[str, Any]:
+    """A fresh copy of :data:`DEFAULT_KWARGS`."""
+    return dict(DEFAULT_KWARGS)
+
+
+def check_kwargs(value: Any, where: str) -> dict[str, Any]:
+    """``value`` as a kwargs dict: a mapping with string keys and JSON values; DspecError otherwise."""
+    if not isinstance(value, Mapping):
+        raise DspecError(f"{where} must be a JSON object / TOML table, e.g. {{\"enable_thinking\": true}}, got {value!r}")
+    try:
+        json.dumps(dict(value))
+    except (TypeError, ValueError):
+        raise DspecError(f"{where}: values must be JSON values (strings, numbers, booleans, lists, tables)") from None
+    if not all(isinstance(k, str) for k in value):
+        raise DspecError(f"{where}: keys must be strings")
+    return dict(value)
+
+
+def parse_kwargs(text: str, where: str = OPTION) -> dict[str, Any]:
+    """The JSON object ``text`` (e.g. ``'{"enable_thinking": true}'``, ``'{}'``), checked."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DspecError(f"{where} is not valid JSON ({exc.msg}): {text!r}") from None
+    return check_kwargs(value, where)
+
+
+def describe(kwargs: Mapping[str, Any]) -> str:
+    """Compact JSON, keys sorted: what messages and model cards show, and what shell commands pass."""
+    return json.dumps(dict(kwargs), sort_keys=True)
+
+
+def mode(kwargs: Mapping[str, Any]) -> str:
+    """ "thinking" / "non-thinking" when ``enable_thinking`` is set, else "" (the template's own default)."""
+    flag = kwargs.get("enable_thinking")
+    return "" if not isinstance(flag, bool) else ("thinking" if flag else "non-thinking")
+
+
+def renders_alike(tokenizer, a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether ``tokenizer``'s chat template renders a probe conversation (an earlier answer with
+    a think block, then a generation prompt) the same under kwargs ``a`` and ``b``: a template that
+    reads none of the keys that differ."""
+    if dict(a) == dict(b):
+        return True
+    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+        return False
+    return _probe(tokenizer, a) == _probe(tokenizer, b)
+
+
+def _probe(tokenizer, kwargs: Mapping[str, Any]) -> str:
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<think>\nhm\n</think>\n\nHello"},
+                {"role": "user", "content": "And?"}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+
+
+def warn_if_other(drafter: str, trained: Mapping[str, Any] | None, used: Mapping[str, Any],
+                  tokenizer=None) -> None:
+    """A one-line warning when ``drafter``, trained under ``trained`` kwargs (None: not recorded),
+    runs under ``used`` and the target's chat template (``tokenizer``'s) renders them differently."""
+    if trained is None or renders_alike(tokenizer, trained, used):
+        return
+    label = mode(trained)
+    warnings.warn(
+        f"drafter {drafter} was trained with chat-template kwargs {describe(trained)}"
+        + (f" ({label} mode)" if label else "")
+        + f", not {describe(used)}: it accepts less under other ones (pass {OPTION} '{describe(trained)}' "
+        "to match)",
+        stacklevel=2,
+    )
