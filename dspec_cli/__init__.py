@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # explicit re-exports (``X as X``) of the names _API loads la
     from dspec_cli.runtime.engine import GenerationConfig as GenerationConfig
     from dspec_cli.runtime.engine import SpeculativeEngine as SpeculativeEngine
     from dspec_cli.runtime.schedule import Scheduler as Scheduler
+    from dspec_cli.runtime.schedule import admit_candidates as admit_candidates
     from dspec_cli.runtime.target import Target as Target
     from dspec_cli.runtime.target import TargetBatch as TargetBatch
     from dspec_cli.runtime.tree_select import best_path as best_path
@@ -96,7 +97,7 @@ __all__ = [  # the names of _API and the two defined here, spelled out for type 
     "Sampler", "StepOutput", "VerifyResult", "Calibration", "CostTable", "embedded_path", "reads_free", "get_drafter_class",
     "get_scheduler_class", "registry", "Converted", "Drafter", "DrafterConfig", "DraftState",
     "TrainableDrafter", "WrappedDrafter", "heuristic_confidence", "best_path", "select_tree", "Scheduler",
-    "Target", "TargetBatch", "GenerationConfig", "SpeculativeEngine", "verify_chain", "verify_greedy",
+    "admit_candidates", "Target", "TargetBatch", "GenerationConfig", "SpeculativeEngine", "verify_chain", "verify_greedy",
     "verify_tree", "TrainData",
 ]
 

@@ -93,7 +93,11 @@ def early_stop_count(values: torch.Tensor, num_valid: torch.Tensor, num_rows: in
     return improves.long().cumprod(0).sum()
 
 
-def admit_candidates(a: torch.Tensor, valid: torch.Tensor, sps: torch.Tensor) -> torch.Tensor:
+def admit_candidates(
+    a: torch.Tensor,  # [R, C] survival values
+    valid: torch.Tensor,  # [R, C] bool
+    sps: torch.Tensor,  # [B_max + 1] steps per second, indexed by batch tokens B
+) -> torch.Tensor:
     """Algorithm 1 over any candidates: a [R, C] survival values, valid [R, C] -> the admitted
     mask [R, C]: candidates in descending order of a (row-major on ties) up to the first that does
     not raise Θ = (R + Σa)·SPS(R + count) (sps indexed by B). Prefix-closed whenever a never rises
