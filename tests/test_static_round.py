@@ -52,12 +52,18 @@ def _run(target, drafter, *, temperature: float, max_batch: int, graphs: str = "
     return [r.output_ids for r in engine.generate(prompts)], engine
 
 
+# the verification rule of each drafter's rounds under the default GenerationConfig, by temperature
+DEFAULT_RULES = {"plain": {0.0: set(), 1.0: set()}, "dspark-markov": {0.0: {"greedy"}, 1.0: {"block"}},
+                 "ddtree": {0.0: {"match"}, 1.0: {"traversal"}}}
+
+
 @pytest.mark.parametrize("name", ["plain", "dspark-markov", "ddtree"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_one_host_read_per_round(target, drafters, name, temperature, monkeypatch):
     """On the code paths a GPU runs, a round reads the device once (the accepted tokens), at
     R = 1 and with continuous batching (rows joining, leaving, padded to a bucket); no host data
-    is copied to the device inside a round."""
+    is copied to the device inside a round. The rounds verify by the default rules: block
+    verification of dspark's chains, traversal verification of ddtree's sampled trees (T = 1)."""
     reads: list[int] = []
     live: list = []  # the running counter, read by the patched round
     real = SpeculativeEngine._round
@@ -77,6 +83,7 @@ def test_one_host_read_per_round(target, drafters, name, temperature, monkeypatc
             _run(target, drafters[name], temperature=temperature, max_batch=max_batch, engine=engine)
         live.clear()
         assert reads and max(reads) == 1, (max_batch, reads, counter.sites.most_common(5))
+        assert set(engine.stats.verify_rules) == DEFAULT_RULES[name][temperature]
 
 
 def _same_tokens(target, drafter, graphs: str, temperatures=(0.0, 1.0), **run) -> None:

@@ -351,7 +351,8 @@ class SpeculativeEngine:
         q = None
         if width:
             assert proposal is not None  # width > 0 only with drafts
-            grid = torch.cat([grid, proposal.tokens[:, :width].to(grid.dtype)], dim=1)
+            drafts = proposal.tokens[:, :width].clamp(min=0)  # PAD past a row's drafts: a token the masks ignore
+            grid = torch.cat([grid, drafts.to(grid.dtype)], dim=1)
             if proposal.draft_probs is not None and not cfg.greedy:
                 q = proposal.draft_probs[:, :width]
         if width:  # the rule this round's drafts are verified by (counted on the host: a replay runs no Python)
