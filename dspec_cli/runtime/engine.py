@@ -207,6 +207,7 @@ class SpeculativeEngine:
         self._marks: list[float] = []  # phase boundaries inside an eager verify step
 
     # -- public ------------------------------------------------------------------------
+    @torch.no_grad()  # inference: no autograd graph (one through the persistent caches would never be freed)
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
