@@ -373,6 +373,19 @@ class Target:
         out = self.model(input_ids=ids.to(self.device), use_cache=False)
         return out.logits[0].float(), self._collect(layer_ids, ids.shape)[0]
 
+    @torch.no_grad()
+    def decoder_features(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer_ids: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder alone (no LM head, no cache, HF's own masks) over input_ids and
+        attention_mask [B, L]: (taps [B, L, n·d], the raw outputs of ``layer_ids`` (-1 = the
+        embeddings) through the hooks inference uses, and last_hidden [B, L, d], the final-norm
+        output). What drafter training learns from."""
+        self._hook(layer_ids)
+        out = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        last = out.last_hidden_state
+        return self._collect(layer_ids, last.shape[:2]), last
+
     # -- the static round: no host reads, no host bookkeeping (capturable) ------------------------
 
     def score(
