@@ -375,10 +375,12 @@ class Target:
 
     @torch.no_grad()
     def decoder_features(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer_ids: Sequence[int]
+        self,
+        input_ids: torch.Tensor,  # [B, L]
+        attention_mask: torch.Tensor,  # [B, L]
+        layer_ids: Sequence[int],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decoder alone (no LM head, no cache, HF's own masks) over input_ids and
-        attention_mask [B, L]: (taps [B, L, n·d], the raw outputs of ``layer_ids`` (-1 = the
+        """The decoder alone (no LM head, no cache, HF's own masks) over the batch: (taps [B, L, n·d], the raw outputs of ``layer_ids`` (-1 = the
         embeddings) through the hooks inference uses, and last_hidden [B, L, d], the final-norm
         output). What drafter training learns from."""
         self._hook(layer_ids)
