@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -566,7 +567,8 @@ def test_torchrun_matches_one_process_and_resumes_exactly(setup, shard):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(script), "train", *args, *same]
         res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
-        assert res.returncode == 0, res.stderr[-2000:]
+        causes = [line for line in res.stderr.splitlines() if re.search(r"terminate|what\(\)|Error|error:", line)]
+        assert res.returncode == 0, "\n".join(causes[:20]) + "\n" + res.stderr[-1500:]
         return res
 
     full, part = tmp / f"{shard}-full", tmp / f"{shard}-part"
