@@ -44,7 +44,7 @@ from dspec_cli.core.calibration import Calibration
 from dspec_cli.core.hardware import CostTable
 from dspec_cli.core.plugins import get_drafter_class
 from dspec_cli.core.specs import parse_scheduler_spec
-from dspec_cli.core.types import Proposal, Sampler, StepOutput
+from dspec_cli.core.types import Proposal, Sampler
 from dspec_cli.runtime.drafter import Drafter, DraftState, WrappedDrafter
 from dspec_cli.runtime.engine import GenerationConfig, SpeculativeEngine
 from dspec_cli.runtime.schedule import build_scheduler
@@ -57,43 +57,44 @@ from dspec_cli.workflows.bench import (
     warm_up,
 )
 from dspec_cli.workflows.calibrate import Rounds, load_traces
-from dspec_cli.workflows.forward_profile import profile_sps
+from dspec_cli.workflows.target_profile import profile_target
 
 PROFILE_GRID = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 
 
-def force_greedy(logits: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor, accepted: torch.Tensor) -> None:
-    """In place: make greedy verification of the flat chains accept ``accepted`` drafts per row.
+def force_greedy(logits: torch.Tensor, ids: torch.Tensor, accepted: torch.Tensor) -> None:
+    """In place: make greedy verification of the padded chains accept ``accepted`` drafts per row.
 
-    logits [Σn, V] of the verify pass, tokens [Σn] (anchor, drafts per row), lengths [R] = n_r,
-    accepted [R]: draft k <= accepted[r] becomes the argmax after position k - 1, draft
-    accepted[r] + 1 (if verified) the minimum.
+    logits [n, 1 + W, V] of the verify pass over ids [n, 1 + W] (anchor, drafts), accepted [R]
+    (R <= n; rows past R are padding): draft k + 1 <= accepted[r] becomes the argmax of position
+    k, draft accepted[r] + 1 (if verified) the minimum.
     """
-    n = lengths.to(logits.device)
-    starts = torch.cumsum(n, 0) - n
-    row = torch.repeat_interleave(torch.arange(n.shape[0], device=n.device), n, output_size=logits.shape[0])
-    j = torch.arange(logits.shape[0], device=n.device) - starts[row]  # position in the row's chain
-    nxt = torch.roll(tokens.to(n.device), -1)  # the draft this position's logits verify
-    has_draft = j < n[row] - 1
-    a = accepted.to(n.device)[row]
-    for mask, value in ((has_draft & (j < a), logits.amax(-1) + 1), (has_draft & (j == a), logits.amin(-1) - 1)):
-        idx = mask.nonzero().squeeze(1)
-        logits[idx, nxt[idx]] = value[idx]
+    R, W = accepted.shape[0], ids.shape[1] - 1
+    if W == 0:
+        return
+    k = torch.arange(W, device=logits.device)
+    a = accepted.to(logits.device)[:, None]  # [R, 1]
+    part = logits[:R, :W]  # [R, W, V]: position k verifies draft k + 1
+    nxt = ids[:R, 1:, None].to(logits.device)  # [R, W, 1]
+    value = torch.where((k < a)[..., None], part.amax(-1, keepdim=True) + 1, part.amin(-1, keepdim=True) - 1)
+    part.scatter_(-1, nxt, torch.where((k <= a)[..., None], value, part.gather(-1, nxt)))
 
 
 class ReplayTarget(Target):
-    """The same model; each verify pass is forced to the acceptance the replay drafter drew."""
+    """The same model; each verify pass is forced to the acceptance the replay drafter drew (in
+    Python per round: the engines run eagerly, ``graphs="eager"``)."""
 
     def __init__(self, base: Target):
         self.__dict__.update(base.__dict__)
         self.forced: torch.Tensor | None = None  # [R] accepted drafts for the next verify
 
-    def verify(self, batch: TargetBatch, tokens: torch.Tensor, lengths: torch.Tensor) -> StepOutput:
-        out = super().verify(batch, tokens, lengths)
-        if self.forced is not None:
-            force_greedy(out.logits, tokens, lengths, self.forced)
+    def score(self, batch: TargetBatch, ids: torch.Tensor, parents: torch.Tensor | None, window: int,
+              dense: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, taps = super().score(batch, ids, parents, window, dense)
+        if self.forced is not None and parents is None:
+            force_greedy(logits, ids, self.forced)
             self.forced = None
-        return out
+        return logits, taps
 
 
 class TraceReplayDrafter(WrappedDrafter):
@@ -177,8 +178,8 @@ def main(argv=None) -> None:
     else:
         grid = [int(b) for b in args.profile_grid.split(",")]
         contexts = [int(c) for c in args.profile_contexts.split(",")]
-        table = profile_sps(target.model, grid=grid, contexts=contexts, repeats=10, warmup=3,
-                            model_name=f"random-init {args.shape}")
+        table = profile_target(target, grid=grid, contexts=contexts, repeats=10, warmup=3,
+                               model_name=f"random-init {args.shape}")
         print(f"profiled SPS(B) in {time.perf_counter() - t0:.1f} s", flush=True)
         if args.cost_table_out:
             from dspec_cli.workflows.plots import sps_plot
@@ -195,7 +196,7 @@ def main(argv=None) -> None:
     for conc in levels:
         ids = prompts[: max(4, args.prompts_per_slot * conc)]
         cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=0.0, block_size=block,
-                               max_batch=conc, seed=args.seed)
+                               max_batch=conc, seed=args.seed, graphs="eager")  # the replay forces acceptance in Python
         engines = [("baseline", "-", SpeculativeEngine(replay_target, None, cfg, stop_ids=()))]
         for spec in specs:
             name, options = parse_scheduler_spec(spec)

@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # explicit re-exports (``X as X``) of the names _API loads la
     from dspec_cli.core.errors import DspecError as DspecError
     from dspec_cli.core.files import embedded_path as embedded_path
     from dspec_cli.core.hardware import CostTable as CostTable
+    from dspec_cli.core.host import reads_free as reads_free
     from dspec_cli.core.plugins import get_drafter_class as get_drafter_class
     from dspec_cli.core.plugins import get_scheduler_class as get_scheduler_class
     from dspec_cli.core.plugins import registry as registry
@@ -63,6 +64,7 @@ _API = {
     "Calibration": "dspec_cli.core.calibration",
     "CostTable": "dspec_cli.core.hardware",
     "embedded_path": "dspec_cli.core.files",
+    "reads_free": "dspec_cli.core.host",
     "get_drafter_class": "dspec_cli.core.plugins",
     "get_scheduler_class": "dspec_cli.core.plugins",
     "registry": "dspec_cli.core.plugins",
@@ -92,7 +94,7 @@ _API = {
 
 __all__ = [  # the names of _API and the two defined here, spelled out for type checkers (tests/test_api.py)
     "__version__", "hookimpl", "DspecError", "Capability", "DraftTree", "PAD", "PrefillOutput", "Proposal",
-    "Sampler", "StepOutput", "VerifyResult", "Calibration", "CostTable", "embedded_path", "get_drafter_class",
+    "Sampler", "StepOutput", "VerifyResult", "Calibration", "CostTable", "embedded_path", "reads_free", "get_drafter_class",
     "get_scheduler_class", "registry", "Converted", "Drafter", "DrafterConfig", "DraftState",
     "TrainableDrafter", "WrappedDrafter", "heuristic_confidence", "best_path", "select_tree", "Scheduler",
     "admit_candidates", "Target", "TargetBatch", "GenerationConfig", "SpeculativeEngine", "verify_chain", "verify_greedy",

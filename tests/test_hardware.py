@@ -20,7 +20,8 @@ from dspec_cli.core.hardware import (
     device_name,
     isotonic,
 )
-from dspec_cli.workflows.forward_profile import profile_sps
+from dspec_cli.runtime.target import Target
+from dspec_cli.workflows.target_profile import profile_target
 
 
 def make_table(measured: dict, grid=(1, 2, 4, 8), **kw) -> CostTable:
@@ -114,8 +115,8 @@ def test_check_device_and_model():
 @pytest.mark.parametrize("family", list(FACTORIES))
 def test_profile_tiny_models(family):
     calls = []
-    table = profile_sps(FACTORIES[family](), grid=[1, 2, 5, 9], contexts=[4, 16], repeats=3, warmup=1, row_tokens=4,
-                        model_name=family, progress=lambda c, b: calls.append((c, b)))
+    table = profile_target(Target(FACTORIES[family]()), grid=[1, 2, 5, 9], contexts=[4, 16], repeats=3, warmup=1,
+                           row_tokens=4, model_name=family, progress=lambda c, b: calls.append((c, b)))
     assert table.grid == [1, 2, 5, 9] and table.contexts == [4, 16] and table.model == family
     assert all(len(v) == 4 and min(v) > 0 for v in table.measured.values())
     assert all(min(v) >= 0 for v in table.spread.values())
@@ -125,7 +126,7 @@ def test_profile_tiny_models(family):
 
 def test_profile_rejects_contexts_past_the_model():
     with pytest.raises(DspecError, match="exceeds the model's context of 256"):
-        profile_sps(tiny_qwen3(), grid=[1], contexts=[250], row_tokens=8)
+        profile_target(Target(tiny_qwen3()), grid=[1], contexts=[250], row_tokens=8)
 
 
 

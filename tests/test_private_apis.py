@@ -38,3 +38,14 @@ def test_hub_default_client_factory():
 
     bound_timeouts()
     assert get_session().timeout.read is not None, "update bound_timeouts in dspec_cli/core/hub_env.py"
+
+
+def test_torch_graph_runner_internals():
+    """``torch.utils._pytree.tree_leaves``, ``torch.utils._python_dispatch.TorchDispatchMode`` and
+    ``torch._dynamo.config.recompile_limit`` (dspec_cli/runtime/graphs.py: check mode and compile mode)."""
+    from torch.utils import _pytree
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    assert _pytree.tree_leaves((torch.zeros(1), [torch.ones(2)]))[1].shape == (2,), "update dspec_cli/runtime/graphs.py"
+    assert isinstance(TorchDispatchMode, type), "update dspec_cli/runtime/graphs.py"
+    assert isinstance(torch._dynamo.config.recompile_limit, int), "update GraphRunner in dspec_cli/runtime/graphs.py"

@@ -1,4 +1,4 @@
-"""Target: ragged batched verify / trees / commits / compaction equal plain full forwards."""
+"""Target: ragged batched verify / trees / commits / row moves equal plain full forwards."""
 
 from __future__ import annotations
 
@@ -23,15 +23,6 @@ ATOL = 1e-4
 @pytest.fixture(scope="module", params=sorted(FACTORIES))
 def target(request) -> Target:
     return tiny_target(request.param)
-
-
-@pytest.fixture(params=["concat", "slack"])
-def kv_append(request, monkeypatch):
-    """Both ways a cache layer appends (tiny models are all under the concatenation threshold)."""
-    from dspec_cli.runtime.kv_cache import SlackLayer
-
-    monkeypatch.setattr(SlackLayer, "SMALL", 1 << 62 if request.param == "concat" else 0)
-    return request.param
 
 
 class Session:
@@ -143,20 +134,19 @@ class Session:
 
     def assert_committed(self) -> None:
         assert self.batch.committed.tolist() == [len(s) for s in self.seqs]
-        assert self.batch.valid.sum(1).tolist() == [len(s) for s in self.seqs]
+        assert self.batch.lengths == [len(s) for s in self.seqs] and self.batch.exact
 
 
-def test_ragged_chains_match_full_forward(target, kv_append):
-    s = Session(target, seed=1, compact_fraction=1.0)
+def test_ragged_chains_match_full_forward(target):
+    s = Session(target, seed=1)
     s.prefill([5, 11, 3])
     for _ in range(5):
         s.chain_round()
     s.assert_committed()
-    assert s.batch.holes > 0 and s.batch.num_compactions == 0
 
 
-def test_trees_then_chains_match_full_forward(target, kv_append):
-    s = Session(target, seed=2, compact_fraction=1.0)
+def test_trees_then_chains_match_full_forward(target):
+    s = Session(target, seed=2)
     s.prefill([4, 9, 6])
     s.tree_round()
     s.chain_round()
@@ -165,14 +155,15 @@ def test_trees_then_chains_match_full_forward(target, kv_append):
     s.assert_committed()
 
 
-def test_compaction_and_continuous_batching(target, kv_append):
-    s = Session(target, seed=3, compact_fraction=0.1)
+def test_row_moves_and_continuous_batching(target):
+    """Rows leave (order kept, or reordered by select_rows), join mid-stream and outgrow the
+    first allocation; only rows that change place are copied."""
+    s = Session(target, seed=3, slots=8)
     s.prefill([7, 2, 10])
     s.chain_round()
     s.tree_round()
     s.rollback()
     s.chain_round()
-    assert s.batch.num_compactions > 0
     target.remove(s.batch, [1])
     del s.seqs[1], s.anchors[1]
     s.prefill([6])  # a new request joins mid-stream
@@ -183,12 +174,12 @@ def test_compaction_and_continuous_batching(target, kv_append):
     s.prefill([3, 8])
     s.chain_round()
     s.assert_committed()
-    s.batch.compact()
-    lens = [len(q) for q in s.seqs]
-    assert s.batch.num_slots == max(lens) and s.batch.holes == len(lens) * max(lens) - sum(lens)
-    packed = torch.arange(max(lens))[None, :] < torch.tensor(lens)[:, None]
-    assert torch.equal(s.batch.valid, packed)
+    target.select_rows(s.batch, [2, 0, 1])  # the last row fills the first place
+    s.seqs, s.anchors = [s.seqs[i] for i in (2, 0, 1)], [s.anchors[i] for i in (2, 0, 1)]
     s.chain_round()
+    s.tree_round()
+    s.assert_committed()
+    assert s.batch.generation > 1  # the 8 slots first allocated were outgrown
 
 
 def test_prefill_groups_and_duplicates(target, monkeypatch):
@@ -202,7 +193,7 @@ def test_prefill_groups_and_duplicates(target, monkeypatch):
         return group(self, batch, prompts)
 
     monkeypatch.setattr(Target, "_prefill_group", spy)
-    s = Session(target, seed=7, compact_fraction=0.5)
+    s = Session(target, seed=7)
     s.prefill([6, 2])
     s.chain_round()
     distinct = [s.rand(n) for n in (62, 3, 200, 9, 60, 4)]
@@ -220,8 +211,11 @@ def test_prefill_groups_and_duplicates(target, monkeypatch):
 
 
 @pytest.mark.parametrize("lens", [[5], [5, 11, 3]])
-def test_append_and_single_row_steps_match_full_forward(target, lens, kv_append):
+def test_append_and_single_row_steps_match_full_forward(target, lens, monkeypatch):
     """append (a drafter's own model), chains and rollbacks; one row takes the mask-free dense path."""
+    dense = []
+    real = Target.dense
+    monkeypatch.setattr(Target, "dense", lambda self, *a: dense.append(real(self, *a)) or dense[-1])
     s = Session(target, seed=6)
     s.prefill(lens)
     for _ in range(3):
@@ -229,56 +223,49 @@ def test_append_and_single_row_steps_match_full_forward(target, lens, kv_append)
         s.chain_round()
         s.rollback()
     s.assert_committed()
-    if len(lens) == 1:
-        assert s.batch.holes == 0  # rejected and rolled-back slots are cut off, never left as holes
+    assert any(dense) == (len(lens) == 1)
 
 
-def test_max_slots_bound_compacts():
-    t = Target(tiny_qwen3())
-    s = Session(t, seed=4, compact_fraction=1.0, max_slots=16)
-    s.prefill([3, 12])
-    for _ in range(3):
-        s.chain_round()
-    assert s.batch.num_compactions > 0
+def test_static_steps_read_nothing_and_match_full_forward(target):
+    """The engine's level: score padded grids (rows past the batch are padding), keep / keep_path
+    on the device, settle the host lengths afterwards; windows rounded up to a bucket."""
+    s = Session(target, seed=8, rows=4)
+    s.prefill([6, 3])
+    t, batch = s.t, s.batch
+    for step in range(3):
+        q = 3
+        chains = [[s.anchors[r]] + s.rand(q - 1) for r in range(2)]
+        ids = torch.tensor(chains + [[0] * q, [0] * q])  # two padding rows
+        window = batch.window(q, bucket=16)
+        assert window % 16 == 0
+        logits, taps = t.score(batch, ids, None, window)
+        for r in range(2):
+            s.check(logits[r], taps[r], s.seqs[r], chains[r])
+        keep = torch.tensor([1 + step % 3, 2, 0, 0])
+        t.keep(batch, keep)
+        batch.bound(q)
+        assert not batch.exact
+        for r in range(2):
+            s.seqs[r] += chains[r][: int(keep[r])]
+            s.anchors[r] = s.rand(1)[0]
+        batch.settle([len(x) for x in s.seqs])
+    parents = torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, -1]])  # row 1: node 3 is padding
+    toks = [[s.anchors[r]] + s.rand(3) for r in range(2)]
+    logits, taps = t.score(batch, torch.tensor(toks), parents, batch.window(4, bucket=16))
+    s.check(logits[0, 3:], taps[0, 3:], s.seqs[0] + [toks[0][0], toks[0][1]], toks[0][3:])
+    t.keep_path(batch, torch.tensor([[0, 2], [0, 1]]))
+    s.seqs[0] += [toks[0][0], toks[0][2]]
+    s.seqs[1] += toks[1][:2]
+    batch.settle([len(x) for x in s.seqs])
     s.assert_committed()
-
-
-def test_slack_layer_appends_in_place_and_keeps_dynamic_semantics(monkeypatch):
-    """Appending writes into spare slots (no copy of the cache while it fits); reads equal what
-    concatenation gives; trimming shortens in place; assigning a new tensor replaces the buffer;
-    small tensors are concatenated."""
-    from dspec_cli.runtime.kv_cache import SlackLayer
-
-    small = SlackLayer()
-    small.update(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4))
-    keys, _ = small.update(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
-    assert keys.shape == (1, 2, 4, 4) and keys.is_contiguous()  # 64 bytes per slot: under SMALL
-    monkeypatch.setattr(SlackLayer, "SMALL", 0)
-    layer, ref = SlackLayer(), torch.zeros(2, 3, 0, 4)
-    g = torch.Generator().manual_seed(0)
-    ptrs = set()
-    for q in (5, 1, 1, 7, 1):
-        k = torch.randn(2, 3, q, 4, generator=g)
-        keys, values = layer.update(k, -k)
-        ref = torch.cat([ref, k], dim=2)
-        assert torch.equal(keys, ref) and torch.equal(values, -ref) and torch.equal(layer.keys, ref)
-        ptrs.add(layer.keys.data_ptr())
-    assert len(ptrs) == 1 and layer.get_seq_length() == 15  # one buffer (5 + 64 spare slots)
-    layer.keys, layer.values = layer.keys[:, :, :9], layer.values[:, :, :9]  # a trim: same buffer
-    assert layer.keys.shape[2] == 9 and layer.keys.data_ptr() in ptrs
-    layer.update(torch.ones(2, 3, 1, 4), torch.ones(2, 3, 1, 4))
-    assert torch.equal(layer.keys[:, :, :9], ref[:, :, :9]) and torch.equal(layer.keys[:, :, 9], torch.ones(2, 3, 4))
-    layer.keys = layer.keys.index_select(0, torch.tensor([1]))  # row selection: a new buffer
-    assert layer.keys.shape == (1, 3, 10, 4) and layer.keys.data_ptr() not in ptrs
-    layer.values = layer.values.index_select(0, torch.tensor([1]))
-    keys, _ = layer.update(torch.zeros(1, 3, 2, 4), torch.zeros(1, 3, 2, 4))  # grows by copying once
-    assert torch.equal(keys[:, :, :9], ref[1:, :, :9]) and keys.shape[2] == 12
+    s.anchors = s.rand(2)
+    s.chain_round()
 
 
 def test_eager_attention_matches_full_forward():
     model = tiny_qwen3()
     model.set_attn_implementation("eager")
-    s = Session(Target(model), seed=5, compact_fraction=1.0)
+    s = Session(Target(model), seed=5)
     s.prefill([4, 8])
     s.chain_round()
     s.tree_round()
@@ -328,11 +315,11 @@ def test_bad_input_raises():
     with pytest.raises(ValueError, match="drop"):
         t.rollback(batch, torch.tensor([8, 0]))
     t.rollback(batch, torch.tensor([2, 0]))
-    assert batch.committed.tolist() == [5, 4] and batch.valid.sum(1).tolist() == [5, 4]
+    assert batch.committed.tolist() == [5, 4] and batch.lengths == [5, 4]
     with pytest.raises(ValueError, match="rows"):
         t.remove(batch, [2])
     t.remove(batch, [0, 1])
-    assert batch.num_rows == 0 and batch.num_slots == 0
+    assert batch.num_rows == 0 and batch.committed.numel() == 0
 
 
 def test_render_prompt_chatml():
@@ -365,31 +352,6 @@ def test_load_local_and_default(tmp_path, monkeypatch):
         Target.load(str(tmp_path / "nope"))
     with pytest.raises(DspecError, match="dtype"):
         Target.load(str(tmp_path / "m"), dtype="float33")
-
-
-def test_kv_cache_benchmark_runs_both_layer_kinds():
-    """The micro-benchmark times both layer kinds, and batches are made of the kind asked for."""
-    from benchmarks import kv_cache
-
-    layers = []
-    real = kv_cache.decode_seconds
-
-    def spy(target, ids, steps, layer):
-        layers.append(layer)
-        return real(target, ids, steps, layer)
-
-    kv_cache.decode_seconds = spy
-    try:
-        runs = kv_cache.measure(tiny_target("qwen3"), kv_cache.BUILTIN, [1, 3], steps=2, repeats=2)
-    finally:
-        kv_cache.decode_seconds = real
-    assert [r["rows"] for r in runs] == [1, 3] and all(r["speedup"] > 0 and len(r["speedup_runs"]) == 2 for r in runs)
-    assert set(layers) == set(kv_cache.KINDS.values())
-    target = tiny_target("qwen3")
-    for layer in kv_cache.KINDS.values():
-        batch = target.new_batch((), kv_layer=layer)
-        target.prefill(batch, [[1, 2, 3]])
-        assert {type(x) for x in batch.cache.layers} == {layer}
 
 
 def test_grouped_query_attention_stacks_query_heads_instead_of_copying_the_cache():

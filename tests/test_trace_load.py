@@ -5,20 +5,20 @@ import json
 import torch
 
 from benchmarks import trace_load
-from dspec_cli.runtime.verify import verify_greedy
+from dspec_cli.runtime.verify import verify_greedy_grid
 
 
 def test_force_greedy_accepts_exactly_the_drawn_count():
+    """Padded rows of the static round (ℓ_r <= W, one padding row past R): verification accepts
+    the drawn count, cut at each row's drafts."""
     g = torch.Generator().manual_seed(0)
-    lengths = torch.tensor([8, 1, 4, 8, 3])  # n_r = ℓ_r + 1
+    ell = torch.tensor([7, 0, 3, 7, 2])
     accepted = torch.tensor([3, 5, 7, 0, 2])
-    tokens = torch.randint(50, (int(lengths.sum()),), generator=g)
-    logits = torch.randn(int(lengths.sum()), 50, generator=g)
-    trace_load.force_greedy(logits, tokens, lengths, accepted)
-    starts = torch.cumsum(lengths, 0) - lengths
-    drafts = torch.cat([tokens[s + 1 : s + n] for s, n in zip(starts.tolist(), lengths.tolist(), strict=True)])
-    res = verify_greedy(logits, drafts, lengths - 1)
-    assert res.accepted.tolist() == torch.minimum(accepted, lengths - 1).tolist()
+    ids = torch.randint(50, (6, 8), generator=g)  # [n, 1 + W]: anchor, drafts; row 5 is padding
+    logits = torch.randn(6, 8, 50, generator=g)
+    trace_load.force_greedy(logits, ids, accepted)
+    res = verify_greedy_grid(logits[:5], ids[:5, 1:], ell)
+    assert res.accepted.tolist() == torch.minimum(accepted, ell).tolist()
 
 
 def test_fixed_scheduler_replays_the_traces(tmp_path):

@@ -90,6 +90,7 @@ def bench_command(
     strict: bool = opt.strict("a cost table from another device or model, or a prompt that does not fit the context,"),
     device: str = opt.device(),
     dtype: str = opt.dtype(),
+    cuda_graphs: bool = opt.cuda_graphs(),
     json_path: Optional[Path] = opt.json_path("the full report"),
     plots: Optional[Path] = opt.plots("acceptance.png; with several concurrencies also load.png"),
     chat_template_kwargs: Optional[str] = opt.chat_template_kwargs(),
@@ -114,6 +115,7 @@ def bench_command(
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, block_size=block_size,
         seed=seed, concurrency=opt.int_list(concurrency, "--concurrency"), device=device, dtype=dtype,
         schedulers=scheduler, cost_table=str(cost_table) if cost_table else None, strict=strict, repeats=repeats,
+        cuda_graphs=cuda_graphs,
         chat_template_kwargs=opt.template_kwargs(chat_template_kwargs),
         verify=verify,
     )

@@ -86,6 +86,12 @@ def device() -> Any:
                         help="auto (cuda when available, else cpu), cpu, cuda or cuda:N.")
 
 
+def cuda_graphs() -> Any:
+    return typer.Option(True, "--cuda-graphs/--no-cuda-graphs",
+                        help="On a CUDA device, run each round's device work as CUDA graphs captured per shape "
+                             "bucket (the default); --no-cuda-graphs runs it op by op. CPUs always run op by op.")
+
+
 def dtype() -> Any:
     return typer.Option("auto", "--dtype", metavar="DTYPE",
                         help="auto (bfloat16 on CUDA and on CPUs with native bf16, else float32), float32, "

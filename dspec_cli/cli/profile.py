@@ -1,4 +1,4 @@
-"""``dspec profile-hardware``: measure SPS(B) of the target forward and write the cost table."""
+"""``dspec profile-hardware``: measure SPS(B) of the target forward the engine runs and write the cost table."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ FORMATS = ("dspec", "sglang-diagonal", "sglang-additive")
 
 
 def _profile_steps(name, checkpoint, block_size, requests, verify_tokens, fmt, target, contexts, repeats, warmup,
-                   device, dtype, seed, json_path, plots) -> None:
+                   device, dtype, seed, json_path, plots, cuda_graphs) -> None:
     """``profile-hardware --drafter``: whole steps over requests x verify tokens (dspec_cli.workflows.step_profile)."""
     from dspec_cli.checkpoints import load_drafter
     from dspec_cli.checkpoints.hub import resolve_checkpoint
@@ -90,7 +90,8 @@ def _profile_steps(name, checkpoint, block_size, requests, verify_tokens, fmt, t
             bar.update(task, advance=1, description=f"profiling whole steps · context {c} · R={r} · v={v}")
 
         prof = profile_steps(tgt, model, requests=rows, verify_tokens=widths, contexts=ctx, repeats=repeats,
-                             warmup=warmup, model_name=target or "embedded:tiny-target", seed=seed, progress=advance)
+                             warmup=warmup, model_name=target or "embedded:tiny-target", seed=seed, progress=advance,
+                             graphs="auto" if cuda_graphs else "eager")
         bar.update(task, completed=total)  # a tree drafter has one width: fewer cells than asked
     table = prof.cost_table()
     if not is_stdout(json_path):
@@ -119,6 +120,7 @@ def profile_command(
     warmup: int = typer.Option(2, "--warmup", help="Untimed forwards per point, >= 0."),
     device: str = opt.device(),
     dtype: str = opt.dtype(),
+    cuda_graphs: bool = opt.cuda_graphs(),
     seed: int = opt.seed(),
     drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Time whole speculative steps of this drafter (drafting + verification + host work) over --requests x --verify-tokens."),
     checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="With --drafter: its checkpoint (default: the drafter's default)."),
@@ -133,7 +135,7 @@ def profile_command(
     from dspec_cli.core.devices import parse_dtype, resolve_device
     from dspec_cli.core.hardware import default_grid
     from dspec_cli.runtime.target import Target
-    from dspec_cli.workflows.forward_profile import profile_sps
+    from dspec_cli.workflows.target_profile import profile_target
 
     if fmt not in FORMATS:
         raise DspecError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
@@ -148,7 +150,7 @@ def profile_command(
         resolve_device(device)
         parse_dtype(dtype)
         return _profile_steps(drafter, checkpoint, block_size, requests, verify_tokens, fmt, target, contexts,
-                              repeats, warmup, device, dtype, seed, json_path, plots)
+                              repeats, warmup, device, dtype, seed, json_path, plots, cuda_graphs)
 
     points = int_list(grid, "--grid") if grid else default_grid(max_batch_tokens)
     ctx: list[int] = int_list(contexts, "--contexts") if contexts else list(DEFAULT_CONTEXTS)
@@ -172,9 +174,9 @@ def profile_command(
         def advance(c: int, b: int) -> None:
             bar.update(task, advance=1, description=f"profiling SPS(B) · context {c} · B={b}")
 
-        table = profile_sps(tgt.model, grid=points, contexts=ctx, repeats=repeats, warmup=warmup,
-                            row_tokens=row_tokens, model_name=target or "embedded:tiny-target", seed=seed,
-                            progress=advance)
+        table = profile_target(tgt, grid=points, contexts=ctx, repeats=repeats, warmup=warmup,
+                               row_tokens=row_tokens, model_name=target or "embedded:tiny-target", seed=seed,
+                               cuda_graphs=cuda_graphs, progress=advance)
     if not is_stdout(json_path):
         render_cost_table(table, results_console())
     if json_path is not None:

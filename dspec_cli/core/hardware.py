@@ -1,7 +1,7 @@
 """Hardware facts: the target's steps per second SPS(B) for token-batch sizes B (DSpark §3.2.2)
 as a cost table, and device facts (names, native half precision).
 
-:class:`CostTable` is what profiling writes (:mod:`dspec_cli.workflows.forward_profile`,
+:class:`CostTable` is what profiling writes (:mod:`dspec_cli.workflows.target_profile`,
 :mod:`dspec_cli.workflows.step_profile`) and what the schedulers read. Lookups
 (:meth:`CostTable.sps`) interpolate the step *time* linearly in B (and in C between profiled
 contexts, clamped outside; ``context=None`` averages the step time over contexts). Past the

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dspec_cli.core.host import reads_free
+
 __all__ = [
     "CounterNoise",
     "exponential",
@@ -183,31 +185,51 @@ def _lanes(seeds: torch.Tensor, offsets: torch.Tensor, salt) -> torch.Tensor:
     """Two independent 32-bit hash states [2, *shape] of (seed, offset, salt), broadcast together.
 
     Both lanes run in one tensor. A few keys on a CPU are hashed on the host with the same
-    integer functions: a handful of tensor calls instead of about sixty.
+    integer functions: a handful of tensor calls instead of about sixty. Nothing is copied from
+    the host to the device (a python salt enters as a scalar).
     """
-    salt = torch.as_tensor(salt, dtype=torch.long, device=seeds.device)
-    seeds, offsets, salt = torch.broadcast_tensors(seeds.long(), offsets.long(), salt)
+    seeds, offsets = seeds.long(), offsets.long()
+    if isinstance(salt, torch.Tensor):
+        seeds, offsets, salt = torch.broadcast_tensors(seeds, offsets, salt.to(seeds.device, torch.long))
+    else:
+        seeds, offsets = torch.broadcast_tensors(seeds, offsets)
+        salt = int(salt)
     if _on_host(seeds):
         lanes = [_host_lanes(*key) for key in _host_keys(seeds, offsets, salt)]  # [numel][2]
         return torch.tensor(lanes, dtype=torch.long).view(-1, 2).T.reshape(2, *seeds.shape)
-    h = torch.tensor(_LANE_IV, dtype=torch.long, device=seeds.device).view((2,) + (1,) * seeds.dim())
-    words = torch.stack([salt, seeds, seeds >> 32, offsets, offsets >> 32]) & _M32  # low / high halves
+    h = _lane_iv(seeds.device).view((2,) + (1,) * seeds.dim())
+    h = _absorb_spread(h, _mul32(salt & _M32, _GOLDEN))
+    words = torch.stack([seeds, seeds >> 32, offsets, offsets >> 32]) & _M32  # low / high halves
     for spread in _mul32(words, _GOLDEN):
         h = _absorb_spread(h, spread)
     return h
 
 
+def _lane_iv(device: torch.device) -> torch.Tensor:
+    """The lanes' start states [2] on ``device`` (made once: no host-to-device copy per call)."""
+    iv = _DEVICE_CONSTANTS.get(("iv", device))
+    if iv is None:
+        iv = _DEVICE_CONSTANTS[("iv", device)] = torch.tensor(_LANE_IV, dtype=torch.long, device=device)
+    return iv
+
+
+# tensors made once per device (and vocabulary): a plain dict, which torch.compile reads as constants
+_DEVICE_CONSTANTS: dict[tuple, torch.Tensor] = {}
+
 _HOST_KEYS = 16  # keys hashed on the host (per key ~100 integer operations)
 
 
 def _on_host(seeds: torch.Tensor) -> bool:
-    """Hash these keys (broadcast already) on the host: a few, on a CPU."""
-    return seeds.device.type == "cpu" and seeds.numel() <= _HOST_KEYS
+    """Hash these keys (broadcast already) on the host: a few, where reading them is free."""
+    return seeds.numel() <= _HOST_KEYS and reads_free(seeds)
 
 
-def _host_keys(seeds: torch.Tensor, offsets: torch.Tensor, salt: torch.Tensor):
-    """(salt, seed, offset) python ints of every key, row-major (broadcast tensors)."""
-    return zip(salt.flatten().tolist(), seeds.flatten().tolist(), offsets.flatten().tolist(), strict=True)
+def _host_keys(seeds: torch.Tensor, offsets: torch.Tensor, salt: torch.Tensor | int):
+    """(salt, seed, offset) python ints of every key, row-major (broadcast tensors; a python salt
+    is the same for every key)."""
+    seed_list, offset_list = seeds.flatten().tolist(), offsets.flatten().tolist()
+    salts = [salt] * len(seed_list) if isinstance(salt, int) else salt.flatten().tolist()
+    return zip(salts, seed_list, offset_list, strict=True)
 
 
 def _host_lanes(salt: int, seed: int, offset: int) -> list[int]:
@@ -245,7 +267,7 @@ def uniform(seeds: torch.Tensor, offsets: torch.Tensor, salt: int | torch.Tensor
     """
     if seeds.numel() == 0 or offsets.numel() == 0:
         return torch.empty(torch.broadcast_shapes(seeds.shape, offsets.shape), dtype=torch.float64, device=seeds.device)
-    if seeds.device.type == "cpu" and max(seeds.numel(), offsets.numel()) <= _HOST_KEYS:
+    if max(seeds.numel(), offsets.numel()) <= _HOST_KEYS and reads_free(seeds):
         salt = torch.as_tensor(salt, dtype=torch.long)
         keys = torch.broadcast_tensors(seeds.long(), offsets.long(), salt)
         if _on_host(keys[0]):  # the same numbers as below, as python floats (exact in float64)
@@ -282,10 +304,12 @@ class CounterNoise:
         return exponential(self.seeds, self.offsets, vocab, self.salt)
 
 
-@functools.lru_cache(maxsize=8)
 def _token_words(vocab: int, device: torch.device) -> torch.Tensor:
     """Token ids [V] spread for :func:`_absorb_spread` (cached per vocabulary and device)."""
-    return _mul32(torch.arange(vocab, device=device, dtype=torch.long), _GOLDEN)
+    words = _DEVICE_CONSTANTS.get((vocab, device))
+    if words is None:
+        words = _DEVICE_CONSTANTS[(vocab, device)] = _mul32(torch.arange(vocab, device=device, dtype=torch.long), _GOLDEN)
+    return words
 
 
 def sample_from_probs(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -323,7 +347,7 @@ def sample_without_replacement(weights: torch.Tensor, u: torch.Tensor) -> torch.
         for _ in range(j):
             below = (taken[:, :j] * (drawn[:, :j] <= x)).sum(1, keepdim=True)  # c(x) [N, 1]
             nxt = torch.searchsorted(cdf, target + below).clamp(max=V - 1)
-            if nxt.device.type == "cpu" and torch.equal(nxt, x):  # converged (a free read on a CPU)
+            if reads_free(nxt) and torch.equal(nxt, x):  # converged (a free read on a CPU)
                 break
             x = nxt
         drawn[:, j : j + 1] = x

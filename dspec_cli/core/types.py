@@ -43,6 +43,9 @@ class DraftTree:
     # [R, N+1, V]: row 0 = the root's q, row i = node i's q (its children's distribution; children
     # are a sample without replacement from it, in node order). Set: verified by "sampled" at T > 0.
     draft_probs: torch.Tensor | None = None
+    # the most children of any node, when the drafter knows it on the host (a static tree shape):
+    # "sampled" verification then needs no host read to size its sibling loop
+    fanout: int | None = None
 
 
 @dataclass

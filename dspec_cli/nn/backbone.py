@@ -31,6 +31,7 @@ hidden state does not exist at inference) and all of its own slots (bidirectiona
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspec_cli.core.errors import DspecError
+from dspec_cli.core.host import reads_free
 from dspec_cli.nn.linear import Linear
 
 __all__ = [
@@ -257,7 +259,7 @@ class Rotary(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [...] long -> cos, sin [..., head_dim]."""
-        if torch.is_grad_enabled() or positions.device.type != "cpu":  # the table's size needs a host read
+        if torch.is_grad_enabled() or not reads_free(positions):  # the table's size needs a host read
             return self._compute(positions, dtype)
         key = (positions.device, dtype)
         tables = self._tables.get(key)
@@ -381,88 +383,167 @@ class DecoderLayer(nn.Module):
 
 
 class ContextCache:
-    """Post-RoPE context K/V per layer for R rows: ``keys[l]``, ``values[l]`` [R, Hkv, S, hd].
+    """Post-RoPE context K/V per layer for R rows: ``keys[l]``, ``values[l]`` [R, Hkv, S, hd], views
+    of buffers with room for more rows and slots that are updated in place (a captured CUDA graph
+    keeps reading the current values).
 
     Slot j of row r holds position j; slots at or past ``lengths[r]`` are stale. Only committed
-    context is ever written (the block's K/V are not). Capacity S grows geometrically; a host
-    upper bound of the longest row avoids a device sync on most appends.
+    context is ever written (the block's K/V are not). Capacity grows geometrically when needed
+    (a new ``generation``: graphs captured before would read stale memory); :meth:`reserve` sizes
+    it up front. ``bound`` >= the longest row is kept on the host, so writes and attention windows
+    need no device read.
     """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, device, dtype):
         empty = torch.zeros(0, kv_heads, 0, head_dim, device=device, dtype=dtype)
-        self.keys = [empty] * num_layers
-        self.values = [empty] * num_layers
-        self.lengths = torch.zeros(0, dtype=torch.long, device=device)  # [R]
-        self._bound = 0  # >= lengths.max()
+        self._keys = [empty] * num_layers
+        self._values = [empty] * num_layers
+        self._lengths = torch.zeros(0, dtype=torch.long, device=device)  # [row capacity]
+        self.rows = 0
+        self.bound = 0  # >= lengths.max()
+        self.generation = 0
+        self._fixed: int | None = None  # window fixed for the next forwards (fix_window)
 
     @property
-    def rows(self) -> int:
-        return self.lengths.shape[0]
+    def keys(self) -> list[torch.Tensor]:
+        return [t[: self.rows] for t in self._keys]
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        return [t[: self.rows] for t in self._values]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """[R] committed context per row."""
+        return self._lengths[: self.rows]
 
     @property
     def capacity(self) -> int:
-        return self.keys[0].shape[2]
+        return self._keys[0].shape[2]
+
+    def reserve(self, rows: int, slots: int) -> None:
+        """Room for ``rows`` rows of ``slots`` slots (grows by copying: a new generation)."""
+        have_rows, have_slots = self._keys[0].shape[0], self.capacity
+        if rows <= have_rows and slots <= have_slots:
+            return
+        rows, slots = max(rows, have_rows), max(slots, have_slots)
+
+        def grow(t):
+            out = t.new_zeros(rows, t.shape[1], slots, t.shape[3])
+            out[: t.shape[0], :, : t.shape[2]] = t
+            return out
+
+        self._keys, self._values = [grow(t) for t in self._keys], [grow(t) for t in self._values]
+        self._fixed = None
+        lengths = self._lengths.new_zeros(rows)
+        lengths[: self._lengths.shape[0]] = self._lengths
+        self._lengths = lengths
+        self.generation += 1
 
     def add_rows(self, n: int) -> None:
         """n empty rows join at the end."""
-        def pad(t):
-            return torch.cat([t, t.new_zeros(n, *t.shape[1:])])
+        self.reserve(self.rows + n, self.capacity)
+        self._lengths[self.rows : self.rows + n] = 0
+        self.rows += n
+        self._fixed = None
 
-        self.keys, self.values = [pad(t) for t in self.keys], [pad(t) for t in self.values]
-        self.lengths = torch.cat([self.lengths, self.lengths.new_zeros(n)])
+    def keep_rows(self, index: Sequence[int] | torch.Tensor) -> None:
+        """Keep rows ``index`` [R'] (in that order); only rows that change place are copied."""
+        index = [int(i) for i in (index.tolist() if isinstance(index, torch.Tensor) else index)]
+        self.reserve(len(index), self.capacity)
+        moved = [r for r, i in enumerate(index) if r != i]
+        if moved:
+            dev = self._lengths.device
+            dst = torch.tensor(moved, dtype=torch.long, device=dev)
+            src = torch.tensor([index[r] for r in moved], dtype=torch.long, device=dev)
+            for t in self._keys + self._values:
+                t.index_copy_(0, dst, t.index_select(0, src))
+            self._lengths.index_copy_(0, dst, self._lengths.index_select(0, src))
+        self._lengths[len(index) : self.rows] = 0  # rows that left: zero length (padding rows)
+        self.rows = len(index)
+        self._fixed = None
+        if not self.rows:
+            self.bound = 0
 
-    def keep_rows(self, index: torch.Tensor) -> None:
-        """Keep rows ``index`` [R'] (in that order)."""
-        self.keys = [t.index_select(0, index) for t in self.keys]
-        self.values = [t.index_select(0, index) for t in self.values]
-        self.lengths = self.lengths.index_select(0, index)
+    def settle(self, bound: int) -> None:
+        """The host bound of the longest row, from the caller (after writes it did not count)."""
+        self.bound = int(bound)
 
     def slots(self, counts: torch.Tensor, total: int, max_count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows and positions [total] of ``counts[r]`` new entries per row, flattened in row order
         (``total`` = Σcounts, ``max_count`` >= max counts); grows the capacity if needed."""
-        dev = self.lengths.device
-        rows = torch.repeat_interleave(torch.arange(self.rows, device=dev), counts, output_size=total)
+        dev = self._lengths.device
+        rows = torch.repeat_interleave(torch.arange(counts.shape[0], device=dev), counts, output_size=total)
         starts = torch.cumsum(counts, 0) - counts
-        pos = self.lengths[rows] + torch.arange(total, device=dev) - starts[rows]
-        bound = self._bound + max_count
+        pos = self._lengths[rows] + torch.arange(total, device=dev) - starts[rows]
+        bound = self.bound + max_count
         if bound > self.capacity:
             bound = int((self.lengths + counts).max()) if self.rows else 0  # one sync, on growth only
             if bound > self.capacity:
-                self._grow(max(bound, self.capacity + self.capacity // 2, 16))
-        self._bound = bound
+                self.reserve(self.rows, max(bound, self.capacity + self.capacity // 2, 16))
+        self.bound = bound
         return rows, pos
 
     def write(self, rows, pos, kv: list[tuple[torch.Tensor, torch.Tensor]], counts: torch.Tensor) -> None:
         """Store kv, per layer (K, V) [N, Hkv, hd], at (rows, pos) [N] from :meth:`slots`; counts [R]
         new entries per row."""
-        for keys, values, (k, v) in zip(self.keys, self.values, kv, strict=True):
+        for keys, values, (k, v) in zip(self._keys, self._values, kv, strict=True):
             keys[rows, :, pos] = k.to(keys.dtype)
             values[rows, :, pos] = v.to(values.dtype)
-        self.lengths = self.lengths + counts
+        self._lengths[: counts.shape[0]] += counts
+        self._fixed = None
+
+    def lengths_rows(self, rows: int) -> torch.Tensor:
+        """[rows] lengths of rows [0, rows): R rows, then padding rows (length 0)."""
+        return self._lengths[:rows]
+
+    def write_grid(self, pos: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], counts: torch.Tensor) -> None:
+        """Store kv, per layer (K, V) [n, W, Hkv, hd], at positions pos [n, W] (each row's length + 0..W-1)
+        of rows [0, n), of which the first ``counts`` [n] per row become context (no host reads)."""
+        n, width = pos.shape
+        index = pos[:, None, :, None]  # [n, 1, W, 1]
+        for keys, values, (k, v) in zip(self._keys, self._values, kv, strict=True):
+            for buf, new in ((keys, k), (values, v)):
+                part = buf[:n]
+                part.scatter_(2, index.expand(n, part.shape[1], width, part.shape[3]), new.transpose(1, 2).to(buf.dtype))
+        self._lengths[:n] += counts
+        self._fixed = None
 
     def visible(self) -> torch.Tensor:
         """[R, S] bool: slots that hold committed context."""
-        return torch.arange(self.capacity, device=self.lengths.device)[None, :] < self.lengths[:, None]
+        return torch.arange(self.capacity, device=self._lengths.device)[None, :] < self.lengths[:, None]
 
-    def context(self) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
-        """Per-layer K/V cut to the slots any row uses, [R, Hkv, S', hd] each, and the visibility
-        [R, S'] bool, None when every slot is visible (one row, on a CPU: its exact length is a
-        free host read, so attention needs no mask). Elsewhere S' is the host bound (no sync)."""
-        exact = self.lengths.device.type == "cpu"
-        width = min(int(self.lengths.max()) if exact and self.rows else self._bound, self.capacity)
-        keys = [t[:, :, :width] for t in self.keys]
-        values = [t[:, :, :width] for t in self.values]
-        if exact and self.rows == 1:
+    def window(self) -> int:
+        """Slots attention reads: as :meth:`fix_window` fixed it, else the longest row (exact where
+        reading it is free, else the host bound)."""
+        if self._fixed is not None:
+            return self._fixed
+        if reads_free(self._lengths):
+            return int(self.lengths.max()) if self.rows else 0
+        return min(self.bound, self.capacity)
+
+    def fix_window(self, bucket: int) -> int:
+        """Fix the window of the next forwards (until a write): the longest row (exact where
+        reading it is free, else the host bound rounded up to ``bucket``), so a captured or
+        compiled forward reads no host state that changes from round to round."""
+        self._fixed = None
+        window = self.window()
+        if not reads_free(self._lengths):
+            window = min(-(-window // bucket) * bucket, self.capacity)
+        self._fixed = window
+        return window
+
+    def context(self, rows: int | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
+        """Per-layer K/V of rows [0, rows) (default R; more: padding rows) cut to :meth:`window`,
+        [rows, Hkv, S', hd] each, and the visibility [rows, S'] bool; None when every slot is
+        visible (one row whose exact length is a free host read: attention needs no mask)."""
+        rows = self.rows if rows is None else rows
+        width = self.window()
+        keys = [t[:rows, :, :width] for t in self._keys]
+        values = [t[:rows, :, :width] for t in self._values]
+        if rows == 1 and self.rows == 1 and reads_free(self._lengths):
             return keys, values, None
-        return keys, values, torch.arange(width, device=self.lengths.device)[None, :] < self.lengths[:, None]
-
-    def _grow(self, capacity: int) -> None:
-        def grow(t):
-            out = t.new_zeros(t.shape[0], t.shape[1], capacity, t.shape[3])
-            out[:, :, : t.shape[2]] = t
-            return out
-
-        self.keys, self.values = [grow(t) for t in self.keys], [grow(t) for t in self.values]
+        return keys, values, torch.arange(width, device=self._lengths.device)[None, :] < self._lengths[:rows, None]
 
 
 # --------------------------------------------------------------------------------------
@@ -600,12 +681,23 @@ class ParallelBackbone(nn.Module):
         cache.write(rows, pos, [cast(DecoderLayer, layer).self_attn.project_kv(fused, cos, sin) for layer in self.layers],
                     counts)
 
+    def extend_cache_grid(self, cache: ContextCache, taps: torch.Tensor, counts: torch.Tensor) -> None:
+        """Append context from padded rows: taps [n, W, n·d] of rows [0, n), of which the first
+        ``counts[r]`` [n] are new tokens (padding rows: 0). No host reads and no host bookkeeping
+        (capturable): the cache must have room for W more slots per row (:meth:`ContextCache.reserve`)
+        and its ``bound`` is the caller's to keep (:meth:`ContextCache.settle`)."""
+        pos = cache.lengths_rows(taps.shape[0])[:, None] + torch.arange(taps.shape[1], device=taps.device)  # [n, W]
+        fused = self.fuse(taps)
+        cos, sin = self.rotary(pos, self.dtype)
+        cache.write_grid(pos, [cast(DecoderLayer, layer).self_attn.project_kv(fused, cos, sin) for layer in self.layers], counts)
+
     def forward_block(self, embeds: torch.Tensor, positions: torch.Tensor, cache: ContextCache) -> torch.Tensor:
-        """One block per row: embeds [R, B, d] at positions [R, B] over the cached context ->
-        final-normed hidden states h [R, B, d]. The cache is not modified."""
+        """One block per row: embeds [n, B, d] at positions [n, B] over the cached context of rows
+        [0, n) (n may exceed R: padding rows) -> final-normed hidden states h [n, B, d]. The cache
+        is not modified."""
         R, B, _ = embeds.shape
         cos, sin = self.rotary(positions, self.dtype)
-        keys, values, ctx = cache.context()
+        keys, values, ctx = cache.context(R)
         vis = None if ctx is None else torch.cat([ctx, ctx.new_ones(R, B)], dim=1)[:, None, None, :]  # [R, 1, 1, S+B]
         x = embeds.to(self.dtype)
         for layer, k, v in zip(self.layers, keys, values, strict=True):

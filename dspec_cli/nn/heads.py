@@ -93,10 +93,11 @@ class MarkovHead(SequentialHead):
         return table.index_select(0, prev.reshape(-1)).view(*prev.shape, -1), None
 
     def transition_table(self) -> torch.Tensor | None:
-        """The bias of every previous token [V, V] (row x = W2·W1[x]) when decoding on a CPU with
-        a table of at most TABLE_MAX_BYTES; rebuilt whenever a weight changes (training)."""
+        """The bias of every previous token [V, V] (row x = W2·W1[x]) when decoding eagerly on a CPU
+        with a table of at most TABLE_MAX_BYTES; rebuilt whenever a weight changes (training)."""
         w1, w2 = self.embed.weight, self.proj.weight
-        if torch.is_grad_enabled() or w1.device.type != "cpu" or w1.shape[0] ** 2 * w2.element_size() > TABLE_MAX_BYTES:
+        if (torch.is_grad_enabled() or torch.compiler.is_compiling() or w1.device.type != "cpu"
+                or w1.shape[0] ** 2 * w2.element_size() > TABLE_MAX_BYTES):
             return None
         key = (w1._version, w2._version, w1.data_ptr(), w2.data_ptr(), w2.dtype)
         if self._table is None or self._table[0] != key:

@@ -39,8 +39,10 @@ _ONEDNN = onednn_ops()
 
 
 def _packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Eager CPU inference (under torch.compile the compiler packs weights itself)."""
     return (
-        not torch.is_grad_enabled() and x.device.type == "cpu" and weight.device.type == "cpu"
+        not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        and x.device.type == "cpu" and weight.device.type == "cpu"
         and x.dtype == weight.dtype and weight.dtype in _DTYPES
     )  # fmt: skip
 

@@ -11,12 +11,20 @@ A drafter proposes up to γ tokens per request per round. The engine owns the lo
     drafter.remove_requests(state, keep)                  # finished rows leave
 
 Rows of every per-request tensor follow the engine's batch order.
+
+Capture (CUDA graphs, docs/architecture.md): a drafter whose :meth:`Drafter.capture_key` is not
+None has its ``propose`` and :meth:`Drafter.advance_grid` run as captured graphs. Both must then
+read no host values (no ``.item()``, ``.tolist()``, ``bool(t)``, boolean indexing; see
+:mod:`dspec_cli.core.host`), take rows padded past R (padding rows have length 0 and count 0),
+and keep their state's storage in place (room made by :meth:`Drafter.reserve`, host bounds
+tightened in :meth:`Drafter.settle`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -38,6 +46,7 @@ from dspec_cli.core.files import (
     embedded_path,
     read_config,
 )
+from dspec_cli.core.ragged import prefix_mask, ragged
 from dspec_cli.core.types import Capability, Proposal, Sampler
 
 if TYPE_CHECKING:
@@ -186,6 +195,40 @@ class Drafter:
         for r, chunk in enumerate(torch.split(committed, counts.tolist())):
             state.context[r] = torch.cat([state.context[r], chunk])
 
+    def advance_grid(
+        self, state: DraftState, committed: torch.Tensor, counts: torch.Tensor, hidden: torch.Tensor | None
+    ) -> None:
+        """:meth:`advance` from padded rows: committed [R, W] of which the first counts [R] per row
+        entered the context, hidden [R, W, n·d] their taps or None. Default: the ragged
+        :meth:`advance` (one host read of ``counts``); capturable drafters override it (rows past
+        R are then padding, with count 0)."""
+        counts = counts[: self.num_rows(state)]
+        counts_list = counts.tolist()
+        keep = prefix_mask(counts, committed.shape[1])
+        flat = ragged(committed[: len(counts_list)], counts, counts_list)
+        taps = None if hidden is None else hidden[: len(counts_list)][keep]
+        self.advance(state, flat, counts, taps)
+
+    def num_rows(self, state: DraftState) -> int:
+        """Requests (rows) the state holds."""
+        return state.num_requests
+
+    # -- capture (CUDA graphs) --------------------------------------------------------------
+    def reserve(self, state: DraftState, rows: int, slots: int) -> None:
+        """Room for ``rows`` rows (padding rows of a captured graph included) of up to ``slots``
+        committed tokens each, made before the rounds so that they never reallocate the state.
+        Default: nothing."""
+
+    def capture_key(self, state: DraftState, bucket: int) -> Hashable | None:
+        """What this round's :meth:`propose` and :meth:`advance_grid` shapes and state storage
+        depend on besides the rows, with attention windows rounded up to ``bucket`` slots; None
+        (the default): not capturable, both run eagerly. See the module docstring."""
+        return None
+
+    def settle(self, state: DraftState, lengths: list[int]) -> None:
+        """After each engine round: the target's committed tokens per row, an upper bound of each
+        row's context, for drafters that keep host-side bounds. Default: nothing."""
+
     def training_loss(self, batch: dict[str, torch.Tensor], target_features: dict[str, torch.Tensor]) -> dict:
         """See :class:`TrainableDrafter`: batch tensors [B, L], target_features [B, L, ·]."""
         raise DspecError(f"drafter {self.name!r} is not trainable")
@@ -233,6 +276,22 @@ class WrappedDrafter(Drafter):
         """The committed tokens (for a tree: the accepted path) enter the base's caches:
         committed [Σc_r], counts [R], hidden [Σc_r, n·d] or None (:meth:`Drafter.advance`)."""
         self.base.advance(state, committed, counts, hidden)
+
+    def advance_grid(self, state: DraftState, committed, counts, hidden) -> None:
+        self.base.advance_grid(state, committed, counts, hidden)
+
+    def num_rows(self, state: DraftState) -> int:
+        return self.base.num_rows(state)
+
+    def reserve(self, state: DraftState, rows: int, slots: int) -> None:
+        self.base.reserve(state, rows, slots)
+
+    def capture_key(self, state: DraftState, bucket: int) -> Hashable | None:
+        key = self.base.capture_key(state, bucket)
+        return None if key is None else (self.name, key)
+
+    def settle(self, state: DraftState, lengths: list[int]) -> None:
+        self.base.settle(state, lengths)
 
 
 class TrainableDrafter(Drafter):

@@ -61,19 +61,23 @@ class DrafterLag:
         hidden [Σc, n·d] taps (or None)."""
         if self._slot_ids is None or self._slot_ids.device != counts.device:
             self._slot_ids = torch.tensor(self.slots, dtype=torch.long, device=counts.device)
-        self.backlog.append((torch.repeat_interleave(self._slot_ids, counts), committed, hidden))
+        rows = torch.repeat_interleave(self._slot_ids, counts, output_size=committed.shape[0])
+        self.backlog.append((rows, committed, hidden))
         self._entries = counts.clone() if self._entries is None else self._entries + counts
 
     def keep(self, drafter: Drafter, state: DraftState, keep: list[int]) -> None:
-        """Only rows ``keep`` (ascending) stay: drop the others from the drafter state and the
-        pending admissions; their backlog entries go at the next flush or compaction."""
+        """Only rows ``keep`` stay, in that order (rows the drafter has before pending ones): drop
+        the others from the drafter state and the pending admissions; their backlog entries go at
+        the next flush or compaction."""
         if self._entries is not None:
             index = torch.tensor(keep, dtype=torch.long, device=self._entries.device)
             live = self._entries[index]
             self._dead += int(self._entries.sum() - live.sum())
             self._entries = live
         kept_admitted = [r for r in keep if r < self.admitted]
-        if len(kept_admitted) < self.admitted:
+        if keep[: len(kept_admitted)] != kept_admitted:
+            raise ValueError("keep: rows the drafter has must come before pending admissions")
+        if kept_admitted != list(range(self.admitted)):
             drafter.remove_requests(state, kept_admitted)
         self.pending = [self.pending[r - self.admitted] for r in keep if r >= self.admitted]
         self.admitted = len(kept_admitted)

@@ -21,7 +21,7 @@ import torch
 
 from dspec_cli.core import sampling
 from dspec_cli.core.errors import DspecError
-from dspec_cli.core.ragged import prefix_mask, ragged
+from dspec_cli.core.host import reads_free
 from dspec_cli.core.sampling import (
     DRAFT_SALT,
     ENGINE_COIN_SALT,
@@ -29,17 +29,21 @@ from dspec_cli.core.sampling import (
     NOISE_SALT,
     ROUND_STRIDE,
     TREE_DRAFT_SALT,
+    CounterNoise,
 )
-from dspec_cli.core.types import Proposal, VerifyResult
+from dspec_cli.core.types import DraftTree, Proposal, VerifyResult
 from dspec_cli.runtime.drafter import Drafter
 from dspec_cli.runtime.drafter_lag import DrafterLag
+from dspec_cli.runtime.graphs import MODES, GraphRunner, GraphSettings
+from dspec_cli.runtime.kv_cache import TargetBatch
 from dspec_cli.runtime.schedule import FixedScheduler, Scheduler
-from dspec_cli.runtime.target import Target, TargetBatch
+from dspec_cli.runtime.target import Target
 from dspec_cli.runtime.verify import (
     CHAIN_METHODS,
-    verify_chain,
-    verify_greedy,
-    verify_tree,
+    sample_logits,
+    verify_chain_grid,
+    verify_greedy_grid,
+    verify_tree_grid,
 )
 from dspec_cli.runtime.verify.tree import SAMPLED_METHODS
 
@@ -55,6 +59,9 @@ class GenerationConfig:
     seed: int = 0
     chain_verify: str = "block"  # chains with draft probabilities: "token" or "block" (docs/verification.md)
     tree_verify: str = "traversal"  # trees of sampled siblings: "sampled" (recursive rejection) or "traversal"
+    # how rounds run: "auto" (CUDA graphs on a CUDA device, else eagerly), "cuda", "eager", or
+    # "check" (eagerly, checking what capture needs; runtime/graphs.py)
+    graphs: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 0:  # 0 = no drafting (plain decoding)
@@ -73,6 +80,16 @@ class GenerationConfig:
             raise DspecError(f"--verify: chains are verified by {' or '.join(CHAIN_METHODS)}, got {self.chain_verify!r}")
         if self.tree_verify not in SAMPLED_METHODS:
             raise DspecError(f"--verify: sampled trees are verified by {' or '.join(SAMPLED_METHODS)}, got {self.tree_verify!r}")
+        if self.graphs not in ("auto", *MODES):
+            raise DspecError(f"graphs must be one of auto, {', '.join(MODES)}, got {self.graphs!r}")
+
+    def graph_settings(self, device: torch.device) -> GraphSettings:
+        """The graph mode on ``device``: "auto" captures CUDA graphs on a CUDA device."""
+        if self.graphs == "auto":
+            return GraphSettings.for_device(device)
+        if self.graphs == "cuda" and device.type != "cuda":
+            raise DspecError(f"CUDA graphs need a CUDA device, not {device}")
+        return GraphSettings(self.graphs)
 
     @property
     def greedy(self) -> bool:
@@ -159,7 +176,14 @@ class RoundSampler:
 
 
 class SpeculativeEngine:
-    """Generate continuations for many prompts, R at a time, with an optional drafter."""
+    """Generate continuations for many prompts, R at a time, with an optional drafter.
+
+    A round's device work runs as static-shape steps (rows padded to a bucket, attention windows
+    rounded up) through a :class:`~dspec_cli.runtime.graphs.GraphRunner`: CUDA graphs on a GPU,
+    eagerly elsewhere. The round reads the device once, at its end: the accepted tokens, which
+    decide what each request outputs and when it finishes. The KV caches, graphs and drafter
+    state persist across :meth:`generate` calls of one engine.
+    """
 
     def __init__(
         self,
@@ -175,11 +199,15 @@ class SpeculativeEngine:
         self.scheduler = scheduler if scheduler is not None else FixedScheduler()
         self.stop_ids = set(target.eos_token_ids if stop_ids is None else stop_ids)
         self.stats = RunStats()
+        self.graphs = self.config.graph_settings(target.device)
         # CPU: target tokens by inverse CDF with one uniform per row (a vocabulary-wide noise
         # vector costs ~0.5 ms per step there); elsewhere the exponential race (the Triton verifier's)
         self._inverse_cdf = target.device.type == "cpu"
+        self._session: _Session | None = None
+        self._marks: list[float] = []  # phase boundaries inside an eager verify step
 
     # -- public ------------------------------------------------------------------------
+    @torch.no_grad()  # inference: no autograd graph (one through the persistent caches would never be freed)
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -192,8 +220,7 @@ class SpeculativeEngine:
         seeds = list(seeds) if seeds is not None else [cfg.seed * 1_000_003 + i for i in range(len(prompts))]
         results = [RequestResult(i, list(p)) for i, p in enumerate(prompts)]
         queue = list(range(len(prompts)))
-        layer_ids = self.drafter.target_layer_ids if self.drafter is not None else ()
-        rows = _Rows(self.target.new_batch(layer_ids), self.drafter.init_state() if self.drafter else None, self.target.device)
+        rows = self._rows(max(len(p) for p in prompts))
         self.scheduler.reset()  # schedulers with history (async) start fresh per run
         while queue or rows.active:
             if queue and len(rows.active) < cfg.max_batch:
@@ -203,6 +230,22 @@ class SpeculativeEngine:
                 self._round(rows, results)
             self._retire(rows, results, on_finish)
         return results
+
+    def _rows(self, longest_prompt: int) -> _Rows:
+        """The running batch of one generate call, on this engine's persistent session (KV
+        caches with room for the run, graphs)."""
+        cfg, dev = self.config, self.target.device
+        layer_ids = self.drafter.target_layer_ids if self.drafter is not None else ()
+        if self._session is None:
+            self._session = _Session(self.target.new_batch(layer_ids), self.drafter.init_state() if self.drafter else None,
+                                     GraphRunner(self.graphs.mode))
+        session = self._session
+        rows = self.graphs.rows(cfg.max_batch)
+        slots = longest_prompt + cfg.max_new_tokens + 2 * (cfg.block_size + 1)  # + the widest verify
+        session.batch.reserve(rows, slots)
+        if self.drafter is not None:
+            self.drafter.reserve(session.dstate, rows, slots)
+        return _Rows(session.batch, session.dstate, dev, runner=session.runner)
 
     # -- the cycle -----------------------------------------------------------------------
     def _admit(self, rows: _Rows, new: list[int], prompts, seeds, results) -> None:
@@ -215,6 +258,8 @@ class SpeculativeEngine:
         if self.drafter is not None:  # the drafter gets them before it next drafts (DrafterLag)
             ids = [torch.tensor(prompts[i], dtype=torch.long, device=dev) for i in new]
             rows.lag.admit(ids, out.hidden if self.drafter.target_layer_ids else None)
+            if self.scheduler.gate is None:  # every round drafts: hand them over now
+                rows.lag.flush(self.drafter, rows.dstate)
         rows.active += new
         now = time.perf_counter()
         for i in new:
@@ -222,55 +267,40 @@ class SpeculativeEngine:
         rows.anchors = torch.cat([rows.anchors, first])
         rows.seeds = torch.cat([rows.seeds, new_seeds])
         rows.rounds = torch.cat([rows.rounds, torch.ones_like(new_seeds)])
+        rows.produced = torch.cat([rows.produced, torch.ones_like(new_seeds)])
         for i, tok in zip(new, first.tolist(), strict=True):
             results[i].output_ids.append(tok)
         self.stats.prefill_seconds += time.perf_counter() - t0
 
     def _round(self, rows: _Rows, results: list[RequestResult]) -> None:
         t0 = time.perf_counter()
-        proposal, ell = self._draft(rows, results)
+        R = len(rows.active)
+        padded = self.graphs.rows(R)
+        # drafts beyond the token budget are wasted (host-side: every output length is known)
+        budget = [min(max(self.config.max_new_tokens - len(results[i].output_ids) - 1, 0), self.config.block_size)
+                  for i in rows.active]  # fmt: skip
+        proposal, ell = self._draft(rows, results, budget, padded)
         t1 = time.perf_counter()
         if proposal is not None and proposal.tree is not None:
-            # a row verifying nothing (token budget spent) gets an empty tree: its token is then the
-            # root's sample, the one a plain step would give (so outputs do not depend on the batch)
-            nodes = torch.where(ell > 0, proposal.tree.num_nodes.to(self.target.device), 0)
-            res, committed, keep, hidden, tf, ta = self._verify_tree(rows, proposal, nodes)
-            if self.drafter is not None:
-                self.drafter.advance(rows.dstate, committed, keep, hidden)
-            self._book(rows, results, res, proposal, nodes, (t0, t1, tf, ta, time.perf_counter()),
-                       int(nodes.sum()) + len(rows.active))
-            return
-        # 2. verify: [anchor, x_1..x_ℓ] per row, flattened
-        ell_list = ell.tolist()
-        n = ell + 1
-        width = max(ell_list)
-        grid = rows.anchors[:, None]  # [R, 1 + width]: anchor, then the verified drafts
-        if proposal is not None:
-            grid = torch.cat([grid, proposal.tokens[:, :width].to(grid.dtype)], dim=1)
-        tokens = ragged(grid, n, [e + 1 for e in ell_list])
-        out = self.target.verify(rows.batch, tokens, n)
-        tf = time.perf_counter()
-        res = self._accept(rows, out, grid, proposal, ell, ell_list)
-        ta = time.perf_counter()
-        # 3. commit: anchor + accepted drafts enter the caches; the last token is the new anchor
-        keep = res.accepted + 1
-        self.target.commit(rows.batch, keep)
-        if self.drafter is not None and proposal is None:
-            # a plain step (one token per row, flat layout = rows): the drafter catches up later
-            rows.lag.skip(grid[:, 0], keep, out.hidden)
+            res, committed, keep, hidden, verified = self._verify_tree(rows, proposal, ell, padded)
+        else:
+            res, committed, keep, hidden = self._verify_chain(rows, proposal, ell, max(budget), padded)
+            verified = ell
+        tf, ta = self._phase_marks(t1)
+        if self.drafter is not None and proposal is None and self.scheduler.gate is not None:
+            # a plain step the draft gate chose (one token per row): the drafter catches up later
+            rows.lag.skip(committed[:R, 0], keep[:R], None if hidden is None else hidden[:R, 0].clone())
         elif self.drafter is not None:
-            hidden = out.hidden
-            if hidden is not None:  # committed entries of the flat verify layout
-                hidden = hidden[ragged(prefix_mask(keep, grid.shape[1]), n, [e + 1 for e in ell_list])]
-            self.drafter.advance(rows.dstate, ragged(grid, keep, keep.tolist()), keep, hidden)
-        self._book(rows, results, res, proposal, ell, (t0, t1, tf, ta, time.perf_counter()), tokens.numel())
+            self._advance(rows, committed, keep, hidden, padded)
+        rows.anchors = res.tokens[:R].gather(1, res.accepted[:R, None]).squeeze(1)
+        rows.produced = rows.produced + keep[:R]
+        rows.rounds = rows.rounds + 1
+        self._book(rows, results, res, proposal, verified, (t0, t1, tf, ta, time.perf_counter()))
 
-    def _draft(self, rows: _Rows, results: list[RequestResult]) -> tuple[Proposal | None, torch.Tensor]:
+    def _draft(self, rows: _Rows, results, budget: list[int], padded: int) -> tuple[Proposal | None, torch.Tensor]:
         """1. draft: the drafter proposes, the scheduler picks ℓ [R] (zeros without a drafter)."""
         cfg, dev = self.config, self.target.device
         R = len(rows.active)
-        # drafts beyond the token budget are wasted
-        budget = [min(max(cfg.max_new_tokens - len(results[i].output_ids) - 1, 0), cfg.block_size) for i in rows.active]
         sched = self.scheduler
         if sched.cost_table is not None:  # mean context for cost-table lookups (host-side)
             sched.observe_context(sum(len(results[i].prompt_ids) + len(results[i].output_ids) for i in rows.active) / R)
@@ -279,104 +309,212 @@ class SpeculativeEngine:
         t0 = time.perf_counter()
         rows.lag.flush(self.drafter, rows.dstate)
         rows.catch_up = time.perf_counter() - t0
-        max_len = cfg.block_size  # not max(budget): a draft tree's shape must not depend on other rows
-        sampler = RoundSampler(cfg, rows.seeds, rows.rounds, max_len)
-        proposal = self.drafter.propose(rows.dstate, rows.anchors, max_len, sampler)
-        if proposal.confidence is None:
-            proposal.confidence = self.drafter.confidence(rows.dstate, proposal)
-        if self.drafter.calibration is not None:  # STS, the one place it is applied
-            proposal.confidence = self.drafter.calibration.apply(proposal.confidence)
-        lmax = torch.minimum(proposal.lengths, torch.tensor(budget, dtype=torch.long, device=dev))
-        ell = sched(proposal, lmax)
+        key = self.drafter.capture_key(rows.dstate, self.graphs.window())
+        inputs = [rows.anchors, rows.seeds, rows.rounds]
+        if key is None:  # not capturable: eagerly, unpadded
+            fields = self._propose(*inputs)
+        else:
+            fields = rows.runner(("propose", padded, key), self._propose, inputs, padded)
+        proposal = _proposal(fields, R)
+        budget_now = (cfg.max_new_tokens - rows.produced - 1).clamp(0, cfg.block_size)  # = budget, on the device
+        ell = sched(proposal, torch.minimum(proposal.lengths, budget_now))
         sched.observe_draft_time(R, time.perf_counter() - t0)
         return proposal, ell
 
-    def _accept(self, rows: _Rows, out, grid, proposal: Proposal | None, ell, ell_list: list[int]) -> VerifyResult:
-        """Verify the chains: grid [R, 1 + max ℓ] (anchor, drafts), target output of the flat chains."""
+    def _propose(self, anchors: torch.Tensor, seeds: torch.Tensor, rounds: torch.Tensor) -> tuple:
+        """The drafter's round on the device: propose, confidences, calibration (capturable when
+        the drafter is). Returns the proposal's tensors (:func:`_proposal`)."""
+        drafter, session = self.drafter, self._session
+        assert drafter is not None and session is not None  # a drafted round of a running batch
+        state = session.dstate
+        sampler = RoundSampler(self.config, seeds, rounds, self.config.block_size)
+        proposal = drafter.propose(state, anchors, self.config.block_size, sampler)
+        if proposal.confidence is None:
+            proposal.confidence = drafter.confidence(state, proposal)
+        if drafter.calibration is not None:  # STS, the one place it is applied
+            proposal.confidence = drafter.calibration.apply(proposal.confidence)
+        tree = proposal.tree
+        tree_fields = (None,) * 4 if tree is None else (tree.tokens, tree.parents, tree.num_nodes, tree.draft_probs)
+        return (proposal.tokens, proposal.lengths, proposal.draft_probs, proposal.confidence, *tree_fields,
+                tree.fanout if tree is not None else None)
+
+    def _verify_chain(self, rows: _Rows, proposal: Proposal | None, ell: torch.Tensor, most: int, padded: int):
+        """2.-3. verify [anchor, x_1..x_W] per row (W: the widest ℓ this round can have) in one
+        static step: target forward, acceptance, target commit."""
+        cfg, R = self.config, len(rows.active)
+        if proposal is None:
+            width = 0
+        elif reads_free(ell):
+            width = int(ell.max())  # exact on a CPU: a trimmed verify costs less there
+        else:
+            width = min(proposal.tokens.shape[1], most)
+        grid = rows.anchors[:, None]  # [R, 1 + W]: anchor, then the verified drafts
+        q = None
+        if width:
+            assert proposal is not None  # width > 0 only with drafts
+            drafts = proposal.tokens[:, :width].clamp(min=0)  # PAD past a row's drafts: a token the masks ignore
+            grid = torch.cat([grid, drafts.to(grid.dtype)], dim=1)
+            if proposal.draft_probs is not None and not cfg.greedy:
+                q = proposal.draft_probs[:, :width]
+        if width:  # the rule this round's drafts are verified by (counted on the host: a replay runs no Python)
+            method = cfg.chain_verify if q is not None else "token"  # one-hot drafts: block = token in law
+            self._count_rule("greedy" if cfg.greedy else method)
+        else:
+            method = "token"
+        batch = rows.batch
+        window = batch.window(width + 1, self.graphs.window())
+        dense = self.target.dense(batch, width + 1, window)
+        live = torch.ones(R, dtype=torch.bool, device=grid.device)
+        inputs = [grid, ell, rows.seeds, rows.rounds, live] + ([q] if q is not None else [])
+
+        def step(grid, ell, seeds, rounds, live, q=None):
+            logits, taps = self.target.score(batch, grid, None, window, dense)
+            self._mark()
+            res = self._accept(logits, grid, ell, q, seeds, rounds, method)
+            self._mark()
+            keep = torch.where(live, res.accepted + 1, 0)
+            self.target.keep(batch, keep)
+            return res.accepted, res.tokens, keep, taps
+
+        key = ("chain", padded, width, window, dense, q is not None, method, batch.generation)
+        accepted, tokens, keep, taps = rows.runner(key, step, inputs, padded)
+        batch.bound(width + 1)
+        res = VerifyResult(accepted=accepted, tokens=tokens, num_tokens=accepted + 1)
+        hidden = taps if batch.layer_ids else None
+        return res, grid, keep, hidden
+
+    def _accept(self, logits, grid, ell, q, seeds, rounds, method: str) -> VerifyResult:
+        """Accept a prefix of each row's drafts by ``method`` ("token" or "block"): logits
+        [n, 1 + W, V] float of grid [n, 1 + W] (anchor, drafts), ℓ [n]; q [n, W, V] or None
+        (one-hot drafts)."""
         cfg = self.config
         width = grid.shape[1] - 1
+        base = rounds * ROUND_STRIDE  # [n]
         if width == 0:  # no row verifies a draft: a plain decoding step (the same token verify would give)
-            return _plain_step(self._sample(out.logits, rows.seeds, rows.rounds * ROUND_STRIDE, NOISE_SALT))
-        drafts = ragged(grid[:, 1:], ell, ell_list)
+            return _plain_step(self._sample(logits[:, 0], seeds, base, NOISE_SALT))
+        drafts = grid[:, 1:]
         if cfg.greedy:
-            self._count_rule("greedy")
-            return verify_greedy(out.logits, drafts, ell, validate=False)
-        probs = sampling.logits_to_probs(out.logits, cfg.temperature, cfg.top_k, cfg.top_p)
-        q = None if proposal is None or proposal.draft_probs is None else ragged(proposal.draft_probs[:, :width], ell,
-                                                                                   ell_list)
-        method = cfg.chain_verify if q is not None else "token"  # one-hot drafts: block = token in law
-        self._count_rule(method)
-        base = rows.rounds * ROUND_STRIDE  # [R]
-        dev = base.device
-        at = base[:, None] + torch.arange(width + 1, device=dev)  # [R, 1 + width]: final at base, draft k at base + k
-        salts = torch.tensor([NOISE_SALT] + [ENGINE_COIN_SALT] * width, device=dev)
-        u = sampling.uniform(rows.seeds[:, None], at, salt=salts)  # one call for the coins and the final draw
-        coins = ragged(u[:, 1:], ell, ell_list)
+            return verify_greedy_grid(logits, drafts, ell)
+        n, _, vocab = logits.shape
+        probs = sampling.logits_to_probs(logits.flatten(0, 1), cfg.temperature, cfg.top_k, cfg.top_p).view(n, -1, vocab)
+        col = torch.arange(width + 1, device=base.device)
+        salts = torch.where(col == 0, NOISE_SALT, ENGINE_COIN_SALT)  # final draw at base, draft k's coin at base + k
+        u = sampling.uniform(seeds[:, None], base[:, None] + col, salt=salts)  # [n, 1 + W]
         if self._inverse_cdf:
-            return verify_chain(probs, drafts, q, ell, method=method, uniforms=coins, final_uniforms=u[:, 0], validate=False)
-        noise = sampling.exponential(rows.seeds, base, probs.shape[-1], salt=NOISE_SALT)
-        return verify_chain(probs, drafts, q, ell, method=method, uniforms=coins, noise=noise, validate=False)
+            return verify_chain_grid(probs, drafts, q, ell, method=method, uniforms=u[:, 1:], final_uniforms=u[:, 0])
+        noise = CounterNoise(seeds, base, NOISE_SALT)  # exponential(seeds, base, V, NOISE_SALT), made where it is used
+        return verify_chain_grid(probs, drafts, q, ell, method=method, uniforms=u[:, 1:], noise=noise)
 
-    def _verify_tree(self, rows: _Rows, proposal: Proposal, nodes: torch.Tensor):
-        """Verify one draft tree per row in one target pass: the configured rule for sampled
+    def _verify_tree(self, rows: _Rows, proposal: Proposal, ell: torch.Tensor, padded: int):
+        """Verify one draft tree per row in one static step: the configured rule for sampled
         siblings (``tree_verify``: "traversal" or "sampled") when the tree carries draft
-        probabilities and T > 0, else the sample-and-match walk."""
-        cfg, dev = self.config, self.target.device
+        probabilities and T > 0, else the sample-and-match walk; then the accepted path enters the target cache. A row verifying
+        nothing (token budget spent) gets an empty tree: its token is then the root's sample, the
+        one a plain step would give (so outputs do not depend on the batch)."""
+        cfg, R = self.config, len(rows.active)
         tree = proposal.tree
         assert tree is not None  # a tree round
-        R = len(rows.active)
-        n = nodes + 1  # anchor (root) + nodes [R]
-        total = int(n.sum())
-        starts = torch.cumsum(n, 0) - n
-        flat_row = torch.repeat_interleave(torch.arange(R, device=dev), n, output_size=total)
-        flat_pos = torch.arange(total, device=dev) - starts[flat_row]  # 0 = root
-        is_node = flat_pos > 0
-        tokens = rows.anchors[flat_row].clone()
-        tokens[is_node] = tree.tokens[flat_row[is_node], flat_pos[is_node] - 1].to(dev)
-        parents = torch.full_like(tokens, -1)
-        parents[is_node] = tree.parents[flat_row[is_node], flat_pos[is_node] - 1].to(dev)
-        out = self.target.verify_tree(rows.batch, tokens, parents, n)
-        tf = time.perf_counter()
-        probs = sampling.logits_to_probs(out.logits, cfg.temperature, cfg.top_k, cfg.top_p)
-        q = None
-        if tree.draft_probs is not None and not cfg.greedy:
-            q = tree.draft_probs.to(dev)[flat_row, flat_pos]  # [total, V], aligned with probs
+        col = torch.arange(tree.parents.shape[1], device=ell.device)
+        nodes = (tree.parents >= 0) & (col < tree.num_nodes[:, None]) & (ell[:, None] > 0)  # [R, N]
+        parents = torch.where(nodes, tree.parents, -1)
+        ids = torch.cat([rows.anchors[:, None], tree.tokens.clamp(min=0).to(rows.anchors.dtype)], dim=1)  # [R, N+1]
+        grid_parents = torch.cat([torch.full_like(parents[:, :1], -1), parents], dim=1)
+        q = tree.draft_probs if tree.draft_probs is not None and not cfg.greedy else None
         method = "match" if q is None else cfg.tree_verify
         self._count_rule(method)
-        res = verify_tree(
-            probs, tokens[is_node], parents[is_node], nodes, method=method,
-            draft_probs=q, seeds=rows.seeds, offsets=rows.rounds * ROUND_STRIDE, validate=False,
-            final_draw="inverse_cdf" if self._inverse_cdf else "race",
-        )  # fmt: skip
-        ta = time.perf_counter()
-        path = res.path
-        assert path is not None  # tree verification returns the accepted path
-        self.target.commit_path(rows.batch, path)
-        keep = res.accepted + 1  # root + accepted nodes
-        on_path = path >= 0  # [R, D+1]
-        idx = (starts[:, None] + path.clamp(min=0))[on_path]  # flat rows of the path, row-major
-        hidden = out.hidden[idx] if out.hidden is not None else None
-        return res, tokens[idx], keep, hidden, tf, ta
+        fanout = 0 if q is None else tree.fanout if tree.fanout is not None else _fanout(parents)
+        depth = cfg.block_size
+        batch = rows.batch
+        window = batch.window(ids.shape[1], self.graphs.window())
+        live = torch.ones(R, dtype=torch.bool, device=ids.device)
+        inputs = [ids, grid_parents, rows.seeds, rows.rounds, live] + ([q] if q is not None else [])
 
-    def _book(self, rows, results, res, proposal, ell, times: tuple[float, ...], verify_tokens: int) -> None:
-        """Per-request statistics and outputs of one round (one host sync). ``times``: perf_counter
-        at the round's start, after drafting, the target forward, acceptance and the cache update."""
+        def step(ids, grid_parents, seeds, rounds, live, q=None):
+            logits, taps = self.target.score(batch, ids, grid_parents, window)
+            self._mark()
+            n, width, vocab = logits.shape
+            probs = sampling.logits_to_probs(logits.flatten(0, 1), cfg.temperature, cfg.top_k, cfg.top_p)
+            res = verify_tree_grid(
+                probs.view(n, width, vocab), ids[:, 1:], grid_parents[:, 1:], depth=depth, fanout=fanout,
+                method=method, draft_probs=q, seeds=seeds, offsets=rounds * ROUND_STRIDE,
+                final_draw="inverse_cdf" if self._inverse_cdf else "race",
+            )  # fmt: skip
+            self._mark()
+            assert res.path is not None  # tree verification returns the accepted path
+            path = torch.where(live[:, None], res.path, -1)
+            self.target.keep_path(batch, path)
+            keep = torch.where(live, res.accepted + 1, 0)
+            on_path = path.clamp(min=0)  # [n, D+1]: root (the anchor), then the accepted nodes
+            committed = ids.gather(1, on_path)
+            hidden = taps.gather(1, on_path[..., None].expand(n, on_path.shape[1], taps.shape[2]))
+            return res.accepted, res.tokens, keep, committed, hidden
+
+        key = ("tree", padded, ids.shape[1], window, method, fanout, batch.generation)
+        accepted, tokens, keep, committed, hidden = rows.runner(key, step, inputs, padded)
+        batch.bound(depth + 1)
+        res = VerifyResult(accepted=accepted, tokens=tokens, num_tokens=accepted + 1)
+        return res, committed, keep, hidden if batch.layer_ids else None, nodes.sum(1)
+
+    def _advance(self, rows: _Rows, committed, keep, hidden, padded: int) -> None:
+        """3. the drafter's cache takes the committed tokens (anchor + accepted drafts) of every row."""
+        drafter = self.drafter
+        assert drafter is not None  # called with a drafter only
+        key = drafter.capture_key(rows.dstate, self.graphs.window())
+        if key is None:  # eagerly, unpadded
+            R = len(rows.active)
+            drafter.advance_grid(rows.dstate, committed[:R], keep[:R], None if hidden is None else hidden[:R])
+            return
+        inputs = [committed, keep] + ([hidden] if hidden is not None else [])
+
+        def step(committed, keep, hidden=None):
+            drafter.advance_grid(rows.dstate, committed, keep, hidden)
+
+        rows.runner(("advance", padded, committed.shape[1], key), step, inputs, padded)
+
+    def _mark(self) -> None:
+        """A phase boundary inside a verify step (recorded when the step runs eagerly)."""
+        if not torch.compiler.is_compiling():
+            self._marks.append(time.perf_counter())
+
+    def _phase_marks(self, t1: float) -> tuple[float, float]:
+        """(end of the target forward, end of acceptance): measured when the step ran eagerly; a
+        replayed graph has no phases on the host (all counts as forward)."""
+        now, marks = time.perf_counter(), self._marks
+        self._marks = []
+        if len(marks) >= 2:
+            return marks[-2], marks[-1]
+        return now, now
+
+    def _book(self, rows, results, res, proposal, verified, times: tuple[float, ...]) -> None:
+        """Per-request statistics and outputs of one round, from the round's one read of the
+        device. ``verified`` [R]: drafts (tree nodes) verified per row; ``times``: perf_counter at
+        the round's start, after drafting, the target forward, acceptance and the cache update."""
         t0, t1, tf, ta, t2 = times
         R = len(rows.active)
-        acc_list, ell_list = res.accepted.tolist(), ell.tolist()
-        out_tokens = res.tokens.tolist()
-        prop_list = proposal.lengths.tolist() if proposal is not None else [0] * R
-        conf = proposal.confidence.tolist() if proposal is not None and proposal.confidence is not None else None
+        conf = proposal.confidence if proposal is not None else None
+        gamma = 0 if conf is None else conf.shape[1]
+        columns = [res.accepted[:R, None], verified[:, None],
+                   proposal.lengths[:, None] if proposal is not None else verified[:, None], res.tokens[:R]]
+        columns += [conf] if conf is not None else []
+        read = torch.cat([c.double() for c in columns], dim=1).tolist()  # the round's one host read
+        width = res.tokens.shape[1]
+        acc_total = verify_tokens = 0
         for r, i in enumerate(rows.active):
+            row = read[r]
+            acc, ell_r = int(row[0]), int(row[1])
             res_i = results[i]
-            res_i.output_ids.extend(out_tokens[r][: acc_list[r] + 1])
-            res_i.verified.append(ell_list[r])
-            res_i.accepted.append(acc_list[r])
-            res_i.proposed.append(prop_list[r])
+            res_i.output_ids.extend(int(t) for t in row[3 : 3 + acc + 1])
+            res_i.verified.append(ell_r)
+            res_i.accepted.append(acc)
+            res_i.proposed.append(int(row[2]) if proposal is not None else 0)
             if conf is not None:
-                res_i.confidence.append(conf[r][: ell_list[r]])
-        rows.anchors = res.tokens.gather(1, res.accepted[:, None]).squeeze(1)
-        rows.rounds = rows.rounds + 1
+                res_i.confidence.append(row[3 + width : 3 + width + gamma][:ell_r])
+            acc_total += acc
+            verify_tokens += ell_r + 1
+        lengths = [len(results[i].prompt_ids) + len(results[i].output_ids) - 1 for i in rows.active]
+        rows.batch.settle(lengths)
+        if self.drafter is not None:
+            self.drafter.settle(rows.dstate, lengths)
         self.stats.rounds += 1
         self.stats.drafted_rounds += proposal is not None
         self.stats.verify_tokens += verify_tokens
@@ -387,11 +525,12 @@ class SpeculativeEngine:
         self.stats.update_seconds += t2 - ta
         t3 = time.perf_counter()
         self.stats.other_seconds += t3 - t2
-        self.scheduler.observe_round(R, t3 - t0, proposal is not None, R + sum(acc_list), rows.catch_up)
+        self.scheduler.observe_round(R, t3 - t0, proposal is not None, R + acc_total, rows.catch_up)
         rows.catch_up = 0.0
 
     def _retire(self, rows: _Rows, results: list[RequestResult], on_finish) -> None:
-        """Finished requests leave the batch (stop token or max_new_tokens)."""
+        """Finished requests leave the batch (stop token or max_new_tokens); the last rows move
+        into their places (a copy of the moved rows only)."""
         done = []
         for r, i in enumerate(rows.active):
             res = results[i]
@@ -401,14 +540,15 @@ class SpeculativeEngine:
                 done.append(r)
         if not done:
             return
-        keep = [r for r in range(len(rows.active)) if r not in set(done)]
-        self.target.remove(rows.batch, done)
+        order = _fill_holes(len(rows.active), set(done), rows.lag.admitted if self.drafter is not None else len(rows.active))
+        self.target.select_rows(rows.batch, order)
         if self.drafter is not None:
-            rows.lag.keep(self.drafter, rows.dstate, keep)
-        idx = torch.tensor(keep, dtype=torch.long, device=rows.anchors.device)
+            rows.lag.keep(self.drafter, rows.dstate, order)
+        idx = torch.tensor(order, dtype=torch.long, device=rows.anchors.device)
         rows.anchors, rows.seeds, rows.rounds = rows.anchors[idx], rows.seeds[idx], rows.rounds[idx]
+        rows.produced = rows.produced[idx]
         finished = [rows.active[r] for r in done]
-        rows.active = [rows.active[r] for r in keep]
+        rows.active = [rows.active[r] for r in order]
         now = time.perf_counter()
         for i in finished:
             results[i].end_time = now
@@ -417,6 +557,9 @@ class SpeculativeEngine:
                 on_finish(results[i])
 
     # -- helpers -------------------------------------------------------------------------
+    def _count_rule(self, rule: str) -> None:
+        self.stats.verify_rules[rule] = self.stats.verify_rules.get(rule, 0) + 1
+
     def _truncate(self, res: RequestResult) -> str:
         """Cut the output after a stop token or at max_new_tokens; return why it finished."""
         for j, tok in enumerate(res.output_ids):
@@ -429,17 +572,17 @@ class SpeculativeEngine:
         return ""
 
     def _sample(self, logits: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor, salt: int) -> torch.Tensor:
-        """One target token per row from logits [R, V] at the run's settings."""
+        """One target token per row from logits [R, V] at the run's settings: the inverse CDF on a
+        CPU, else the exponential race of :func:`sample_logits` (Triton on CUDA: the noise is
+        computed where it is used, never written)."""
         cfg = self.config
         if cfg.greedy:
             return logits.argmax(-1)
-        probs = sampling.logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
         if self._inverse_cdf:
+            probs = sampling.logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
             return sampling.sample_inverse_cdf(probs, sampling.uniform(seeds, offsets, salt=salt))
-        return sampling.sample_from_probs(probs, sampling.exponential(seeds, offsets, probs.shape[-1], salt=salt))
-
-    def _count_rule(self, rule: str) -> None:
-        self.stats.verify_rules[rule] = self.stats.verify_rules.get(rule, 0) + 1
+        return sample_logits(logits, seeds, offsets, salt=salt, temperature=cfg.temperature, top_k=cfg.top_k,
+                             top_p=cfg.top_p)
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
         cfg = self.config
@@ -457,10 +600,52 @@ class SpeculativeEngine:
                 raise DspecError(f"prompt {i} has token ids outside the target vocabulary (size {vocab})")
 
 
+def _proposal(fields: tuple, rows: int) -> Proposal:
+    """The Proposal of :meth:`SpeculativeEngine._propose`'s tensors, cut to the batch's rows."""
+    tokens, lengths, probs, conf, t_tokens, t_parents, t_nodes, t_probs = (
+        f[:rows] if isinstance(f, torch.Tensor) else f for f in fields[:-1]
+    )
+    fanout = fields[-1]  # a host int (or None), never cut
+    tree = None if t_tokens is None else DraftTree(t_tokens, t_parents, t_nodes, t_probs, fanout=fanout)
+    return Proposal(tokens=tokens, lengths=lengths, draft_probs=probs, confidence=conf, tree=tree)
+
+
+def _fanout(parents: torch.Tensor) -> int:
+    """The most children of any node of trees parents [R, N] (-1: no node): one host read, for
+    drafters whose trees do not state it (:attr:`DraftTree.fanout`)."""
+    R, N = parents.shape
+    counts = torch.zeros(R, N + 1, dtype=torch.long, device=parents.device)
+    counts.scatter_add_(1, parents.clamp(min=0), (parents >= 0).long())
+    return int(counts.max()) if counts.numel() else 0
+
+
+def _fill_holes(rows: int, done: set[int], admitted: int) -> list[int]:
+    """The rows that stay, in their new order (old row of each new row): rows that finished leave
+    holes, filled by the last rows, so only those move. Rows before ``admitted`` (the drafter has
+    them) stay before the others (DrafterLag's pending admissions stay a suffix)."""
+    order: list[int] = []
+    for lo, hi in ((0, admitted), (admitted, rows)):
+        kept = [r for r in range(lo, hi) if r not in done]
+        start, end = len(order), len(order) + len(kept)
+        movers = iter(r for r in kept if not start <= r < end)
+        order += [r if r in kept else next(movers) for r in range(start, end)]
+    return order
+
+
 def _plain_step(tokens: torch.Tensor) -> VerifyResult:
     """The verify result of a round without drafts: one sampled token per row."""
     zero = torch.zeros_like(tokens)
     return VerifyResult(accepted=zero, tokens=tokens[:, None], num_tokens=zero + 1)
+
+
+@dataclass
+class _Session:
+    """What an engine keeps across generate calls: the target's KV cache, the drafter's state and
+    the graphs captured over them."""
+
+    batch: TargetBatch
+    dstate: Any  # the drafter's DraftState; None without a drafter
+    runner: GraphRunner
 
 
 @dataclass
@@ -470,6 +655,7 @@ class _Rows:
     batch: TargetBatch
     dstate: Any  # the drafter's DraftState; None without a drafter
     device: torch.device
+    runner: GraphRunner
     active: list[int] = field(default_factory=list)  # request index per row
     lag: DrafterLag = field(default_factory=DrafterLag)  # what the drafter has not seen yet
     catch_up: float = 0.0  # seconds this round's lag hand-over took
@@ -479,3 +665,4 @@ class _Rows:
         self.anchors = empty  # [R] last sampled token, not yet in the target cache
         self.seeds = empty  # [R] per-request seed
         self.rounds = empty  # [R] per-request round counter (randomness key)
+        self.produced = empty  # [R] tokens generated so far (= len(output_ids) before truncation)

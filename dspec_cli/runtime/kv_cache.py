@@ -1,13 +1,25 @@
-"""Slot bookkeeping of a batch KV cache: validity, logical positions, holes, compaction.
+"""The target's KV cache: buffers of fixed capacity, written in place, rows addressed by length.
 
-The cache is one ``DynamicCache`` whose layers (:class:`SlackLayer`: new slots are written into
-spare capacity, not concatenated) hold keys/values ``[R, H, S, D]`` over S *slots*.
-Each verify step writes the new tokens of every row at the same slot range (right-padded per
-row); the slots of rejected drafts and of padding stay in place as *holes*, hidden from
-attention by a per-row validity mask. Each slot also remembers the logical (RoPE) position
-of its token, so sliding-window masks are exact even with holes. Compaction gathers each
-row's valid slots to the left, shrinking S to the longest row; it runs automatically once the
-slots it would reclaim exceed a fraction of S, or S exceeds a bound.
+:class:`SlotCache` (a transformers ``Cache``) holds, per decoder layer, keys and values
+[row capacity, H, slot capacity, D], allocated once (and grown, rarely, by copying). Row r's
+committed tokens sit at slots 0..len_r−1 in order, so a slot *is* the token's RoPE position and
+the per-row lengths are the whole bookkeeping: slot j of row r is committed context iff
+j < len_r. No validity or position arrays, no holes, no compaction (the model of gpt-fast's
+static cache, with one length per row).
+
+A forward of q new tokens per row writes them at slots len_r..len_r+q−1 (a scatter into the
+buffer: nothing is concatenated) and its attention reads a leading *window* of S slots of the
+buffer, S >= the longest row + q. Windows are rounded up to a bucket when forwards are captured
+as CUDA graphs (:mod:`dspec_cli.runtime.graphs`), so shapes repeat; on a CPU S is exact. Slots at
+or past len_r are stale: what a rejected draft or a padding token left there is hidden by the
+masks (:func:`attention_masks`) and overwritten later.
+
+Commit: a chain's accepted prefix is already in place, so committing only raises len_r; a
+tree's accepted path (node i written at slot len_r + i) is moved down to len_r, len_r+1, ...
+(one gather and one scatter per layer). :class:`TargetBatch` keeps the device lengths (updated
+in place, so a captured graph reads the current values) and a host copy that sizes windows:
+exact, or an upper bound after a commit made without reading the device (the engine's rounds),
+until :meth:`TargetBatch.settle`.
 """
 
 from __future__ import annotations
@@ -16,294 +28,308 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin
 
-__all__ = ["PendingStep", "SlackLayer", "TargetBatch", "ancestor_visibility", "attention_layout", "causal_visibility"]
+__all__ = [
+    "PendingStep",
+    "SlotCache",
+    "SlotLayer",
+    "TargetBatch",
+    "ancestor_visibility",
+    "attention_layout",
+    "attention_masks",
+    "causal_visibility",
+]
+
+MIN_SLOTS = 64  # smallest slot capacity allocated
+GROWTH = 1.5  # slot capacity grows at least by this factor when exceeded
 
 
 @dataclass
 class PendingStep:
-    """The tokens of the last verify, waiting for commit()/commit_path()."""
+    """The tokens of the last ragged verify, waiting for commit()/commit_path()."""
 
-    start: int  # first slot of the verified tokens
     n: list[int]  # tokens per row (host copy)
+    q: int  # columns of the verified grid (max n)
     parents: torch.Tensor | None  # [R, q] row-local parents (-1: root or padding); None for chains
 
 
-class TargetBatch:
-    """One KV cache for a batch of requests plus per-row slot validity and positions.
+@dataclass
+class ForwardIO:
+    """Where the forward being run reads and writes (set on the cache before each forward)."""
 
-    Attributes: ``cache`` (DynamicCache), ``valid`` [R, S] bool, ``pos`` [R, S] long (logical
-    position of each slot), ``committed`` [R] long (committed length = next RoPE position =
-    number of valid slots), ``lengths`` (host copy of ``committed``), ``layer_ids`` (tapped
-    decoder layers). Built by ``Target.new_batch``; all mutation goes through ``Target``.
+    row0: int  # first batch row of the forward's rows
+    slots: torch.Tensor  # [n, q] long: slot of each new token
+    window: int  # slots returned to attention (a leading window of the buffer)
+
+
+class SlotLayer(CacheLayerMixin):
+    """One decoder layer's keys and values [row capacity, H, slot capacity, D]; see the module
+    docstring. Full history is kept for sliding-window layers too (their window is a mask)."""
+
+    is_sliding = False
+    is_compileable = True
+
+    def __init__(self, cache: SlotCache):
+        super().__init__()
+        self.cache = cache
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Allocate the buffers from the first forward's key_states, value_states [n, H, q, D]
+        (heads, head size, dtype and device) at the cache's capacity."""
+        rows, slots = self.cache.capacity
+        self.device = key_states.device
+        self.keys = key_states.new_zeros(rows, key_states.shape[1], slots, key_states.shape[3])
+        self.values = value_states.new_zeros(rows, value_states.shape[1], slots, value_states.shape[3])
+        self.is_initialized = True
+
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values), each [row capacity, H, slot capacity, D] (the layer is initialised)."""
+        assert self.keys is not None and self.values is not None, "SlotLayer used before its first update"
+        return self.keys, self.values
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write the new tokens' key_states, value_states [n, H, q, D] at their slots; return the
+        window of both [n, H, S, D]."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        io = self.cache.forward_io()
+        n, heads, q, _ = key_states.shape
+        rows = slice(io.row0, io.row0 + n)
+        all_keys, all_values = self.kv()
+        keys, values = all_keys[rows], all_values[rows]
+        index = io.slots[:, None, :, None]  # [n, 1, q, 1]
+        keys.scatter_(2, index.expand(n, heads, q, keys.shape[3]), key_states)
+        values.scatter_(2, index.expand(n, values.shape[1], q, values.shape[3]), value_states)
+        return keys[:, :, : io.window], values[:, :, : io.window]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache.forward_io().window, 0
+
+    def get_seq_length(self) -> int:
+        io = self.cache.io
+        return 0 if io is None else io.window - io.slots.shape[1]
+
+    def get_max_length(self) -> int:
+        return self.cache.capacity[1]
+
+    def resize(self, rows: int, slots: int) -> None:
+        """Grow the buffers to [rows, H, slots, D], keeping their contents."""
+        if not self.is_initialized:
+            return
+        old_rows, _, old_slots, _ = self.kv()[0].shape
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros(rows, old.shape[1], slots, old.shape[3])
+            new[:old_rows, :, :old_slots] = old
+            setattr(self, name, new)
+
+
+class SlotCache(Cache):
+    """A transformers ``Cache`` of :class:`SlotLayer` s (made on first use, one per layer that
+    updates the cache) sharing one capacity and one :class:`ForwardIO`."""
+
+    def __init__(self, rows: int = 0, slots: int = 0):
+        super().__init__(layers=[])
+        self.capacity = (rows, slots)
+        self.io: ForwardIO | None = None
+
+    def forward_io(self) -> ForwardIO:
+        """Where the running forward reads and writes (set by the target before every forward)."""
+        assert self.io is not None, "SlotCache: a forward ran without its ForwardIO"
+        return self.io
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Store key_states, value_states [n, H, q, D] of layer ``layer_idx``; return its window."""
+        while len(self.layers) <= layer_idx:
+            self.layers.append(SlotLayer(self))
+        layer = self.layers[layer_idx]
+        assert isinstance(layer, SlotLayer)  # this cache makes only SlotLayers
+        return layer.update(key_states, value_states)
+
+    def kv_layers(self) -> list[SlotLayer]:
+        return [layer for layer in self.layers if isinstance(layer, SlotLayer) and layer.is_initialized]
+
+    def resize(self, rows: int, slots: int) -> None:
+        for layer in self.kv_layers():
+            layer.resize(rows, slots)
+        self.capacity = (rows, slots)
+
+
+class TargetBatch:
+    """The KV cache of a batch of requests and the committed length of each row.
+
+    Attributes: ``cache`` (:class:`SlotCache`), ``num_rows``, ``committed`` [R] long on the
+    device (a view of a buffer updated in place), ``lengths`` (host copy of ``committed``: exact
+    when ``exact``, else an upper bound), ``layer_ids`` (tapped decoder layers) and
+    ``generation`` (bumped whenever buffers are reallocated: graphs captured before read stale
+    memory). Built by ``Target.new_batch``; all mutation goes through ``Target``.
     """
 
-    def __init__(
-        self,
-        layer_ids: Sequence[int],
-        device: torch.device,
-        compact_fraction: float = 0.25,
-        max_slots: int | None = None,
-        kv_layer: type | None = None,
-    ):
-        if not 0.0 <= compact_fraction <= 1.0:
-            raise ValueError(f"compact_fraction must be in [0, 1], got {compact_fraction}")
-        if max_slots is not None and max_slots < 1:
-            raise ValueError(f"max_slots must be positive, got {max_slots}")
+    def __init__(self, layer_ids: Sequence[int], device: torch.device, rows: int = 0, slots: int = 0):
         self.layer_ids = tuple(int(i) for i in layer_ids)
         self.device = torch.device(device)
-        self.compact_fraction = compact_fraction
-        self.max_slots = max_slots
-        self.kv_layer = kv_layer or SlackLayer  # cache layer class (DynamicLayer: transformers' own)
+        self.cache = SlotCache()
+        self._committed = torch.zeros(0, dtype=torch.long, device=self.device)  # [row capacity]
+        self.num_rows = 0
+        self.lengths: list[int] = []
+        self.exact = True
         self.pending: PendingStep | None = None
-        self.num_compactions = 0
-        self._reset(0)
-
-    def _reset(self, rows: int) -> None:
-        self.cache = DynamicCache()
-        self.cache.layer_class_to_replicate = self.kv_layer  # layers are made on first use
-        self.valid = torch.zeros(rows, 0, dtype=torch.bool, device=self.device)  # [R, S]
-        self.pos = torch.zeros(rows, 0, dtype=torch.long, device=self.device)  # [R, S]
-        self.committed = torch.zeros(rows, dtype=torch.long, device=self.device)  # [R]
-        self.lengths: list[int] = [0] * rows
+        self.generation = 0
+        self.reserve(rows, slots)
 
     @property
-    def num_rows(self) -> int:
-        return self.valid.shape[0]
+    def committed(self) -> torch.Tensor:
+        """[R] long: committed tokens per row = the next token's slot and RoPE position."""
+        return self._committed[: self.num_rows]
+
+    def committed_rows(self, rows: int) -> torch.Tensor:
+        """[rows] committed lengths of rows [0, rows): the batch's rows, then padding rows (length 0)
+        up to the row capacity."""
+        return self._committed[:rows]
 
     @property
-    def num_slots(self) -> int:
-        return self.valid.shape[1]
-
-    @property
-    def holes(self) -> int:
-        """Invalid slots (rejected drafts, padding, ragged tails)."""
-        return self.num_rows * self.num_slots - sum(self.lengths)
-
-    def empty_like(self, rows: int) -> TargetBatch:
-        """A batch with this one's settings, ``rows`` rows and no slots (for prefill)."""
-        fresh = TargetBatch(self.layer_ids, self.device, self.compact_fraction, self.max_slots, self.kv_layer)
-        fresh._reset(rows)
-        return fresh
-
-    def _kv_layers(self) -> list:
-        return [layer for layer in self.cache.layers if getattr(layer, "is_initialized", False)]
+    def capacity(self) -> tuple[int, int]:
+        """(rows, slots) the buffers hold."""
+        return self.cache.capacity
 
     def require_idle(self, what: str) -> None:
         if self.pending is not None:
             raise ValueError(f"{what}: the last verify has not been committed yet")
 
-    # -- masks -------------------------------------------------------------------------------
+    # -- capacity ------------------------------------------------------------------------------
 
-    def attention_masks(
-        self,
-        pos_q: torch.Tensor,  # [R, q] logical positions of the new tokens
-        vis: torch.Tensor,  # [R, q, q] bool: new token i sees new token j
-        window: int | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Boolean masks [R, 1, q, S+q] (True = attend) for full and sliding-window layers."""
-        rows, q = pos_q.shape
-        full = torch.cat([self.valid[:, None, :].expand(rows, q, self.num_slots), vis], dim=2)
-        sliding = None
-        if window is not None:
-            pos_k = torch.cat([self.pos, pos_q], dim=1)  # [R, S+q]
-            sliding = full & ((pos_q[:, :, None] - pos_k[:, None, :]) < window)
-            sliding = sliding[:, None]
-        return full[:, None], sliding
-
-    # -- step bookkeeping ----------------------------------------------------------------------
-
-    def open_step(self, valid_new: torch.Tensor, pos_new: torch.Tensor, pending: PendingStep) -> None:
-        """Record the q slots a verify forward just appended to every cache layer ([R, q] each)."""
-        self.valid = torch.cat([self.valid, valid_new], dim=1)
-        self.pos = torch.cat([self.pos, pos_new], dim=1)
-        self.pending = pending
-
-    def append_step(self, valid_new: torch.Tensor, pos_new: torch.Tensor, added: list[int]) -> None:
-        """Record q slots [R, q] appended and committed at once (``added[r]`` valid ones per row)."""
-        self.valid = torch.cat([self.valid, valid_new], dim=1)
-        self.pos = torch.cat([self.pos, pos_new], dim=1)
-        self._add_committed(added)
-
-    def record_prefill(self, valid: torch.Tensor, pos: torch.Tensor, lengths: list[int]) -> None:
-        """Record the slots [R, P] a prefill forward wrote into this (empty) batch's cache."""
-        self.valid, self.pos, self.lengths = valid, pos, list(lengths)
-        self.committed = torch.tensor(lengths, dtype=torch.long, device=self.device)
-
-    def close_step(self, keep_new: torch.Tensor, added: list[int]) -> None:
-        """Finish a verify: ``keep_new`` [R, q] marks the committed slots, ``added`` counts them per row."""
-        assert self.pending is not None, "close_step without an open step"
-        self.valid[:, self.pending.start :] = keep_new
-        self.pending = None
-        self._add_committed(added)
-
-    def _add_committed(self, added: list[int]) -> None:
-        """Rows grew by ``added`` committed tokens; trim or compact the holes that leaves."""
-        self.committed = self.committed + torch.tensor(added, dtype=torch.long, device=self.device)
-        self.lengths = [a + b for a, b in zip(self.lengths, added, strict=True)]
-        self.maybe_compact()
-
-    def extend(self, other: TargetBatch) -> None:
-        """Append the rows of ``other`` (a freshly prefilled batch) after this batch's rows."""
-        if self.num_rows == 0:
-            self.cache, self.valid, self.pos = other.cache, other.valid, other.pos
-            self.committed, self.lengths = other.committed, list(other.lengths)
+    def reserve(self, rows: int, slots: int) -> None:
+        """Make room for ``rows`` rows of ``slots`` slots (buffers grow by copying: a new
+        ``generation``)."""
+        have_rows, have_slots = self.cache.capacity
+        if rows <= have_rows and slots <= have_slots:
             return
-        width = max(self.num_slots, other.num_slots)
-        mine, theirs = self._kv_layers(), other._kv_layers()
-        if len(mine) != len(theirs):
-            raise ValueError("extend: the two caches have different numbers of layers")
-        for a, b in zip(mine, theirs, strict=True):
-            a.keys = torch.cat([_pad_slots(a.keys, width, 2), _pad_slots(b.keys, width, 2)], dim=0)
-            a.values = torch.cat([_pad_slots(a.values, width, 2), _pad_slots(b.values, width, 2)], dim=0)
-        self.valid = torch.cat([_pad_slots(self.valid, width, 1), _pad_slots(other.valid, width, 1)])
-        self.pos = torch.cat([_pad_slots(self.pos, width, 1), _pad_slots(other.pos, width, 1)])
-        self.committed = torch.cat([self.committed, other.committed])
-        self.lengths = self.lengths + other.lengths
+        rows = max(rows, have_rows)
+        slots = max(slots, int(have_slots * GROWTH), MIN_SLOTS) if slots > have_slots else have_slots
+        self.cache.resize(rows, slots)
+        committed = torch.zeros(rows, dtype=torch.long, device=self.device)
+        committed[: self._committed.shape[0]] = self._committed
+        self._committed = committed
+        self.generation += 1
 
-    def rollback(self, drop: torch.Tensor) -> None:
-        """Un-commit the last ``drop[r]`` committed tokens of each row [R] (their slots become holes)."""
-        self.require_idle("rollback")
-        drop_list = drop.tolist()
-        if len(drop_list) != self.num_rows or any(not 0 <= d <= m for d, m in zip(drop_list, self.lengths, strict=True)):
-            raise ValueError(f"drop must be [R] with 0 <= drop[r] <= committed={self.lengths}, got {drop_list}")
-        self.committed = self.committed - drop.to(self.device, torch.long)
-        self.valid &= self.pos < self.committed[:, None]  # valid slots hold positions 0..committed-1
-        self.lengths = [m - d for m, d in zip(self.lengths, drop_list, strict=True)]
-        self.maybe_compact()
+    def window(self, q: int, bucket: int = 1) -> int:
+        """Slots a forward of q new tokens per row attends over: the longest row (host bound) + q,
+        rounded up to a multiple of ``bucket``; the capacity grows to hold it."""
+        need = max(self.lengths, default=0) + q
+        window = -(-need // bucket) * bucket
+        self.reserve(self.num_rows, window)
+        return window
 
-    def remove(self, rows: Sequence[int]) -> None:
-        """Drop the given rows; the remaining rows keep their order."""
-        self.require_idle("remove")
-        drop = {int(r) for r in rows}
-        if len(drop) != len(rows) or any(r < 0 or r >= self.num_rows for r in drop):
-            raise ValueError(f"rows must be distinct indices in [0, {self.num_rows}), got {list(rows)}")
-        keep = [r for r in range(self.num_rows) if r not in drop]
-        if not keep:
-            self._reset(0)
-            return
-        self.select_rows(keep)
-        self.maybe_compact()
+    # -- host bookkeeping ----------------------------------------------------------------------
+
+    def settle(self, lengths: Sequence[int]) -> None:
+        """The exact committed lengths, read by the caller after sync-free commits."""
+        if len(lengths) != self.num_rows:
+            raise ValueError(f"settle: expected {self.num_rows} lengths, got {len(lengths)}")
+        self.lengths, self.exact = [int(n) for n in lengths], True
+
+    def bound(self, grown: int) -> None:
+        """Every row may have grown by up to ``grown`` tokens (a commit the host did not read)."""
+        self.lengths = [n + grown for n in self.lengths]
+        self.exact = False
+
+    def add_rows(self, count: int, slots: int) -> int:
+        """``count`` empty rows join at the end (room for ``slots`` slots); returns the first."""
+        first = self.num_rows
+        self.reserve(first + count, slots)
+        self._committed[first : first + count] = 0
+        self.num_rows += count
+        self.lengths += [0] * count
+        return first
+
+    def commit_prefill(self, row0: int, lengths: Sequence[int]) -> None:
+        """Rows row0.. now hold prompts of ``lengths`` tokens at slots 0..."""
+        self._committed[row0 : row0 + len(lengths)] = torch.tensor(list(lengths), dtype=torch.long, device=self.device)
+        self.lengths[row0 : row0 + len(lengths)] = list(lengths)
+
+    def shift_rows(self, row0: int, shift: torch.Tensor, width: int) -> None:
+        """Move the first ``width`` slots of rows row0.. left by ``shift`` [G] (left padding out)."""
+        rows = shift.shape[0]
+        index = (torch.arange(width, device=self.device) + shift[:, None]).clamp(max=width - 1)  # [G, W]
+        for layer in self.cache.kv_layers():
+            for buf in layer.kv():
+                part = buf[row0 : row0 + rows, :, :width]
+                part.copy_(part.gather(2, index[:, None, :, None].expand(rows, part.shape[1], width, part.shape[3])))
 
     def select_rows(self, index: Sequence[int]) -> None:
         """Rows become rows ``index`` of this batch, in that order; a repeated row is copied (every
-        copy is an independent row from then on)."""
+        copy is an independent row from then on). Only rows that change place are copied."""
         self.require_idle("select_rows")
-        idx = torch.tensor(index, dtype=torch.long, device=self.device)
-        for layer in self._kv_layers():
-            layer.keys = layer.keys.index_select(0, idx)
-            layer.values = layer.values.index_select(0, idx)
-        self.valid = self.valid.index_select(0, idx)
-        self.pos = self.pos.index_select(0, idx)
-        self.committed = self.committed.index_select(0, idx)
-        self.lengths = [self.lengths[r] for r in index]
+        index = [int(i) for i in index]
+        if any(not 0 <= i < self.num_rows for i in index):
+            raise ValueError(f"rows must be indices in [0, {self.num_rows}), got {index}")
+        self.reserve(len(index), 0)
+        moved = [r for r, i in enumerate(index) if r != i]
+        if moved:
+            dst = torch.tensor(moved, dtype=torch.long, device=self.device)
+            src = torch.tensor([index[r] for r in moved], dtype=torch.long, device=self.device)
+            for layer in self.cache.kv_layers():
+                for buf in layer.kv():
+                    buf.index_copy_(0, dst, buf.index_select(0, src))
+            self._committed.index_copy_(0, dst, self._committed.index_select(0, src))
+        self._committed[len(index) : self.num_rows] = 0  # rows that left: zero length (padding rows)
+        self.lengths = [self.lengths[i] for i in index]
+        self.num_rows = len(index)
 
-    # -- compaction ----------------------------------------------------------------------------
+    # -- device bookkeeping (no host reads: what a captured round runs) -------------------------
 
-    def maybe_compact(self) -> None:
-        """Compact when the reclaimable slots (S minus the longest row) exceed ``compact_fraction``
-        of S, or S exceeds ``max_slots``."""
-        width = max(self.lengths, default=0)
-        if width < self.num_slots and not bool(self.valid[:, width:].any()):
-            self._trim(width)  # trailing slots that no row uses (e.g. rejected drafts at R = 1): a slice
-        reclaim = self.num_slots - width
-        too_long = self.max_slots is not None and self.num_slots > self.max_slots
-        if reclaim > 0 and (reclaim > self.compact_fraction * self.num_slots or too_long):
-            self.compact()
+    def advance(self, keep: torch.Tensor) -> None:
+        """Chains: rows [0, n) keep ``keep`` [n] more tokens (already in place at their slots)."""
+        self._committed[: keep.shape[0]] += keep
 
-    def _trim(self, width: int) -> None:
-        """Drop slots >= ``width`` (unused by every row) from every layer."""
-        for layer in self._kv_layers():
-            layer.keys = layer.keys[:, :, :width]
-            layer.values = layer.values[:, :, :width]
-        self.valid, self.pos = self.valid[:, :width], self.pos[:, :width]
-
-    def compact(self) -> None:
-        """Gather each row's valid slots to the left (keys and values of every layer); S becomes
-        the longest row's committed length."""
-        self.require_idle("compact")
-        if self.num_rows == 0:
-            return
-        width = max(self.lengths)
-        order = torch.sort((~self.valid).to(torch.uint8), dim=1, stable=True).indices[:, :width]  # [R, S']
-        index = order[:, None, :, None]  # [R, 1, S', 1]
-        for layer in self._kv_layers():
-            layer.keys = layer.keys.gather(2, _expand_like(index, layer.keys))
-            layer.values = layer.values.gather(2, _expand_like(index, layer.values))
-        self.pos = self.pos.gather(1, order)
-        self.valid = torch.arange(width, device=self.device)[None, :] < self.committed[:, None]
-        self.num_compactions += 1
+    def keep_path(self, path: torch.Tensor) -> None:
+        """Trees: rows [0, n) keep the nodes of ``path`` [n, D+1] (row-local node ids written at
+        slot committed + id, from the root down, -1 padded): they move to committed, committed+1, ..."""
+        n, width = path.shape
+        used = path >= 0
+        base = self._committed[:n, None]  # [n, 1]
+        dst = base + torch.arange(width, device=self.device)
+        src = torch.where(used, base + path, dst)  # padding copies a slot onto itself
+        for layer in self.cache.kv_layers():
+            for buf in layer.kv():
+                rows = buf[:n]
+                heads, dim = rows.shape[1], rows.shape[3]
+                moved = rows.gather(2, src[:, None, :, None].expand(n, heads, width, dim))
+                rows.scatter_(2, dst[:, None, :, None].expand(n, heads, width, dim), moved)
+        self._committed[:n] += used.sum(1)
 
 
-class SlackLayer(DynamicLayer):
-    """A ``DynamicLayer`` that appends new slots into spare capacity instead of concatenating the
-    whole cache on every forward: a step copies its own q slots, not S + q. ``keys`` / ``values``
-    stay plain attributes (leading slices of a buffer with spare slots); whatever assigns them
-    (the batch's compaction, row selection, trimming) works as with ``DynamicLayer``, and an
-    assignment that is not a leading slice of the buffer retires it. When full, the buffer grows
-    by an eighth of its slots (at least 64). Tensors under 256 KB (R = 1 at short contexts) are
-    concatenated as before: as cheap there, and K/V stay contiguous."""
-
-    GROWTH = 0.125  # spare slots added when full, as a share of the slots in use (at least MIN_SPARE)
-    MIN_SPARE = 64
-    SMALL = 1 << 18  # bytes: below this a concatenation costs no more than a write into spare slots
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-            self._buffers: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
-        assert self.keys is not None and self.values is not None  # set by lazy_initialization
-        self.keys, kbuf = self._append(self.keys, self._buffers[0], key_states)
-        self.values, vbuf = self._append(self.values, self._buffers[1], value_states)
-        self._buffers = (kbuf, vbuf)
-        return self.keys, self.values
-
-    def _append(self, cur: torch.Tensor, buf: torch.Tensor | None, new: torch.Tensor):
-        """cur [R, H, n, D] (or empty) followed by new [R, H, q, D], and the buffer holding it."""
-        n, q = (cur.shape[2] if cur.dim() == 4 else 0), new.shape[2]
-        if buf is not None and n + q <= buf.shape[2] and _leading_slice(cur, buf):
-            buf.narrow(2, n, q).copy_(new)
-            return buf.narrow(2, 0, n + q), buf
-        if new.nbytes // q * (n + q) < self.SMALL:
-            return torch.cat([cur, new], dim=2), None
-        grown = new.new_empty(new.shape[0], new.shape[1], n + q + max(int(self.GROWTH * (n + q)), self.MIN_SPARE),
-                              new.shape[3])  # fmt: skip
-        if n:
-            grown.narrow(2, 0, n).copy_(cur)
-        grown.narrow(2, n, q).copy_(new)
-        return grown.narrow(2, 0, n + q), grown
-
-
-def _leading_slice(value: torch.Tensor, buf: torch.Tensor) -> bool:
-    """``value`` is ``buf[:, :, :k]`` for some k (same storage start, strides and other dims)."""
-    return (
-        value.dim() == 4 and value.data_ptr() == buf.data_ptr() and value.stride() == buf.stride()
-        and value.shape[:2] == buf.shape[:2] and value.shape[3] == buf.shape[3]
-    )  # fmt: skip
-
-
-def _pad_slots(x: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    """Right-pad ``x`` with zeros (False) along ``dim`` up to ``width``."""
-    extra = width - x.shape[dim]
-    if extra == 0:
-        return x
-    shape = list(x.shape)
-    shape[dim] = extra
-    return torch.cat([x, x.new_zeros(shape)], dim=dim)
-
-
-def _expand_like(index: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-    """Broadcast a slot index [R, 1, S', 1] over the heads and channels of ``kv`` [R, H, S, D]."""
-    return index.expand(kv.shape[0], kv.shape[1], index.shape[2], kv.shape[3])
+def attention_masks(
+    committed: torch.Tensor,  # [R] committed length of each row
+    pos_q: torch.Tensor,  # [R, q] positions of the new tokens (written at slots committed + 0..q-1)
+    vis: torch.Tensor,  # [R, q, q] bool: new token i sees new token j
+    window: int,
+    sliding: int | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Boolean masks [R, 1, q, window] (True = attend) for full and sliding-window layers: each new
+    token sees its row's committed slots and the new tokens ``vis`` allows; a sliding window
+    counts positions (a committed slot's position is its index)."""
+    rows, q = pos_q.shape
+    slot = torch.arange(window, device=pos_q.device)
+    rel = slot[None, :] - committed[:, None]  # [R, S]: which new token a slot holds (0 <= rel < q)
+    new = (rel >= 0) & (rel < q)
+    col = rel.clamp(0, q - 1)
+    seen_new = vis.gather(2, col[:, None, :].expand(rows, q, window))  # [R, q, S]
+    full = torch.where(new[:, None, :], seen_new, (rel < 0)[:, None, :])
+    if sliding is None:
+        return full[:, None], None
+    key_pos = torch.where(new, pos_q.gather(1, col), slot[None, :])  # [R, S]
+    near = (pos_q[:, :, None] - key_pos[:, None, :]) < sliding
+    return full[:, None], (full & near)[:, None]
 
 
 # -- visibility among the new tokens and per-layer-type layout --------------------------------
 
 
 def causal_visibility(real: torch.Tensor) -> torch.Tensor:
-    """[R, q, q] bool: token i sees real tokens j <= i; padding (real False) also sees itself."""
+    """[R, q, q] bool from real [R, q] bool: token i sees real tokens j <= i; padding (real False)
+    also sees itself."""
     q = real.shape[1]
     vis = torch.ones(q, q, dtype=torch.bool, device=real.device).tril()[None] & real[:, None, :]
     return vis | torch.eye(q, dtype=torch.bool, device=real.device)

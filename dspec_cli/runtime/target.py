@@ -1,12 +1,20 @@
 """Target: wraps a transformers causal LM for ragged batched prefill / verify / commit.
 
-One ``DynamicCache`` holds the whole batch (see ``target_cache``). Every forward passes
-explicit per-row ``position_ids`` (committed length + offset, or + tree depth) and its own
-4-D masks over all slots: rows attend to their valid cached slots and, among the new tokens,
-to their causal prefix (chains) or their ancestors (trees). Models with sliding-window layers
-get a ``{"full_attention": ..., "sliding_attention": ...}`` mask dict whose window is applied
-on logical positions, so holes never shrink the window. Sliding layers keep their full KV
-history (a plain ``DynamicCache`` never crops), which costs memory but keeps rollback exact.
+One :class:`~dspec_cli.runtime.kv_cache.SlotCache` holds the whole batch: preallocated K/V
+buffers in which row r's committed tokens occupy slots 0..len_r−1 (slot = RoPE position).
+Every forward writes its new tokens in place at slots len_r.. and passes explicit per-row
+``position_ids`` (committed length + offset, or + tree depth) and its own 4-D masks over a
+window of slots: rows attend to their committed slots and, among the new tokens, to their
+causal prefix (chains) or their ancestors (trees). Models with sliding-window layers get a
+``{"full_attention": ..., "sliding_attention": ...}`` mask dict whose window is applied on
+positions. Sliding layers keep their full KV history, which costs memory but keeps rollback
+exact.
+
+Two levels: the ragged API (:meth:`Target.prefill`, :meth:`Target.verify`,
+:meth:`Target.commit`, ...) validates its inputs and keeps the batch's host bookkeeping; the
+static one (:meth:`Target.score`, :meth:`Target.keep`, :meth:`Target.keep_path`) takes padded
+grids, reads nothing on the host and changes nothing there, so the engine can capture it as a
+CUDA graph (``docs/architecture.md``).
 
 Hidden taps are raw decoder-layer outputs captured with forward hooks (``-1`` = embedding
 output, which for Gemma already includes the embedding scale), concatenated in
@@ -16,8 +24,7 @@ output, which for Gemma already includes the embedding scale), concatenated in
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,10 +39,12 @@ from dspec_cli.core.ragged import flatten, to_grid
 from dspec_cli.core.types import PrefillOutput, StepOutput
 from dspec_cli.runtime import attention
 from dspec_cli.runtime.kv_cache import (
+    ForwardIO,
     PendingStep,
     TargetBatch,
     ancestor_visibility,
     attention_layout,
+    attention_masks,
     causal_visibility,
 )
 
@@ -66,6 +75,8 @@ class Target:
         _check_positions(model, params)
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._keep_kw = "logits_to_keep" in params
+        self._hooked: set[int] = set()  # tapped modules with a hook (kept for the target's life)
+        self._store: dict[int, torch.Tensor] = {}  # tapped module -> output of the last forward
         if chat_template and (tokenizer is None or tokenizer.chat_template is None):
             raise ValueError("chat_template=True but the tokenizer has no chat template")
         self.chat_template = chat_template
@@ -184,17 +195,13 @@ class Target:
 
     # -- batch API -------------------------------------------------------------------------------
 
-    def new_batch(
-        self, layer_ids: Sequence[int] = (), *, compact_fraction: float = 0.25, max_slots: int | None = None,
-        kv_layer: type | None = None,
-    ) -> TargetBatch:
-        """An empty batch tapping the raw outputs of ``layer_ids`` (-1 = embedding output);
-        ``kv_layer``: its cache layer class (default ``SlackLayer``)."""
+    def new_batch(self, layer_ids: Sequence[int] = (), *, rows: int = 0, slots: int = 0) -> TargetBatch:
+        """An empty batch tapping the raw outputs of ``layer_ids`` (-1 = embedding output), with
+        room for ``rows`` rows of ``slots`` slots (more is allocated when needed)."""
         bad = [i for i in layer_ids if not -1 <= int(i) < self.num_layers]
         if bad:
             raise ValueError(f"layer_ids must be in [-1, {self.num_layers}), got {bad}")
-        return TargetBatch(layer_ids, self.device, compact_fraction=compact_fraction, max_slots=max_slots,
-                           kv_layer=kv_layer)
+        return TargetBatch(layer_ids, self.device, rows, slots)
 
     @torch.no_grad()
     def prefill(self, batch: TargetBatch, prompts: Sequence[Sequence[int]]) -> PrefillOutput:
@@ -209,44 +216,44 @@ class Target:
         distinct: dict[tuple[int, ...], int] = {}
         which = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]  # distinct id of each prompt
         uniq = list(distinct)
-        fresh = batch.empty_like(0)
-        order: list[int] = []  # distinct id of each row of ``fresh``
+        first = batch.num_rows
+        order: list[int] = []  # distinct id of each new row
         logits: list[torch.Tensor] = []  # [G, V] per group
-        hidden: list[torch.Tensor] = []  # [L, n·d] per row of ``fresh``
+        hidden: list[torch.Tensor] = []  # [L, n·d] per new row
         for group in _length_groups([len(u) for u in uniq]):
-            part, group_logits, group_hidden = self._prefill_group(batch, [uniq[i] for i in group])
-            fresh.extend(part)
+            group_logits, group_hidden = self._prefill_group(batch, [uniq[i] for i in group])
             order += group
             logits.append(group_logits)
             hidden += group_hidden
         row_of = {u: r for r, u in enumerate(order)}
-        index = [row_of[u] for u in which]  # row of ``fresh`` that each prompt gets
+        index = [row_of[u] for u in which]  # new row that each prompt gets
         if index != list(range(len(order))):
-            fresh.select_rows(index)
-        first_row = batch.num_rows
-        batch.extend(fresh)
-        batch.maybe_compact()
+            batch.select_rows(list(range(first)) + [first + i for i in index])
         last = torch.cat(logits).index_select(0, torch.tensor(index, device=self.device))
-        rows = torch.arange(first_row, first_row + len(prompts), device=self.device)
+        rows = torch.arange(first, first + len(prompts), device=self.device)
         return PrefillOutput(logits=last, hidden=[hidden[r] for r in index], rows=rows)
 
-    def _prefill_group(
-        self, batch: TargetBatch, prompts: list[tuple[int, ...]]
-    ) -> tuple[TargetBatch, torch.Tensor, list[torch.Tensor]]:
-        """One left-padded forward of ``prompts`` into a fresh batch with ``batch``'s settings:
-        (that batch, last-position logits [G, V] float, taps [L_g, n·d] per prompt)."""
+    def _prefill_group(self, batch: TargetBatch, prompts: list[tuple[int, ...]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One left-padded forward of ``prompts`` into new rows of ``batch``: (last-position logits
+        [G, V] float, taps [L_g, n·d] per prompt). The padding is then shifted out, so each row's
+        slots hold positions 0.. again."""
         lens, dev = [len(p) for p in prompts], self.device
         width = max(lens)
+        row0 = batch.add_rows(len(lens), width)
         ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long, device=dev)
         start = width - torch.tensor(lens, dtype=torch.long, device=dev)  # [G] left padding
         col = torch.arange(width, device=dev)
         pos = (col[None, :] - start[:, None]).clamp(min=0)  # [G, P]
-        real = col[None, :] >= start[:, None]  # [G, P]
-        fresh = batch.empty_like(len(lens))
-        vis = None if len(lens) == 1 else causal_visibility(real)
-        logits, taps = self._forward(fresh, ids, pos, vis, last_only=True)
-        fresh.record_prefill(real, pos, lens)
-        return fresh, logits[:, -1].float(), [taps[r, width - n :] for r, n in enumerate(lens)]
+        slots = col.expand(len(lens), width)
+        masks = None
+        if len(lens) > 1:
+            vis = causal_visibility(col[None, :] >= start[:, None])
+            masks = self._masks(torch.zeros_like(start), pos, vis, width)
+        logits, taps = self._forward(batch, row0, ids, pos, slots, width, masks, last_only=True)
+        if min(lens) < width:
+            batch.shift_rows(row0, start, width)
+        batch.commit_prefill(row0, lens)
+        return logits[:, -1].float(), [taps[r, width - n :] for r, n in enumerate(lens)]
 
     @torch.no_grad()
     def verify(self, batch: TargetBatch, tokens: torch.Tensor, lengths: torch.Tensor) -> StepOutput:
@@ -256,9 +263,11 @@ class Target:
         rows in order; ``lengths`` [R] may hold 0 for rows that sit this step out.
         """
         n, q, flat = self._ragged(batch, tokens, lengths)
-        vis = None if self._dense(batch) else causal_visibility(self._real(n, q))
-        depth = torch.arange(q, device=self.device)[None, :]
-        return self._step(batch, tokens, n, q, flat, vis, depth, parents=None)
+        ids = to_grid(tokens.to(self.device, torch.long), batch.num_rows, q, flat)
+        window = batch.window(q)
+        logits, taps = self.score(batch, ids, None, window, dense=self.dense(batch, q, window))
+        batch.pending = PendingStep(n=n, q=q, parents=None)
+        return self._step_output(logits, taps, n, flat)
 
     @torch.no_grad()
     def append(self, batch: TargetBatch, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -270,15 +279,12 @@ class Target:
         n, q, flat = self._ragged(batch, tokens, lengths)
         if min(n) < 1:
             raise ValueError(f"append: every row needs at least one token, got lengths {n}")
-        real = self._real(n, q)
-        vis = None if self._dense(batch) else causal_visibility(real)
         ids = to_grid(tokens.to(self.device, torch.long), batch.num_rows, q, flat)
-        pos = batch.committed[:, None] + torch.arange(q, device=self.device)  # [R, q]
-        logits, _ = self._forward(batch, ids, pos, vis, last_only=flat is None)
-        if flat is not None:  # ragged: each row's last real token
-            logits = logits[torch.arange(len(n), device=self.device), _counts(n, self.device) - 1, None]
-        batch.append_step(real, pos, n)
-        return logits[:, -1].float()
+        window = batch.window(q)
+        logits, _ = self.score(batch, ids, None, window, dense=self.dense(batch, q, window))
+        last = logits[torch.arange(len(n), device=self.device), _counts(n, self.device) - 1]
+        self._commit(batch, _counts(n, self.device), n)
+        return last
 
     @torch.no_grad()
     def verify_tree(
@@ -286,7 +292,7 @@ class Target:
     ) -> StepOutput:
         """Score ragged trees: row r has n_r = ``lengths[r]`` (lengths [R]) nodes, tokens [Σn_r], with
         row-local parents [Σn_r]: node 0 is the anchor (parent -1), node i > 0 has parent < i. Position = committed
-        length + depth; each node attends to the row's valid cache and to its ancestors."""
+        length + depth; each node attends to the row's committed slots and to its ancestors."""
         n, q, flat = self._ragged(batch, tokens, lengths)
         if parents.shape != tokens.shape:
             raise ValueError(f"parents must be shaped like tokens, got {tuple(parents.shape)}")
@@ -297,20 +303,19 @@ class Target:
         ok = torch.where(col == 0, par == -1, (par >= 0) & (par < col))
         if not bool(torch.where(real, ok, True).all()):
             raise ValueError("parents: node 0 of a row must be -1 and node i > 0 needs 0 <= parent < i")
-        vis = ancestor_visibility(par)  # [R, q, q]
-        depth = vis.sum(dim=-1) - 1
-        return self._step(batch, tokens, n, q, flat, vis, depth, parents=par)
+        ids = to_grid(tokens.to(dev, torch.long), rows, q, flat)
+        logits, taps = self.score(batch, ids, par, batch.window(q))
+        batch.pending = PendingStep(n=n, q=q, parents=par)
+        return self._step_output(logits, taps, n, flat)
 
     def commit(self, batch: TargetBatch, keep: torch.Tensor) -> None:
-        """Chains: keep the first ``keep[r]`` verified tokens of each row [R]; the rest become holes."""
+        """Chains: keep the first ``keep[r]`` verified tokens of each row [R]; the rest are dropped."""
         pending = _require_pending(batch, tree=False)
         keep = keep.to(self.device, torch.long)
         keep_list = keep.tolist()
         if len(keep_list) != batch.num_rows or any(not 0 <= k <= m for k, m in zip(keep_list, pending.n, strict=True)):
             raise ValueError(f"keep must be [R] with 0 <= keep[r] <= n_r={pending.n}, got {keep_list}")
-        q = batch.num_slots - pending.start
-        kept = torch.arange(q, device=self.device)[None, :] < keep[:, None]
-        batch.close_step(kept, keep_list)
+        self._commit(batch, keep, keep_list)
 
     def commit_path(self, batch: TargetBatch, path: torch.Tensor) -> None:
         """Trees: keep the nodes of ``path`` [R, D] (row-local ids from the root down, -1 padded)."""
@@ -331,17 +336,31 @@ class Target:
         ok, *added = torch.cat([ok[None].long(), used.sum(dim=1)]).tolist()  # one host sync
         if not ok:
             raise ValueError("path: each row must be a chain 0, child, grandchild, ... then -1 padding")
-        kept = torch.zeros(rows, q + 1, dtype=torch.bool, device=self.device)
-        kept.scatter_(1, torch.where(used, path, q), True)
-        batch.close_step(kept[:, :q], added)
+        batch.keep_path(path)
+        batch.pending = None
+        batch.settle([m + a for m, a in zip(batch.lengths, added, strict=True)])
 
     def rollback(self, batch: TargetBatch, drop: torch.Tensor) -> None:
-        """Un-commit the last ``drop[r]`` committed tokens of each row [R] (they become holes)."""
-        batch.rollback(drop)
+        """Un-commit the last ``drop[r]`` committed tokens of each row [R]."""
+        batch.require_idle("rollback")
+        drop_list = drop.tolist()
+        if len(drop_list) != batch.num_rows or any(not 0 <= d <= m for d, m in zip(drop_list, batch.lengths, strict=True)):
+            raise ValueError(f"drop must be [R] with 0 <= drop[r] <= committed={batch.lengths}, got {drop_list}")
+        batch.advance(-drop.to(self.device, torch.long))
+        batch.settle([m - d for m, d in zip(batch.lengths, drop_list, strict=True)])
 
     def remove(self, batch: TargetBatch, rows: Sequence[int]) -> None:
         """Finished requests leave the batch; remaining rows keep their order."""
-        batch.remove(rows)
+        batch.require_idle("remove")
+        drop = {int(r) for r in rows}
+        if len(drop) != len(rows) or any(r < 0 or r >= batch.num_rows for r in drop):
+            raise ValueError(f"rows must be distinct indices in [0, {batch.num_rows}), got {list(rows)}")
+        batch.select_rows([r for r in range(batch.num_rows) if r not in drop])
+
+    def select_rows(self, batch: TargetBatch, index: Sequence[int]) -> None:
+        """Rows become rows ``index`` of the batch, in that order (a repeated row is copied; rows not
+        named leave). Only rows that change place are copied."""
+        batch.select_rows(index)
 
     @torch.no_grad()
     def forward_full(
@@ -350,11 +369,73 @@ class Target:
         """Plain forward of ids [1, L] (no cache, HF's own masks): (logits [L, V] float, taps [L, n·d])."""
         if ids.dim() != 2 or ids.shape[0] != 1:
             raise ValueError(f"ids must be [1, L], got {tuple(ids.shape)}")
-        with self._taps(layer_ids) as taps:
-            out = self.model(input_ids=ids.to(self.device), use_cache=False)
-        return out.logits[0].float(), _concat(taps, ids.shape[1], self.dtype, self.device)[0]
+        self._hook(layer_ids)
+        out = self.model(input_ids=ids.to(self.device), use_cache=False)
+        return out.logits[0].float(), self._collect(layer_ids, ids.shape)[0]
+
+    @torch.no_grad()
+    def decoder_features(
+        self,
+        input_ids: torch.Tensor,  # [B, L]
+        attention_mask: torch.Tensor,  # [B, L]
+        layer_ids: Sequence[int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder alone (no LM head, no cache, HF's own masks) over the batch: (taps [B, L, n·d], the raw outputs of ``layer_ids`` (-1 = the
+        embeddings) through the hooks inference uses, and last_hidden [B, L, d], the final-norm
+        output). What drafter training learns from."""
+        self._hook(layer_ids)
+        out = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        last = out.last_hidden_state
+        return self._collect(layer_ids, last.shape[:2]), last
+
+    # -- the static round: no host reads, no host bookkeeping (capturable) ------------------------
+
+    def score(
+        self, batch: TargetBatch, ids: torch.Tensor, parents: torch.Tensor | None, window: int, dense: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward of ids [n, q] after the committed prefix of rows [0, n) (n may exceed the
+        batch's rows up to its row capacity: padding rows), attending over ``window`` slots
+        (:meth:`TargetBatch.window`). ``parents`` [n, q] (row-local, -1 = none) makes each token
+        see its ancestors at position committed + depth; None: causal chains. ``dense``: one row
+        whose window ends at its last new token, so the model's own causal mask is exact
+        (:meth:`dense`). Writes the tokens' K/V at slots committed + 0..q-1 and returns (logits
+        [n, q, V] float, taps [n, q, n·d]); the batch's bookkeeping is unchanged."""
+        rows, q = ids.shape
+        committed = batch.committed_rows(rows)
+        step = torch.arange(q, device=ids.device)
+        if parents is None:
+            vis = torch.ones(q, q, dtype=torch.bool, device=ids.device).tril().expand(rows, q, q)
+            pos = committed[:, None] + step
+        else:
+            vis = ancestor_visibility(parents)  # [n, q, q]
+            pos = committed[:, None] + vis.sum(-1) - 1
+        slots = committed[:, None] + step
+        masks = None if dense else self._masks(committed, pos, vis, window)
+        logits, taps = self._forward(batch, 0, ids, pos, slots, window, masks, last_only=False)
+        return logits.float(), taps
+
+    def dense(self, batch: TargetBatch, q: int, window: int) -> bool:
+        """One row with an exactly known length and a window ending at its q-th new token: slots
+        equal positions, so the model's own causal masking is exact and no mask is passed (sdpa's
+        fast path; matters at R = 1 on a CPU)."""
+        return batch.num_rows == 1 and batch.exact and window == batch.lengths[0] + q
+
+    @staticmethod
+    def keep(batch: TargetBatch, keep: torch.Tensor) -> None:
+        """Chains: rows [0, n) keep ``keep`` [n] of the tokens :meth:`score` wrote (no host read)."""
+        batch.advance(keep)
+
+    @staticmethod
+    def keep_path(batch: TargetBatch, path: torch.Tensor) -> None:
+        """Trees: rows [0, n) keep the nodes of ``path`` [n, D+1] (no host read)."""
+        batch.keep_path(path)
 
     # -- internals -------------------------------------------------------------------------------
+
+    def _commit(self, batch: TargetBatch, keep: torch.Tensor, keep_list: list[int]) -> None:
+        batch.advance(keep)
+        batch.pending = None
+        batch.settle([m + k for m, k in zip(batch.lengths, keep_list, strict=True)])
 
     def _ragged(self, batch: TargetBatch, tokens: torch.Tensor, lengths: torch.Tensor):
         """Validate a ragged input; return n (host list), q = max n and the flat index [Σn] into
@@ -379,48 +460,30 @@ class Target:
         flat = torch.arange(total, device=dev) + torch.repeat_interleave(offsets, counts, output_size=total)
         return n, q, flat
 
-    def _real(self, n: list[int], q: int) -> torch.Tensor:
-        """[R, q] bool: slot j of row r holds one of its n[r] tokens (False: right padding)."""
-        if min(n) == q:
-            return torch.ones(len(n), q, dtype=torch.bool, device=self.device)
-        return torch.arange(q, device=self.device)[None, :] < _counts(n, self.device)[:, None]
+    def _step_output(self, logits, taps, n: list[int], flat) -> StepOutput:
+        dev = self.device
+        out_rows = torch.repeat_interleave(torch.arange(len(n), device=dev), _counts(n, dev), output_size=sum(n))
+        return StepOutput(logits=flatten(logits, flat), hidden=flatten(taps, flat), rows=out_rows)
 
-    @staticmethod
-    def _dense(batch: TargetBatch) -> bool:
-        """One row and no holes: slots equal positions, so the model's own causal mask is exact."""
-        return batch.num_rows == 1 and batch.holes == 0
+    def _masks(self, committed, pos, vis, window: int):
+        """The model's attention_mask argument: one mask, or a dict per layer type (mixed layouts)."""
+        full, sliding = attention_masks(committed, pos, vis, window, self._window)
+        if self._layout == "mixed":
+            return {"full_attention": self._as_mask(full), "sliding_attention": self._as_mask(sliding)}
+        return self._as_mask(sliding if self._layout == "sliding" else full)
 
-    def _step(self, batch, tokens, n, q, flat, vis, depth, parents) -> StepOutput:
-        rows, dev = batch.num_rows, self.device
-        ids = to_grid(tokens.to(dev, torch.long), rows, q, flat)
-        pos = batch.committed[:, None] + depth  # [R, q]
-        logits, taps = self._forward(batch, ids, pos, vis, last_only=False)
-        batch.open_step(self._real(n, q), pos, PendingStep(start=batch.num_slots, n=n, parents=parents))
-        out_rows = torch.repeat_interleave(torch.arange(rows, device=dev), _counts(n, dev), output_size=sum(n))
-        return StepOutput(logits=flatten(logits, flat).float(), hidden=flatten(taps, flat), rows=out_rows)
-
-    def _forward(self, batch: TargetBatch, ids, pos, vis, last_only: bool):
-        """One cached forward of ids [R, q] at positions pos [R, q]; returns (logits, taps [R, q, n·d]).
-
-        ``vis`` [R, q, q]: visibility among the new tokens, None for a dense step (one row, no
-        holes, causal new tokens): slots equal positions, so the model's own causal masking is
-        exact and we pass no mask (sdpa's fast path; matters at R = 1).
-        """
-        if vis is None:
-            mask = None
-        elif self._layout == "mixed":
-            full, sliding = batch.attention_masks(pos, vis, self._window)
-            mask = {"full_attention": self._as_mask(full), "sliding_attention": self._as_mask(sliding)}
-        else:
-            full, sliding = batch.attention_masks(pos, vis, self._window)
-            mask = self._as_mask(sliding if self._layout == "sliding" else full)
-        kwargs = {self._cache_kw: batch.cache, "attention_mask": mask, "position_ids": pos, "use_cache": True}
+    def _forward(self, batch: TargetBatch, row0: int, ids, pos, slots, window: int, masks, last_only: bool):
+        """One cached forward of ids [n, q] of rows row0.. at positions pos [n, q], writing slots
+        [n, q], attending over ``window`` slots under ``masks`` (None: the model's causal mask);
+        returns (logits, taps [n, q, n·d])."""
+        self._hook(batch.layer_ids)
+        batch.cache.io = ForwardIO(row0, slots, window)
+        kwargs = {self._cache_kw: batch.cache, "attention_mask": masks, "position_ids": pos, "use_cache": True}
         if last_only and self._keep_kw:
             kwargs["logits_to_keep"] = 1
-        with self._taps(batch.layer_ids) as taps:
-            out = self.model(input_ids=ids, **kwargs)
+        out = self.model(input_ids=ids, **kwargs)
         logits = out.logits[:, -1:] if last_only else out.logits
-        return logits, _concat(taps, ids.shape[1], self.dtype, self.device, rows=ids.shape[0])
+        return logits, self._collect(batch.layer_ids, ids.shape)
 
     def _as_mask(self, mask: torch.Tensor | None) -> torch.Tensor:
         """Bool mask for sdpa; additive float mask (0 / dtype min) for eager attention."""
@@ -431,25 +494,27 @@ class Target:
             ~mask, torch.finfo(self.dtype).min
         )
 
-    @contextmanager
-    def _taps(self, layer_ids: Sequence[int]) -> Iterator[list]:
-        """Capture raw outputs of the tapped modules during one forward, in ``layer_ids`` order."""
-        store: dict[int, torch.Tensor] = {}
-        handles = []
-        for lid in dict.fromkeys(int(i) for i in layer_ids):
+    def _hook(self, layer_ids: Sequence[int]) -> None:
+        """Forward hooks storing the raw output of each tapped module (installed once, kept)."""
+        for lid in layer_ids:
+            lid = int(lid)
+            if lid in self._hooked:
+                continue
             module = self._embed if lid == -1 else self._layers[lid]
 
             def hook(_mod, _inp, out, lid=lid):
-                store[lid] = out[0] if isinstance(out, tuple) else out
+                self._store[lid] = out[0] if isinstance(out, tuple) else out
 
-            handles.append(module.register_forward_hook(hook))
-        taps: list[torch.Tensor] = []
-        try:
-            yield taps
-        finally:
-            for h in handles:
-                h.remove()
-        taps.extend(store[int(i)] for i in layer_ids)
+            module.register_forward_hook(hook)
+            self._hooked.add(lid)
+
+    def _collect(self, layer_ids: Sequence[int], shape) -> torch.Tensor:
+        """The taps of the forward just run [n, q, n·d], in ``layer_ids`` order."""
+        if not layer_ids:
+            return torch.zeros(*shape, 0, dtype=self.dtype, device=self.device)
+        taps = torch.cat([self._store[int(i)] for i in layer_ids], dim=-1)
+        self._store.clear()
+        return taps
 
 
 TESTED = "Qwen2, Qwen3, Llama, Mistral, Phi3, Gemma3, GPT-2, GPT-NeoX"  # docs/real-model.md "Supported targets"
@@ -501,12 +566,6 @@ def _length_groups(lens: list[int]) -> list[list[int]]:
 def _counts(n: list[int], device) -> torch.Tensor:
     """Host list of per-row counts -> long tensor [R]."""
     return torch.tensor(n, dtype=torch.long, device=device)
-
-
-def _concat(taps: list[torch.Tensor], q: int, dtype, device, rows: int = 1) -> torch.Tensor:
-    if not taps:
-        return torch.zeros(rows, q, 0, dtype=dtype, device=device)
-    return torch.cat(taps, dim=-1)
 
 
 def _require_pending(batch: TargetBatch, tree: bool) -> PendingStep:

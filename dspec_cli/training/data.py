@@ -246,12 +246,8 @@ class DataOrder:
 def target_features(target, batch: dict[str, torch.Tensor], layer_ids: Sequence[int]) -> dict[str, torch.Tensor]:
     """Frozen-target features of a batch: taps [B, L, n·d] (raw outputs of ``layer_ids``, -1 =
     embeddings; the same hooks as inference) and last_hidden [B, L, d] (final-norm output)."""
-    decoder = target.model.get_decoder()
-    with target._taps(layer_ids) as taps:
-        out = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-    last = out.last_hidden_state
-    tap = torch.cat(taps, dim=-1) if taps else last.new_zeros(*last.shape[:2], 0)
-    return {"taps": tap, "last_hidden": last}
+    taps, last = target.decoder_features(batch["input_ids"], batch["attention_mask"], layer_ids)
+    return {"taps": taps, "last_hidden": last}
 
 
 class FeatureCache:

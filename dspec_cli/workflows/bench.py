@@ -56,6 +56,7 @@ class BenchOptions:
     dtype: str = "auto"
     warmup: bool = True
     repeats: int = 1  # passes over the prompts, every unit paired with plain decoding
+    cuda_graphs: bool = True  # rounds as CUDA graphs on a CUDA device (GenerationConfig.graphs "auto")
     chat_template_kwargs: dict = field(default_factory=default_kwargs)  # how prompts are rendered
     verify: Sequence[str] = ()  # verification rules by name (verify_config); () = the engine's defaults
     extra: dict = field(default_factory=dict)
@@ -425,7 +426,8 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
         for conc in opts.concurrency:
             cfg = GenerationConfig(
                 max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, top_k=opts.top_k,
-                top_p=opts.top_p, block_size=opts.block_size, max_batch=conc, seed=opts.seed, **rules,
+                top_p=opts.top_p, block_size=opts.block_size, max_batch=conc, seed=opts.seed,
+                graphs="auto" if opts.cuda_graphs else "eager", **rules,
             )
             engines = [("baseline", "-", SpeculativeEngine(target, None, cfg))]
             engines += [

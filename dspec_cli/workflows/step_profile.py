@@ -155,9 +155,10 @@ def profile_steps(
     model_name: str = "",
     seed: int = 0,
     progress: Callable[[int, int, int], None] | None = None,
+    graphs: str = "auto",
 ) -> StepProfile:
     """Time whole steps of ``drafter`` on ``target`` over the grid (module docstring);
-    ``progress(C, R, v)`` after each cell."""
+    ``progress(C, R, v)`` after each cell; ``graphs``: the engine's graph mode (GenerationConfig)."""
 
     gamma = drafter.config.block_size
     requests, contexts = sorted(set(requests)), sorted(set(contexts))
@@ -183,7 +184,7 @@ def profile_steps(
                 timer = _FixedWidth(v - 1, r, warmup + repeats)
                 # room for every round to commit a whole block (γ + 1 tokens: a tree's path can be that long)
                 config = GenerationConfig(max_new_tokens=2 + (warmup + repeats) * (gamma + 1), temperature=1.0,
-                                          block_size=gamma, max_batch=r, seed=seed)
+                                          block_size=gamma, max_batch=r, seed=seed, graphs=graphs)
                 try:
                     SpeculativeEngine(target, _Padded(drafter, v - 1), config, scheduler=timer,
                                       stop_ids=[]).generate(prompts)

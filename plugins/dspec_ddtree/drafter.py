@@ -227,14 +227,15 @@ class DDTreeDrafter(WrappedDrafter):
         cfg = self.config
         key = (cfg.tree_budget, cfg.block_size, topk, cfg.tree_accept, cfg.tree_rescue)
         if self._shape is None or self._shape[0] != key:
-            self._shape = key, sampled_shape(*key)
+            self._shape = key, sampled_shape(*key).to(anchors.device)  # on the device once
         tokens, parents, scores, num_nodes, q = grow_sampled_tree(
             expand, sampler.probs, lambda slot, q, n: sampler.sample_distinct(q, n, slot), anchors, depth, self._shape[1]
         )
         if cfg.tree_shape == "confidence":
             keep = self.admitted_nodes(h, anchors, tokens, parents, num_nodes, q, depth)
             tokens, parents, scores, num_nodes, q = prune_tree(tokens, parents, scores, q, keep)
-        return DraftTree(tokens=tokens, parents=parents, num_nodes=num_nodes, draft_probs=q), scores
+        return DraftTree(tokens=tokens, parents=parents, num_nodes=num_nodes, draft_probs=q,
+                         fanout=self._shape[1].shape[1]), scores  # pruning never adds children
 
     def admitted_nodes(
         self,

@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from dspec_cli import PAD, select_tree
+from dspec_cli import PAD, reads_free, select_tree
 
 __all__ = ["Expand", "grow_sampled_tree", "grow_tree", "node_depths", "node_survival", "prune_tree", "sampled_shape"]
 
@@ -212,7 +212,7 @@ def grow_sampled_tree(
         m = torch.minimum(planned, (q > 0).sum(-1))  # [R, W] children per node
         kids = torch.zeros(R, W, K, dtype=torch.long, device=dev)  # [R, W, K]: draws without replacement, in order
         # on a CPU draw only as many siblings as some node takes (a free read there); elsewhere K
-        n_draw = int(m.max()) if dev.type == "cpu" else K
+        n_draw = int(m.max()) if reads_free(m) else K
         if n_draw == 0:
             break
         kids[..., :n_draw] = draw(slot, q, n_draw)
@@ -221,7 +221,7 @@ def grow_sampled_tree(
         kid_sid = shape[sid.clamp(min=0)].flatten(1)  # [R, W·K]
         count = valid.sum(1)
         W2 = min(N, W * K)
-        if dev.type == "cpu":  # only real children go on (a free read there): later levels expand fewer rows
+        if reads_free(count):  # only real children go on (a free read there): later levels expand fewer rows
             W2 = max(min(W2, int(count.max())), 1)
         pick = (~valid).long().argsort(dim=1, stable=True)[:, :W2]  # [R, W2] the valid children first, in order
         new_alive = torch.arange(W2, device=dev) < count[:, None]
@@ -287,10 +287,14 @@ def prune_tree(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kept nodes of each tree, renumbered in their order (parents still first, siblings in
     draw order): tokens, parents, scores [R, N'] (padded as the input), num_nodes [R] and
-    draft_probs [R, N'+1, V], N' = the most nodes any tree keeps (at least 1)."""
+    draft_probs [R, N'+1, V], N' = the most nodes any tree keeps (at least 1) where reading that
+    is free, else N' = N (no host read)."""
     R, N = tokens.shape
     count = keep.sum(1)
-    width = max(int(count.max()) if keep.numel() else 0, 1)  # one padded column when no node is kept
+    if reads_free(count):
+        width = max(int(count.max()) if keep.numel() else 0, 1)  # one padded column when no node is kept
+    else:
+        width = max(N, 1)
     order = (~keep).long().argsort(dim=1, stable=True)[:, :width]  # [R, N'] kept nodes first, in order
     alive = torch.arange(width, device=tokens.device) < count[:, None]
     new_id = torch.cat([keep.new_zeros(R, 1, dtype=torch.long), keep.long().cumsum(1)], 1)  # [R, N+1]: old -> new

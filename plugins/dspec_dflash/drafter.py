@@ -225,7 +225,7 @@ class DFlashDrafter(TrainableDrafter):
         self.net.backbone.extend_cache(cache, torch.cat(hidden), counts, max(h.shape[0] for h in hidden))
 
     def remove_requests(self, state: BlockDraftState, keep: list[int]) -> None:
-        state.cache.keep_rows(torch.tensor(keep, dtype=torch.long, device=self.target.device))
+        state.cache.keep_rows(keep)
 
     @torch.no_grad()
     def advance(self, state: BlockDraftState, committed, counts, hidden) -> None:
@@ -235,6 +235,25 @@ class DFlashDrafter(TrainableDrafter):
         self._check_taps(hidden)
         counts = counts.to(self.target.device)
         self.net.backbone.extend_cache(state.cache, hidden, counts, int(counts.max()) if counts.numel() else 0)
+
+    @torch.no_grad()
+    def advance_grid(self, state: BlockDraftState, committed, counts, hidden) -> None:
+        """Padded rows (capturable): hidden [n, W, n·d] of which the first counts [n] per row."""
+        if hidden is None:
+            raise ValueError(f"hidden: {self.name} needs the target's taps of committed tokens")
+        self._check_taps(hidden)
+        self.net.backbone.extend_cache_grid(state.cache, hidden, counts)
+
+    def reserve(self, state: BlockDraftState, rows: int, slots: int) -> None:
+        state.cache.reserve(rows, slots)
+
+    def capture_key(self, state: BlockDraftState, bucket: int):
+        """The context window (fixed for this round, rounded up to ``bucket``) and the cache's
+        storage generation."""
+        return state.cache.fix_window(bucket), state.cache.generation
+
+    def settle(self, state: BlockDraftState, lengths: list[int]) -> None:
+        state.cache.settle(max(lengths, default=0))
 
     @torch.no_grad()
     def block_logits(self, state: BlockDraftState, anchors: torch.Tensor) -> torch.Tensor:
@@ -299,13 +318,14 @@ class DFlashDrafter(TrainableDrafter):
     def block_hidden(self, state: BlockDraftState, anchors: torch.Tensor) -> torch.Tensor:
         """h [R, γ, d] for blocks [anchor, mask × (γ−1)] after each row's committed context."""
         cache = state.cache
-        if anchors.shape != (cache.rows,):
-            raise ValueError(f"anchors must be [R={cache.rows}], got {tuple(anchors.shape)}")
+        rows = anchors.shape[0]
+        if anchors.dim() != 1 or not cache.rows <= rows <= cache.lengths_rows(rows).shape[0]:
+            raise ValueError(f"anchors must be [R={cache.rows}] (or padded past R), got {tuple(anchors.shape)}")
         skip = 0 if self.config.anchor_predicts else 1  # original DFlash: the anchor slot predicts nothing
         slots = self.config.block_size + skip
-        ids = torch.full((cache.rows, slots), self.config.mask_token_id, dtype=torch.long, device=anchors.device)
+        ids = torch.full((rows, slots), self.config.mask_token_id, dtype=torch.long, device=anchors.device)
         ids[:, 0] = anchors
-        pos = cache.lengths[:, None] + torch.arange(slots, device=anchors.device)
+        pos = cache.lengths_rows(rows)[:, None] + torch.arange(slots, device=anchors.device)
         return self.net.backbone.forward_block(self.embed(ids), pos, cache)[:, skip:]
 
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:

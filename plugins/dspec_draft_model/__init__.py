@@ -108,9 +108,7 @@ class DraftModelDrafter(Drafter):
 
     def remove_requests(self, state: DraftModelState, keep: list[int]) -> None:
         super().remove_requests(state, keep)
-        drop = [r for r in range(len(state.pending)) if r not in set(keep)]
-        if drop:
-            self.model.remove(state.batch, drop)
+        self.model.select_rows(state.batch, keep)
         state.pending = [state.pending[r] for r in keep]
 
     def propose(self, state: DraftModelState, anchors: torch.Tensor, max_len: int, sampler: Sampler) -> Proposal:

@@ -405,8 +405,9 @@ def test_sampled_tree_lossless(target, sampling, rule, monkeypatch):
     """The sampled tree over DSpark-Markov, verified with its q by recursive rejection sampling
     ("sampled") or traversal verification."""
     methods = []
-    verify = engine_module.verify_tree
-    monkeypatch.setattr(engine_module, "verify_tree", lambda *a, **kw: methods.append(kw["method"]) or verify(*a, **kw))
+    verify = engine_module.verify_tree_grid
+    monkeypatch.setattr(engine_module, "verify_tree_grid",
+                        lambda *a, **kw: methods.append(kw["method"]) or verify(*a, **kw))
     check_lossless(target, "dspark-markov", sampling, None, 4000, verify=dict(tree_verify=rule), tree_budget=8,
                    tree_mode="sampled")
     assert set(methods) == {rule}

@@ -18,7 +18,10 @@ Backends: ``"torch"`` (reference, any device), ``"triton"`` (CUDA, or CPU under
 TRITON_INTERPRET=1), ``"auto"`` (Triton on CUDA tensors when it imports, else torch).
 Chain and greedy calls synchronise with the host once (ragged lengths and, with ``validate=True``, the
 value checks); ``validate=False`` skips the value checks on hot paths, and the logits-level calls
-(:func:`verify_chain_logits`, :func:`sample_logits`) given ``max_draft`` never synchronise.
+(:func:`verify_chain_logits`, :func:`sample_logits`) given ``max_draft`` never synchronise. The
+``*_grid`` variants take padded rows instead ([R, W + 1] target rows, [R, W] drafts, lengths on
+the device), check shapes only and never read the device: what the engine's static round runs
+(torch backend).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from dspec_cli.core.sampling import (
 )
 from dspec_cli.core.types import VerifyResult
 from dspec_cli.runtime.verify import block, checks, reference
-from dspec_cli.runtime.verify.tree import verify_tree
+from dspec_cli.runtime.verify.tree import verify_tree, verify_tree_grid
 
 __all__ = [
     "CHAIN_METHODS",
@@ -48,9 +51,12 @@ __all__ = [
     "sample_logits",
     "triton_available",
     "verify_chain",
+    "verify_chain_grid",
     "verify_chain_logits",
     "verify_greedy",
+    "verify_greedy_grid",
     "verify_tree",
+    "verify_tree_grid",
 ]
 
 BACKENDS = ("auto", "torch", "triton")
@@ -367,3 +373,63 @@ def sample_logits(
     bonus_only = torch.zeros(N, dtype=torch.long, device=device)  # no drafts: each row races over p
     coins = torch.empty(0, dtype=torch.float64, device=device)
     return impl.chain(probs, bonus_only[:0], None, bonus_only, coins, noise, 0, 0).tokens[:, 0]
+
+
+def _grid_shapes(target: torch.Tensor, name: str, draft_tokens: torch.Tensor, num_draft: torch.Tensor) -> tuple[int, int]:
+    """(R, W) of a padded chain verification, shapes checked on the host."""
+    checks.tensor(name, target, dim=3, kind="float")
+    device = target.device
+    checks.tensor("draft_tokens", draft_tokens, dim=2, kind="int", device=device)
+    R, W = draft_tokens.shape
+    checks.shape(name, target, (R, W + 1, None))
+    checks.tensor("num_draft", num_draft, dim=1, kind="int", device=device)
+    checks.shape("num_draft", num_draft, (R,))
+    return R, W
+
+
+def verify_chain_grid(
+    target_probs: torch.Tensor,  # [R, W+1, V]
+    draft_tokens: torch.Tensor,  # [R, W]
+    draft_probs: torch.Tensor | None,  # [R, W, V] or None (one-hot drafts)
+    num_draft: torch.Tensor,  # [R], each <= W
+    *,
+    method: str = "token",
+    uniforms: torch.Tensor,  # [R, W] float64 in (0, 1): draft k's coin
+    noise: torch.Tensor | CounterNoise | None = None,  # [R, V] Exp(1) (or its keys): final token by the race
+    final_uniforms: torch.Tensor | None = None,  # [R] float64: final token by the inverse CDF
+) -> VerifyResult:
+    """:func:`verify_chain` over padded rows: row r verifies its first ``num_draft[r]`` drafts
+    against target rows [r, 0..num_draft[r]] by ``method`` ("token" or "block"; one-hot drafts
+    take the token rule, the same law). The padding never decides anything: both references
+    compute every column and mask those past ℓ_r (:func:`reference.chain`,
+    :func:`block.block`), so a row's outcome equals the ragged call's with the same randomness.
+    No host reads (torch reference)."""
+    if method not in CHAIN_METHODS:
+        raise ValueError(f"method: expected one of {CHAIN_METHODS}, got {method!r}")
+    R, W = _grid_shapes(target_probs, "target_probs", draft_tokens, num_draft)
+    vocab = target_probs.shape[2]
+    if draft_probs is not None:
+        checks.shape("draft_probs", draft_probs, (R, W, vocab))
+    checks.shape("uniforms", uniforms, (R, W))
+    if (noise is None) == (final_uniforms is None):
+        raise ValueError("verify_chain_grid: give exactly one of noise and final_uniforms for the final token")
+    if isinstance(noise, torch.Tensor):
+        noise = noise.float()
+    probs, drafts = target_probs.flatten(0, 1), draft_tokens.flatten().long()
+    q = None if draft_probs is None else draft_probs.flatten(0, 1)
+    fu = None if final_uniforms is None else final_uniforms.double()
+    args = (num_draft.long(), uniforms.flatten().double(), noise, R * W, W)
+    if method == "block" and q is not None:
+        return block.block(probs, drafts, q, *args, final_uniforms=fu, grid=True)
+    return reference.chain(probs, drafts, q, *args, final_uniforms=fu, grid=True)
+
+
+def verify_greedy_grid(
+    target_logits: torch.Tensor,  # [R, W+1, V]
+    draft_tokens: torch.Tensor,  # [R, W]
+    num_draft: torch.Tensor,  # [R], each <= W
+) -> VerifyResult:
+    """:func:`verify_greedy` over padded rows (see :func:`verify_chain_grid`). No host reads."""
+    R, W = _grid_shapes(target_logits, "target_logits", draft_tokens, num_draft)
+    return reference.greedy(target_logits.flatten(0, 1), draft_tokens.flatten().long(), num_draft.long(), R * W, W,
+                            grid=True)

@@ -52,15 +52,17 @@ def final_draw(
     return sample_from_probs(weights, noise)
 
 
-def layout(num_draft: torch.Tensor, total: int, width: int):  # num_draft [R] long
-    """Flattened ragged layout as padded grids.
+def layout(num_draft: torch.Tensor, total: int, width: int, grid: bool = False):  # num_draft [R] long
+    """Flattened ragged layout (or, with ``grid``, padded rows of ``width`` drafts and ``width + 1``
+    target rows, flattened) as padded grids.
 
     Returns d_start [R] (first draft of each request), p_start [R] (its first target row),
     d_idx [R, width] (flat draft index, clamped in range) and valid [R, width].
     """
     R = num_draft.numel()
-    d_start = prefix_sums(num_draft)[:-1]
-    p_start = d_start + torch.arange(R, device=num_draft.device)
+    rows = torch.arange(R, device=num_draft.device)
+    d_start = rows * width if grid else prefix_sums(num_draft)[:-1]
+    p_start = d_start + rows
     k = torch.arange(width, device=num_draft.device)
     valid = k < num_draft[:, None]
     d_idx = (d_start[:, None] + k).clamp(max=max(total - 1, 0))
@@ -91,9 +93,11 @@ def chain(
     width: int,
     *,
     final_uniforms: torch.Tensor | None = None,  # [R] float64 in (0, 1): the final token by inverse CDF
+    grid: bool = False,
 ) -> VerifyResult:
-    """Chain rejection sampling; total = Σℓ_r and width = max ℓ_r (host ints)."""
-    d_start, p_start, d_idx, valid = layout(num_draft, total, width)
+    """Chain rejection sampling; total = Σℓ_r and width = max ℓ_r (host ints); ``grid``: every
+    request has ``width`` draft rows and ``width + 1`` target rows (padded, total = R·width)."""
+    d_start, p_start, d_idx, valid = layout(num_draft, total, width, grid)
     rows = target_probs.shape[0]
     p_idx = (p_start[:, None] + torch.arange(width, device=num_draft.device)).clamp(max=rows - 1)
     x = draft_tokens[d_idx]  # [R, L]
@@ -126,9 +130,10 @@ def greedy(
     num_draft: torch.Tensor,  # [R] long
     total: int,
     width: int,
+    grid: bool = False,
 ) -> VerifyResult:
     """Greedy verification: accept while draft == argmax; the final token is the argmax."""
-    _, p_start, d_idx, valid = layout(num_draft, total, width)
+    _, p_start, d_idx, valid = layout(num_draft, total, width, grid)
     best = target_logits.argmax(-1)  # [Σ(ℓ_r+1)]
     rows = target_logits.shape[0]
     p_idx = (p_start[:, None] + torch.arange(width, device=num_draft.device)).clamp(max=rows - 1)

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import torch
 
+from dspec_cli.core.host import reads_free
 from dspec_cli.core.types import VerifyResult
 from dspec_cli.runtime.verify.tree_walk import Tree, all_stopped, normalised, outputs
 
@@ -72,7 +73,7 @@ def proposal(q: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     q_hat = normalised(q)
     q_next = q_hat.scatter(1, x[:, None], 0.0)
     outside = q_hat.gather(1, x[:, None]).squeeze(1) <= 0
-    if outside.device.type == "cpu" and not bool(outside.any()):  # the usual case; a free read on a CPU
+    if reads_free(outside) and not bool(outside.any()):  # the usual case; a free read on a CPU
         return q_hat, q_next
     one_hot = torch.zeros_like(q_hat).scatter_(1, x[:, None], 1.0)
     return torch.where(outside[:, None], one_hot, q_hat), q_next

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import torch
 
+from dspec_cli.core.host import reads_free
 from dspec_cli.core.sampling import (
     NODE_SALT,
     NOISE_SALT,
@@ -177,6 +178,60 @@ def verify_tree(
     return traversal.walk(target_probs, draft_probs, tree, depth, coins, draw)
 
 
+def verify_tree_grid(
+    target_probs: torch.Tensor,  # [R, N+1, V]: the root's row, then one per column
+    tree_tokens: torch.Tensor,  # [R, N]
+    tree_parents: torch.Tensor,  # [R, N] local parent index (0 = root), -1: not a node
+    *,
+    depth: int,  # >= the deepest node's depth
+    fanout: int = 0,  # >= the most children of any node (methods "recursive" and "sampled")
+    method: str = "match",
+    draft_probs: torch.Tensor | None = None,  # sampled, traversal: [R, N+1, V]
+    seeds: torch.Tensor,  # [R] int64
+    offsets: torch.Tensor,  # [R] int64
+    final_draw: str = "race",
+) -> VerifyResult:
+    """:func:`verify_tree` over padded rows with host-known bounds on depth and fan-out: no host
+    reads (shapes are checked on the host, values are not). Counter-based randomness only.
+
+    The nodes of a row are a prefix of its columns (the columns after them have parent -1). Every
+    method walks the same padded view (:meth:`Tree.grid`) that :func:`verify_tree` builds from
+    the ragged layout, with the same coins (salt NODE_SALT + local index) and target draws, so a
+    row's outcome does not depend on the padding: the exactness arguments above carry over
+    unchanged. The loops over depth and siblings run to the host bounds instead of stopping when
+    every walk has (the remaining iterations change nothing on stopped rows)."""
+    if method not in METHODS:
+        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    if final_draw not in ("race", "inverse_cdf"):
+        raise ValueError(f"final_draw: expected 'race' or 'inverse_cdf', got {final_draw!r}")
+    checks.tensor("target_probs", target_probs, dim=3, kind="float")
+    device = target_probs.device
+    checks.tensor("tree_tokens", tree_tokens, dim=2, kind="int", device=device)
+    checks.tensor("tree_parents", tree_parents, dim=2, kind="int", device=device)
+    R, N = tree_tokens.shape
+    vocab = target_probs.shape[2]
+    checks.shape("tree_parents", tree_parents, (R, N))
+    checks.shape("target_probs", target_probs, (R, N + 1, vocab))
+    if (draft_probs is None) == (method in SAMPLED_METHODS):
+        raise ValueError(f"draft_probs: required by methods {SAMPLED_METHODS} and only used by them")
+    if draft_probs is not None:
+        checks.shape("draft_probs", draft_probs, (R, N + 1, vocab))
+        draft_probs = draft_probs.flatten(0, 1)
+    checks.rng_keys(seeds, offsets, R, device)
+    tree = Tree.grid(tree_tokens.long(), tree_parents.long())
+    probs = target_probs.flatten(0, 1)
+    draw = _depth_draw(final_draw, None, seeds, offsets, None, R, vocab, device)
+    if method == "match":
+        return _match(probs, tree, depth, draw)
+    coins = _node_coins(tree, None, seeds, offsets, None, R * N)
+    if method == "recursive":
+        return _recursive(probs, tree, depth, fanout, coins, draw)
+    assert draft_probs is not None  # checked above
+    if method == "sampled":
+        return _sampled(probs, draft_probs, tree, depth, fanout, coins, draw)
+    return traversal.walk(probs, draft_probs, tree, depth, coins, draw)
+
+
 def _depth_draw(final_draw: str, noise, seeds, offsets, generator, R: int, vocab: int, device):
     """draw(d, weights [R, V]) -> tokens [R]: the target draw at depth d, by the exponential race
     with noise [R, V] drawn lazily (or row d of the given noise [R, D+1, V]), or by the inverse
@@ -257,7 +312,7 @@ def sibling_reject(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> tuple[t
     p_hat, q_hat = normalised(p), normalised(q)
     q_eff = q_hat
     outside = q_hat.gather(1, x[:, None]).squeeze(1) <= 0
-    if outside.device.type != "cpu" or bool(outside.any()):  # rare; the check is a free read on a CPU
+    if not reads_free(outside) or bool(outside.any()):  # rare; the check is a free read on a CPU
         one_hot = torch.zeros_like(q_hat).scatter_(1, x[:, None], 1.0)
         q_eff = torch.where(outside[:, None], one_hot, q_hat)
     return reference.residual(p_hat, q_eff), q_hat.scatter(1, x[:, None], 0.0)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import torch
 
+from dspec_cli.core.host import reads_free
 from dspec_cli.core.ragged import prefix_sums
 from dspec_cli.core.types import VerifyResult
 
@@ -36,6 +37,23 @@ class Tree:
         else:
             self.tokens = self.parents = torch.full_like(self.flat, -1)
         self.local = j + 1  # [M] local index of padded column j
+
+    @classmethod
+    def grid(cls, tokens: torch.Tensor, parents: torch.Tensor) -> Tree:
+        """The view of padded rows: tokens, parents [R, N] (a column with parent -1 is not a
+        node; a row's nodes are a prefix of its columns). Target rows are [R, N + 1] flattened
+        (the root, then one row per column); no host reads."""
+        tree = cls.__new__(cls)
+        R, N = tokens.shape
+        rows = torch.arange(R, device=tokens.device)
+        j = torch.arange(N, device=tokens.device)
+        tree.n_start, tree.p_start = rows * N, rows * (N + 1)
+        tree.valid = parents >= 0
+        tree.flat = tree.n_start[:, None] + j
+        tree.tokens = torch.where(tree.valid, tokens, -1)
+        tree.parents = torch.where(tree.valid, parents, -1)
+        tree.local = j + 1
+        return tree
 
     def depths(self) -> torch.Tensor:
         """Depth of every node [R, M+1] (root = 0) by pointer jumping; invalid columns -> 0."""
@@ -97,7 +115,7 @@ def rejection_walk(tree: Tree, depth: int, fanout: int, coins: torch.Tensor, beg
             moved |= ok
             nxt = torch.where(ok, col.squeeze(1) + 1, nxt)
             rejected = tried & ~ok
-            if rejected.device.type != "cpu" or bool(rejected.any()):
+            if not reads_free(rejected) or bool(rejected.any()):
                 rows = rejected[:, None]
                 state = tuple(new if new is old else torch.where(rows, new, old)
                               for new, old in zip(after(), state, strict=True))
@@ -113,13 +131,13 @@ def rejection_walk(tree: Tree, depth: int, fanout: int, coins: torch.Tensor, beg
 def all_stopped(active: torch.Tensor) -> bool:
     """True when no walk is still active [R]: read on a CPU only (free there; a host sync per
     depth elsewhere, where the remaining depths run on inactive rows instead)."""
-    return active.device.type == "cpu" and not bool(active.any())
+    return reads_free(active) and not bool(active.any())
 
 
 def children_to_try(kids: torch.Tensor, active: torch.Tensor, fanout: int) -> int:
     """Children to try at the current nodes (kids [R, M]): on a CPU the most any active row's node
     has, elsewhere ``fanout`` (no host sync)."""
-    if kids.device.type != "cpu":
+    if not reads_free(kids):
         return fanout
     return min(fanout, int((kids & active[:, None]).sum(1).max())) if kids.numel() else 0
 

@@ -1,30 +1,33 @@
-"""Target-forward profiling (``dspec profile-hardware`` without ``--drafter``): the target's steps
-per second SPS(B) for token-batch sizes B (DSpark §3.2.2), as a :class:`~dspec_cli.core.hardware.CostTable`.
+"""Target-forward profiling (``dspec profile-hardware``): SPS(B), the steps per second of the
+forward the engine runs, for token-batch sizes B (DSpark §3.2.2).
 
-:func:`profile_sps` times one target forward of B new tokens after a context of C cached
-tokens per row, for B on a grid and several C. The B tokens are laid out as
-``ceil(B / row_tokens)`` rows of (nearly) equal length — the padded [rows, q] block a ragged
-verify computes — and every row holds C random tokens in a ``DynamicCache`` that is cropped
-back to C after each timed forward. Each point: ``warmup`` untimed forwards, then the median
-and inter-quartile range of ``repeats`` timed ones (CUDA synchronised).
+For each context C and each B on the grid, the B new tokens are laid out as ceil(B / row_tokens)
+rows of (nearly) equal length after C cached tokens per row (the padded [rows, q] grid a verify
+step computes) and timed through the engine's own static step: :meth:`Target.score` over the
+preallocated KV cache, rows padded to the engine's bucket and, on a GPU, captured once as a CUDA
+graph and replayed (:mod:`dspec_cli.runtime.graphs`), so the table measures what the hardware
+spends on a round rather than Python's cost per operation. Each point: ``warmup`` untimed
+forwards (the first one captures), then the median and inter-quartile range of ``repeats`` timed
+ones (CUDA synchronised). A forward leaves the committed lengths alone, so every repeat sees the
+same context.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
 
 import torch
-from transformers import DynamicCache
 
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.hardware import CostTable, device_name
-from dspec_cli.runtime.target import max_context
+from dspec_cli.runtime.graphs import GraphRunner, GraphSettings
+from dspec_cli.runtime.target import Target
 
 DEFAULT_CONTEXTS = (128, 512, 2048)  # cached tokens per row profiled by default
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -32,8 +35,8 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.no_grad()
-def profile_sps(
-    model,
+def profile_target(
+    target: Target,
     *,
     grid: Sequence[int],
     contexts: Sequence[int] = DEFAULT_CONTEXTS,
@@ -42,11 +45,13 @@ def profile_sps(
     row_tokens: int = 8,
     model_name: str = "",
     seed: int = 0,
+    cuda_graphs: bool = True,
     progress: Callable[[int, int], None] | None = None,
 ) -> CostTable:
-    """Profile a transformers causal LM (see module docstring). ``progress(context, B)`` after each point."""
-    grid = sorted(set(int(b) for b in grid))
-    contexts = sorted(set(int(c) for c in contexts))
+    """Profile ``target`` (see the module docstring); ``cuda_graphs``: capture forwards as CUDA
+    graphs on a CUDA device (as the engine does); ``progress(context, B)`` after each point."""
+    grid = sorted({int(b) for b in grid})
+    contexts = sorted({int(c) for c in contexts})
     if not grid or grid[0] < 1:
         raise DspecError("the batch-token grid must hold integers >= 1")
     if not contexts or contexts[0] < 1:
@@ -55,53 +60,56 @@ def profile_sps(
         raise DspecError(
             f"need --repeats >= 1, --warmup >= 0, --row-tokens >= 1; got {repeats}, {warmup}, {row_tokens}"
         )
-    config = model.config.get_text_config()
-    max_ctx = max_context(config)
+    max_ctx = target.max_context
     if max_ctx and contexts[-1] + row_tokens > max_ctx:
         raise DspecError(
             f"--contexts {contexts[-1]} plus {row_tokens} new tokens exceeds the model's context of {max_ctx}"
         )
-    dev = next(model.parameters()).device
-    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    dev = target.device
+    graphs = GraphSettings.for_device(dev, cuda_graphs)
+    runner = GraphRunner(graphs.mode)
     gen = torch.Generator().manual_seed(seed)
-    vocab = config.vocab_size
+    vocab = target.vocab_size
     sps: dict[str, list[float]] = {}
     spread: dict[str, list[float]] = {}
     for ctx in contexts:
-        prompt = torch.randint(vocab, (1, ctx), generator=gen).to(dev)
-        cache = DynamicCache()
-        model(input_ids=prompt, use_cache=True, **{cache_kw: cache})
-        cache.batch_repeat_interleave(math.ceil(grid[-1] / row_tokens))  # all rows hold the same context
-        rows_now = math.ceil(grid[-1] / row_tokens)
+        most = math.ceil(grid[-1] / row_tokens)
+        batch = target.new_batch(rows=graphs.rows(most), slots=ctx + row_tokens + graphs.window())
+        target.prefill(batch, [torch.randint(vocab, (ctx,), generator=gen).tolist()])
+        target.select_rows(batch, [0] * most)  # every row holds the same context
         medians, iqrs = {}, {}
-        for b in reversed(grid):  # rows only shrink: select, never regrow
+        for b in reversed(grid):  # rows only shrink
             rows = math.ceil(b / row_tokens)
-            if rows < rows_now:
-                cache.batch_select_indices(torch.arange(rows, device=dev))
-                rows_now = rows
+            if rows < batch.num_rows:
+                target.select_rows(batch, list(range(rows)))
             q = math.ceil(b / rows)
             ids = torch.randint(vocab, (rows, q), generator=gen).to(dev)
+            window = batch.window(q, graphs.window())
+            dense = target.dense(batch, q, window)
+            padded = graphs.rows(rows)
+
+            def step(ids, window=window, dense=dense, batch=batch):
+                return target.score(batch, ids, None, window, dense)
+
             samples = []
             for i in range(warmup + repeats):
                 _sync(dev)
                 t0 = time.perf_counter()
-                model(input_ids=ids, use_cache=True, **{cache_kw: cache})
+                runner((padded, q, window, dense, batch.generation), step, [ids], padded)
                 _sync(dev)
-                dt = time.perf_counter() - t0
-                cache.crop(-q)
                 if i >= warmup:
-                    samples.append(1.0 / dt)
+                    samples.append(1.0 / (time.perf_counter() - t0))
             q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive") if repeats > 1 else samples * 3
             medians[b], iqrs[b] = statistics.median(samples), q3 - q1  # one repeat: IQR 0
             if progress is not None:
                 progress(ctx, b)
-        del cache
         sps[str(ctx)] = [medians[b] for b in grid]
         spread[str(ctx)] = [iqrs[b] for b in grid]
+    model = target.model
     return CostTable(
         device=dev.type,
         device_name=device_name(dev),
-        dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
+        dtype=str(target.dtype).replace("torch.", ""),
         model=model_name or getattr(model.config, "_name_or_path", "") or type(model).__name__,
         torch=torch.__version__,
         grid=grid,

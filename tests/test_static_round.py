@@ -1,0 +1,197 @@
+"""The engine's static-shape round: one host read per round, capturable device work (no graph
+break under torch.compile(fullgraph=True), the same tensors on every replay), rows padded to
+buckets, and the same tokens as before the rounds became static."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dspec_cli.core.host import device_path, reads_free
+from dspec_cli.core.plugins import get_drafter_class
+from dspec_cli.runtime.engine import GenerationConfig, SpeculativeEngine, _fill_holes
+from dspec_cli.runtime.graphs import GraphRunner, row_bucket
+from dspec_cli.runtime.target import Target
+from dspec_cli.testing.host_reads import count_host_reads
+from tests.tiny_models import tiny_target
+
+DATA = Path(__file__).parent / "data"
+
+
+def build(name: str, target: Target):
+    """A random drafter: 2 layers, γ = 4, rank-16 heads, seeded."""
+    cls = get_drafter_class(name)
+    torch.manual_seed(1)
+    return cls.build(cls.config_class(block_size=4, num_layers=2, markov_rank=16), target)
+
+
+@pytest.fixture(scope="module")
+def target() -> Target:
+    return tiny_target("qwen3", seed=0)
+
+
+@pytest.fixture(scope="module")
+def drafters(target):
+    dspark = build("dspark-markov", target)
+    ddtree_cls = get_drafter_class("ddtree")
+    ddtree = ddtree_cls(ddtree_cls.config_class(tree_budget=6), target, dspark)
+    return {"plain": None, "dspark-markov": dspark, "ddtree": ddtree}
+
+
+PROMPTS = [[5, 17, 33, 2, 90, 41], [7, 8, 9], [100, 3, 64, 64, 12, 1, 5, 77, 2]]
+
+
+def _run(target, drafter, *, temperature: float, max_batch: int, graphs: str = "eager", engine=None,
+         prompts=PROMPTS, max_new_tokens: int = 10):
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, block_size=4, max_batch=max_batch,
+                           seed=3, graphs=graphs)
+    engine = engine or SpeculativeEngine(target, drafter, cfg, stop_ids=[])
+    return [r.output_ids for r in engine.generate(prompts)], engine
+
+
+# the verification rule of each drafter's rounds under the default GenerationConfig, by temperature
+DEFAULT_RULES = {"plain": {0.0: set(), 1.0: set()}, "dspark-markov": {0.0: {"greedy"}, 1.0: {"block"}},
+                 "ddtree": {0.0: {"match"}, 1.0: {"traversal"}}}
+
+
+@pytest.mark.parametrize("name", ["plain", "dspark-markov", "ddtree"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_one_host_read_per_round(target, drafters, name, temperature, monkeypatch):
+    """On the code paths a GPU runs, a round reads the device once (the accepted tokens), at
+    R = 1 and with continuous batching (rows joining, leaving, padded to a bucket); no host data
+    is copied to the device inside a round. The rounds verify by the default rules: block
+    verification of dspark's chains, traversal verification of ddtree's sampled trees (T = 1)."""
+    reads: list[int] = []
+    live: list = []  # the running counter, read by the patched round
+    real = SpeculativeEngine._round
+
+    def counted(self, rows, results):
+        before = live[0].total if live else 0
+        real(self, rows, results)
+        reads.append((live[0].total if live else 0) - before)
+
+    monkeypatch.setattr(SpeculativeEngine, "_round", counted)
+    for max_batch in (1, 3):
+        with device_path():
+            _, engine = _run(target, drafters[name], temperature=temperature, max_batch=max_batch)  # warm
+        reads.clear()
+        with count_host_reads() as counter:
+            live.append(counter)
+            _run(target, drafters[name], temperature=temperature, max_batch=max_batch, engine=engine)
+        live.clear()
+        assert reads and max(reads) == 1, (max_batch, reads, counter.sites.most_common(5))
+        assert set(engine.stats.verify_rules) == DEFAULT_RULES[name][temperature]
+
+
+def _same_tokens(target, drafter, graphs: str, temperatures=(0.0, 1.0), **run) -> None:
+    run = {"max_batch": 2, **run}
+    with device_path():
+        for temperature in temperatures:
+            want, _ = _run(target, drafter, temperature=temperature, **run)
+            got, engine = _run(target, drafter, temperature=temperature, graphs=graphs, **run)
+            assert got == want, (graphs, temperature)
+            assert engine._session.runner.captures > 0
+
+
+@pytest.mark.parametrize("name", ["plain", "dspark-markov", "ddtree"])
+def test_replays_touch_the_tensors_their_capture_did(target, drafters, name):
+    """In "check" mode every step the engine would capture (the drafter's propose and advance, the
+    target's verify forward with acceptance and commit) runs through static input buffers, and
+    each replay touches exactly the tensors its first run did (what a CUDA graph needs); the
+    tokens are the eager ones, at T = 0 and T = 1, with rows padded to a bucket."""
+    _same_tokens(target, drafters[name], "check")
+
+
+def test_round_compiles_without_graph_breaks(target, drafters):
+    """The same steps trace under torch.compile(fullgraph=True): no graph break, so no host read
+    (dspark's chain at T = 1, one request; the other drafters, T = 0 and batches in the slow suite)."""
+    _same_tokens(target, drafters["dspark-markov"], "compile", temperatures=(1.0,), max_batch=1, prompts=PROMPTS[:1],
+                 max_new_tokens=8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["plain", "dspark-markov", "ddtree"])
+def test_every_round_compiles_without_graph_breaks(target, drafters, name):
+    _same_tokens(target, drafters[name], "compile")
+
+
+def test_check_mode_catches_state_made_anew_each_round(target, drafters, monkeypatch):
+    """A drafter whose propose reads state reallocated between rounds could not be replayed as a
+    graph: "check" mode says so."""
+    drafter = drafters["dspark-markov"]
+    real = type(drafter).propose
+
+    def fresh_cache(self, state, anchors, max_len, sampler):
+        cache = state.cache
+        cache._keys = [t.clone() for t in cache._keys]  # new storage every round
+        return real(self, state, anchors, max_len, sampler)
+
+    monkeypatch.setattr(type(drafter), "propose", fresh_cache)
+    with device_path(), pytest.raises(RuntimeError, match="reallocated"):
+        _run(target, drafter, temperature=1.0, max_batch=1, graphs="check")
+
+
+def test_greedy_tokens_match_the_engine_before_static_rounds():
+    """The embedded target (float32): plain decoding and dspark's greedy outputs are token for
+    token what the engine gave before its rounds became static (recorded), at R = 1 and R = 2."""
+    ref = json.loads((DATA / "greedy_embedded.json").read_text())
+    target = Target.load(None, dtype="float32")
+    dspark = get_drafter_class("dspark-markov").load_default(target)
+    n = 24
+    want = [o[:n] for o in ref["outputs"][:2]]
+    for drafter, max_batch in ((None, 1), (dspark, 2)):
+        cfg = GenerationConfig(max_new_tokens=n, temperature=0.0, max_batch=max_batch)
+        got = [r.output_ids for r in SpeculativeEngine(target, drafter, cfg).generate(ref["prompts"][:2])]
+        assert got == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphs_give_the_eager_tokens():  # pragma: no cover - GPU machines
+    target = Target(tiny_target("qwen3").model.cuda())
+    drafter = build("dspark-markov", target)
+    for temperature in (0.0, 1.0):
+        want, _ = _run(target, drafter, temperature=temperature, max_batch=3, graphs="eager")
+        got, engine = _run(target, drafter, temperature=temperature, max_batch=3, graphs="cuda")
+        assert got == want and engine._session.runner.captures > 0
+
+
+def test_row_buckets_and_hole_filling():
+    assert [row_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 64)] == [1, 2, 4, 4, 8, 8, 16, 16, 24, 64]
+    # rows 1 and 3 of 6 finish: the last rows fill the holes (only they move); the drafter's rows
+    # (first 4) stay before the pending admissions
+    assert _fill_holes(6, {1, 3}, admitted=6) == [0, 4, 2, 5]
+    assert _fill_holes(6, {1, 3}, admitted=4) == [0, 2, 4, 5]
+    assert _fill_holes(5, {0}, admitted=2) == [1, 4, 2, 3]
+    assert _fill_holes(3, {0, 1, 2}, admitted=3) == []
+
+
+def test_graph_runner_pads_rows_and_checks_replays():
+    """Inputs are zero-padded to the bucket; "check" replays reuse the static buffers and the
+    same outputs, and notice state reallocated between calls."""
+    state = {"w": torch.ones(4)}
+
+    def fn(x):
+        return (x * state["w"][: x.shape[0]]).sum(0, keepdim=True), x.shape[0]
+
+    eager = GraphRunner("eager")
+    assert eager("k", fn, [torch.ones(3)], 4) == (torch.tensor([3.0]), 4)
+    check = GraphRunner("check")
+    first = check("k", fn, [torch.ones(3)], 4)[0]
+    second = check("k", fn, [torch.full((2,), 2.0)], 4)[0]  # records what a capture would see
+    third = check("k", fn, [torch.full((1,), 5.0)], 4)[0]
+    assert first.item() == 3.0 and third is second and third.item() == 5.0
+    state["w"] = torch.ones(4)  # reallocated: a graph would read the old one
+    with pytest.raises(RuntimeError, match="reallocated"):
+        check("k", fn, [torch.ones(1)], 4)
+    assert check.captures == 1
+
+
+def test_reads_free_only_on_a_cpu_outside_device_path():
+    x = torch.zeros(1)
+    assert reads_free(x)
+    with device_path():
+        assert not reads_free(x) and not reads_free(torch.device("cpu"))
+    assert not reads_free(torch.device("meta"))
