@@ -187,9 +187,9 @@ def verify_chain_logits(
     draft_probs: torch.Tensor | None,  # [Σℓ_r, V] or None (one-hot drafts)
     num_draft: torch.Tensor,  # [R]
     *,
-    temperature: float | torch.Tensor = 1.0,
-    top_k: int | torch.Tensor = 0,
-    top_p: float | torch.Tensor = 1.0,
+    temperature: float | torch.Tensor = 1.0,  # scalar, or [rows] per target row
+    top_k: int | torch.Tensor = 0,  # scalar, or [rows]
+    top_p: float | torch.Tensor = 1.0,  # scalar, or [rows]
     method: str = "token",
     generator: torch.Generator | None = None,
     uniforms: torch.Tensor | None = None,  # [Σℓ_r] float64 in (0, 1)
@@ -340,9 +340,9 @@ def sample_logits(
     offsets: torch.Tensor,  # [N] int64
     *,
     salt: int,
-    temperature: float | torch.Tensor = 1.0,
-    top_k: int | torch.Tensor = 0,
-    top_p: float | torch.Tensor = 1.0,
+    temperature: float | torch.Tensor = 1.0,  # scalar, or [rows] per target row
+    top_k: int | torch.Tensor = 0,  # scalar, or [rows]
+    top_p: float | torch.Tensor = 1.0,  # scalar, or [rows]
     backend: str = "auto",
 ) -> torch.Tensor:
     """One token per row [N] at the sampling settings, keyed by (seed, offset, salt): temperature 0

@@ -37,7 +37,7 @@ def positive(name: str, value: float) -> None:
         _fail(name, f"must be finite and > 0, got {value}")
 
 
-def shape(name: str, x: torch.Tensor, expected: tuple) -> None:
+def shape(name: str, x: torch.Tensor, expected: tuple) -> None:  # x [...] of any shape
     """Exact shape check (entries of None are free)."""
     if len(x.shape) != len(expected) or any(e is not None and s != e for s, e in zip(x.shape, expected, strict=True)):
         want = ", ".join("*" if e is None else str(e) for e in expected)
@@ -85,7 +85,7 @@ class Checks:
         return values
 
 
-def lengths(checks: Checks, name: str, num: torch.Tensor, validate: bool) -> tuple[int, int]:
+def lengths(checks: Checks, name: str, num: torch.Tensor, validate: bool) -> tuple[int, int]:  # num [R]
     """Record Σ and max of a lengths vector [R] (and its non-negativity); indices into stats."""
     if validate:
         checks.require(name, (num >= 0).all() if num.numel() else True, "lengths must be >= 0")
@@ -94,7 +94,7 @@ def lengths(checks: Checks, name: str, num: torch.Tensor, validate: bool) -> tup
     return total, longest
 
 
-def prob_rows(checks: Checks, name: str, probs: torch.Tensor) -> None:
+def prob_rows(checks: Checks, name: str, probs: torch.Tensor) -> None:  # probs [M, V]
     """Rows [M, V] must be finite, non-negative and sum to 1 (within SUM_TOL or the dtype's eps)."""
     if probs.numel() == 0:
         return
@@ -104,21 +104,21 @@ def prob_rows(checks: Checks, name: str, probs: torch.Tensor) -> None:
     checks.require(name, probs.amin() >= 0, "probabilities must be >= 0")
 
 
-def token_range(checks: Checks, name: str, tokens: torch.Tensor, vocab: int) -> None:
+def token_range(checks: Checks, name: str, tokens: torch.Tensor, vocab: int) -> None:  # tokens [...]
     if tokens.numel():
         checks.require(name, ((tokens >= 0) & (tokens < vocab)).all(), f"token ids must lie in [0, {vocab})")
 
 
-def open_unit(checks: Checks, name: str, u: torch.Tensor) -> None:
+def open_unit(checks: Checks, name: str, u: torch.Tensor) -> None:  # u [...]
     if u.numel():
         checks.require(name, ((u > 0) & (u < 1)).all(), "values must lie in the open interval (0, 1)")
 
 
-def positive_finite(checks: Checks, name: str, x: torch.Tensor) -> None:
+def positive_finite(checks: Checks, name: str, x: torch.Tensor) -> None:  # x [...]
     if x.numel():
         checks.require(name, ((x > 0) & torch.isfinite(x)).all(), "values must be finite and > 0")
 
 
-def no_nan(checks: Checks, name: str, x: torch.Tensor) -> None:
+def no_nan(checks: Checks, name: str, x: torch.Tensor) -> None:  # x [...]
     if x.numel():
         checks.require(name, ~torch.isnan(x).any(), "contains NaN")

@@ -79,7 +79,11 @@ def proposal(q: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return torch.where(outside[:, None], one_hot, q_hat), q_next
 
 
-def child_weight(nu: torch.Tensor, q_x: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def child_weight(
+    nu: torch.Tensor,  # [R, V] the parent's measure
+    q_x: torch.Tensor,  # [R, V] the distribution x was drawn from
+    x: torch.Tensor,  # [R] long
+) -> torch.Tensor:
     """ρ_x = min(1, ν(x) / q(x)) [R] float64 for child x [R], with ν [R, V] the parent's measure
     and q [R, V] the distribution x was drawn from (:func:`proposal`)."""
     q_at = q_x.gather(1, x[:, None]).squeeze(1).double()
@@ -87,7 +91,11 @@ def child_weight(nu: torch.Tensor, q_x: torch.Tensor, x: torch.Tensor) -> torch.
     return torch.minimum(nu_at / torch.where(q_at > 0, q_at, 1.0), torch.ones_like(nu_at))
 
 
-def rescale(r: torch.Tensor, n: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rescale(
+    r: torch.Tensor,  # [R, V] the residual
+    n: torch.Tensor,  # [R] float64 the measure's mass
+    z: torch.Tensor,  # [R] float64 the residual's mass
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(ν', N') after a failure: r [R, V] / (1 − N + Z) and Z / (1 − N + Z) [R] float64, for the
     measure's mass N [R] and the residual's mass Z [R] (both float64). A vanishing denominator
     (N = 1 and Z = 0: the failure had probability 0) leaves r and gives N' = 0."""
@@ -97,7 +105,10 @@ def rescale(r: torch.Tensor, n: torch.Tensor, z: torch.Tensor) -> tuple[torch.Te
     return r / safe.float()[:, None], torch.where(ok, z / safe, 0.0)
 
 
-def enter_probs(pi: torch.Tensor, later: torch.Tensor) -> torch.Tensor:
+def enter_probs(
+    pi: torch.Tensor,  # [...] float64 pass probability
+    later: torch.Tensor,  # [...] float64 chance that everything after fails
+) -> torch.Tensor:
     """e = π / (1 − (1 − π)·L) [...] float64: the chance that a child's subtree passes given that
     its parent passes and its earlier siblings failed, from its pass probability π and the chance
     L that everything after it fails (both [...] float64)."""

@@ -134,7 +134,11 @@ def all_stopped(active: torch.Tensor) -> bool:
     return reads_free(active) and not bool(active.any())
 
 
-def children_to_try(kids: torch.Tensor, active: torch.Tensor, fanout: int) -> int:
+def children_to_try(
+    kids: torch.Tensor,  # [R, M] bool: the current nodes' children
+    active: torch.Tensor,  # [R] bool: rows still walking
+    fanout: int,
+) -> int:
     """Children to try at the current nodes (kids [R, M]): on a CPU the most any active row's node
     has, elsewhere ``fanout`` (no host sync)."""
     if not reads_free(kids):
@@ -148,7 +152,7 @@ def normalised(w: torch.Tensor) -> torch.Tensor:
     return w / torch.where(mass > 0, mass, torch.ones_like(mass))
 
 
-def mass(w: torch.Tensor) -> torch.Tensor:
+def mass(w: torch.Tensor) -> torch.Tensor:  # w [R, V]
     """Σw per row [R] float64; 1 where it is 0 (all-zero rows stay zero after dividing)."""
     total = w.sum(-1).double()
     return torch.where(total > 0, total, 1.0)
