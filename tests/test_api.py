@@ -16,7 +16,6 @@ import dspec_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "dspec_cli"
-# modules whose tensor arguments do not all state a shape yet; remove entries as they do
 
 
 def _type_checking_imports() -> dict[str, str]:
