@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -294,12 +295,44 @@ def test_bound_is_never_below_the_speedup_and_warnings_say_what_to_do():
     assert "repeats disagree" in disagree and "1.20x [1.10–1.30], 2.20x [2.00–2.40]" in disagree
     assert "moved by 60 %" in drift and "stop it and rerun" in drift
     assert bench.run_warnings({**run, "speedup": 1.2, "speedup_runs_ci95": [[1.1, 1.3], [1.2, 1.4]]}, (0.1, 1, 1)) == []
+    (busy,) = bench.run_warnings({**run, "speedup": 1.2, "speedup_runs": [1.2], "speedup_runs_ci95": [[1.1, 1.3]], "other_cpu_cores": 1.1}, None)
+    assert "other processes kept 1.1 CPU cores busy" in busy and "stop them and rerun" in busy
+    assert bench.run_warnings({**run, "speedup": 1.2, "speedup_runs": [1.2], "speedup_runs_ci95": [[1.1, 1.3]], "other_cpu_cores": 0.3}, None) == []
     phases = bench.phase_ms_per_round(RunStats(draft_seconds=0.2, verify_seconds=0.5, forward_seconds=0.3,
                                                accept_seconds=0.1, update_seconds=0.1, rounds=100))
     assert phases == pytest.approx({"draft": 2.0, "verify": 5.0, "forward": 3.0, "accept": 1.0, "update": 1.0,
                                     "prefill": 0.0, "other": 0.0})
     base = [[timed(1.0, 1.0, prefill=0.1), timed(1.0, 1.0, prefill=0.1)], [timed(2.0, 2.0, prefill=0.2)] * 2]
     assert bench.baseline_drift(base) == pytest.approx((1.0, 5.0, 10.0))  # 9 decode tokens in 0.9 s, then 1.8 s
+
+
+class _Meter:
+    """A synthetic CpuMeter: other processes kept ``cores`` busy during every timed block."""
+
+    def __init__(self, cores: float) -> None:
+        self.other_cores = cores
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def test_cpu_meter_counts_what_others_used(tmp_path):
+    from dspec_cli.core.cpu_load import CpuMeter, busy_seconds
+
+    stat = tmp_path / "stat"
+    line = "cpu  {} 0 {} 5000 10 0 0 {} 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n"
+    stat.write_text(line.format(100, 50, 0))
+    ticks = os.sysconf("SC_CLK_TCK")
+    assert busy_seconds(stat) == pytest.approx(150 / ticks)
+    with CpuMeter(stat) as meter:  # others: 20 s of user time and 5 s stolen, in a block of a few ms
+        stat.write_text(line.format(100 + 20 * ticks, 50, 5 * ticks))
+    assert meter.other_cores is not None and meter.other_cores > 100
+    with CpuMeter(tmp_path / "missing") as meter:
+        pass
+    assert meter.other_cores is None
 
 
 class _NoisyClock:
@@ -338,7 +371,8 @@ def test_noisy_timer_warns_and_the_paired_median_holds(model_dir, monkeypatch):
     for name, load in {"quiet": lambda _: 1.0, "noisy": lambda unit: rng.uniform(1, 4) * (1 + (unit >= 8))}.items():
         clock = _NoisyClock(load)
         monkeypatch.setattr(engine_mod, "time", types.SimpleNamespace(perf_counter=clock.engine))
-        (reports[name],) = run_bench(opts, clock=clock.bench)["runs"]
+        others = 0.0 if name == "quiet" else 1.5
+        (reports[name],) = run_bench(opts, clock=clock.bench, meter=lambda c=others: _Meter(c))["runs"]
     quiet, noisy = reports["quiet"], reports["noisy"]
     assert noisy["speedup"] == pytest.approx(quiet["speedup"]) and quiet["speedup_ci95"] is not None
     assert noisy["speedup_bound"] >= noisy["speedup"]
@@ -346,6 +380,7 @@ def test_noisy_timer_warns_and_the_paired_median_holds(model_dir, monkeypatch):
     assert slow < 0.7 * fast  # plain decoding ran at half speed in the second repeat
     assert quiet["warnings"] == [] and quiet["baseline_drift"] == pytest.approx(0.0, abs=1e-6)
     assert any("plain decoding's speed moved" in w for w in noisy["warnings"])
+    assert noisy["other_cpu_cores"] == 1.5 and any("kept 1.5 CPU cores busy" in w for w in noisy["warnings"])
 
 
 def test_tables_show_the_drafted_share_of_every_repeat():

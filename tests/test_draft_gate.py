@@ -80,6 +80,17 @@ def test_gate_probes_for_a_share_of_the_time():
     assert (gate.opened, gate.closed) == (3, 9)
 
 
+def test_gate_probes_across_short_runs():
+    """The closed time that pays for a probe carries over from run to run: requests shorter than
+    the probe interval (3 closed rounds each, a probe due every 4th round) still get probes."""
+    gate = gate_after([0.1, 0.01, 0.0, 0.0], 0.00099, probe_share=0.025)
+    decisions = []
+    for _ in range(4):
+        gate.new_run()
+        decisions += [gate.decide(1, curve(CPU)) for _ in range(3)]
+    assert [i for i, d in enumerate(decisions) if d] == [3, 7, 11]
+
+
 def test_gate_prices_probes_by_measured_round_times():
     """Measured costs: closed rounds count the measured plain round (20 ms at R = 1, not the
     table's 10 ms) and a probe costs drafted − plain round time (51 − 20 = 31 ms, more than its

@@ -54,7 +54,7 @@ def _run(target, drafter, *, temperature: float, max_batch: int, graphs: str = "
 
 # the verification rule of each drafter's rounds under the default GenerationConfig, by temperature
 DEFAULT_RULES = {"plain": {0.0: set(), 1.0: set()}, "dspark-markov": {0.0: {"greedy"}, 1.0: {"block"}},
-                 "ddtree": {0.0: {"match"}, 1.0: {"traversal"}}}
+                 "ddtree": {0.0: {"match"}, 1.0: {"sampled"}}}
 
 
 @pytest.mark.parametrize("name", ["plain", "dspark-markov", "ddtree"])
@@ -63,7 +63,7 @@ def test_one_host_read_per_round(target, drafters, name, temperature, monkeypatc
     """On the code paths a GPU runs, a round reads the device once (the accepted tokens), at
     R = 1 and with continuous batching (rows joining, leaving, padded to a bucket); no host data
     is copied to the device inside a round. The rounds verify by the default rules: block
-    verification of dspark's chains, traversal verification of ddtree's sampled trees (T = 1)."""
+    verification of dspark's chains, recursive rejection over ddtree's sampled trees (T = 1)."""
     reads: list[int] = []
     live: list = []  # the running counter, read by the patched round
     real = SpeculativeEngine._round

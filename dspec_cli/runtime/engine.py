@@ -58,7 +58,7 @@ class GenerationConfig:
     max_batch: int = 1  # concurrent requests (continuous batching)
     seed: int = 0
     chain_verify: str = "block"  # chains with draft probabilities: "token" or "block" (docs/verification.md)
-    tree_verify: str = "traversal"  # trees of sampled siblings: "sampled" (recursive rejection) or "traversal"
+    tree_verify: str = "sampled"  # trees of sampled siblings: "sampled" (recursive rejection) or "traversal"
     # how rounds run: "auto" (CUDA graphs on a CUDA device, else eagerly), "cuda", "eager", or
     # "check" (eagerly, checking what capture needs; runtime/graphs.py)
     graphs: str = "auto"
@@ -407,7 +407,7 @@ class SpeculativeEngine:
 
     def _verify_tree(self, rows: _Rows, proposal: Proposal, ell: torch.Tensor, padded: int):
         """Verify one draft tree per row in one static step: the configured rule for sampled
-        siblings (``tree_verify``: "traversal" or "sampled") when the tree carries draft
+        siblings (``tree_verify``: "sampled" or "traversal") when the tree carries draft
         probabilities and T > 0, else the sample-and-match walk; then the accepted path enters the target cache. A row verifying
         nothing (token budget spent) gets an empty tree: its token is then the root's sample, the
         one a plain step would give (so outputs do not depend on the batch)."""

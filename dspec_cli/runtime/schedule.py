@@ -204,12 +204,13 @@ class DraftGate:
         self.closed_at: dict[int, int] = {}  # R -> closed decisions (measured mode: when to explore)
         self.explored: dict[int, int] = {}  # R -> rounds drafted to measure the drafted rate
         self._verdict: tuple[int, bool] | None = None  # (R, prediction) until the next observation
+        self.closed_seconds = 0.0  # time of closed rounds (measured or modelled) since the last drafted one
+        self.open_seconds = 0.0  # time of open rounds since the last plain one (measured mode)
         self.new_run()
 
     def new_run(self) -> None:
-        """A new engine run: keep the estimates (they describe drafter and hardware), zero the counters."""
-        self.closed_seconds = 0.0  # time of closed rounds (measured or modelled) since the last drafted one
-        self.open_seconds = 0.0  # time of open rounds since the last plain one (measured mode)
+        """A new engine run: keep the estimates (they describe drafter and hardware) and the time
+        closed or open since the last probe (so many short runs still probe), zero the counts."""
         self.opened = self.closed = 0  # decisions taken
 
     def observe_survival(self, survival: torch.Tensor) -> None:

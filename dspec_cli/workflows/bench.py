@@ -18,6 +18,7 @@ from dspec_cli.checkpoints.hub import resolve_checkpoint
 from dspec_cli.checkpoints.native import choose_target
 from dspec_cli.core import plugins
 from dspec_cli.core.chat_template import default_kwargs, warn_if_other
+from dspec_cli.core.cpu_load import CpuMeter
 from dspec_cli.core.data import BUILTIN, Prompt, dataset_name, load_prompts
 from dspec_cli.core.devices import parse_dtype, resolve_device
 from dspec_cli.core.errors import DspecError
@@ -302,12 +303,14 @@ def paired_metrics(spec: Sequence[Sequence[Timed]], base: Sequence[Sequence[Time
 
 
 BASELINE_DRIFT = 0.2  # plain decoding's tokens/s may move this much (as a fraction) within one run
+OTHER_CPU_CORES = 0.5  # other processes may keep this many cores busy on average during a run
 
 
 def run_warnings(run: dict, drift: tuple[float, float, float] | None) -> list[str]:
     """What makes a run's speedup untrustworthy, each with what to do: a speedup above its bound,
     repeats whose 95 % intervals do not overlap, plain decoding's speed moving by more than
-    BASELINE_DRIFT (``drift``: :func:`baseline_drift`)."""
+    BASELINE_DRIFT (``drift``: :func:`baseline_drift`), other processes keeping more than
+    OTHER_CPU_CORES busy (``other_cpu_cores``)."""
     label = f"{run['dataset']} · {run['drafter']}" + ("" if run["scheduler"] in ("-", "fixed") else f" · {run['scheduler']}")
     label += f" · R={run['concurrency']}"
     out = []
@@ -328,6 +331,12 @@ def run_warnings(run: dict, drift: tuple[float, float, float] | None) -> list[st
         out.append(f"{run['dataset']} · R={run['concurrency']}: plain decoding's speed moved by {100 * drift[0]:.0f} % "
                    f"during the run ({drift[1]:.0f}–{drift[2]:.0f} tokens/s): another process is competing for this "
                    "machine; stop it and rerun (speedups are paired, but their intervals widen)")
+    other = run.get("other_cpu_cores")
+    if other is not None and other > OTHER_CPU_CORES:
+        out.append(f"{run['dataset']} · R={run['concurrency']}: other processes kept {other:.1f} CPU cores busy "
+                   f"during the run (of {os.cpu_count()}): every tokens/s is below this machine's and the "
+                   "intervals widen (speedups are paired, so a steady load leaves them standing); stop them "
+                   "and rerun for absolute numbers")
     return out
 
 
@@ -379,12 +388,13 @@ def render_prompts(target: Target, prompts: Sequence[Prompt], chat_template_kwar
 
 
 def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | None = None,
-              clock: Callable[[], float] = time.perf_counter) -> dict:
+              clock: Callable[[], float] = time.perf_counter, meter: Callable[[], CpuMeter] = CpuMeter) -> dict:
     """Run every (dataset, drafter, concurrency) and the plain-decoding baseline, paired unit by
     unit (:func:`run_paired`); return the JSON dict.
 
     ``progress(description, total)`` returns a per-request callback (for progress bars); ``clock``
-    times the runs (tests give a synthetic one).
+    times the runs and ``meter`` measures other processes' CPU use during them (tests give
+    synthetic ones).
     """
     if opts.block_size < 1:
         raise DspecError(f"--block-size must be >= 1, got {opts.block_size}")
@@ -443,7 +453,8 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
                 label = " + ".join(dict.fromkeys(n for n, _, _ in engines)) + f" · R={conc}"
                 label += f" · {opts.repeats} repeats" if opts.repeats > 1 else ""
                 on_finish = progress(f"{dataset_name(dset)} · {label}", len(ids) * len(engines) * opts.repeats)
-            timed = run_paired(engines, units, opts.repeats, on_finish, clock)
+            with meter() as load:
+                timed = run_paired(engines, units, opts.repeats, on_finish, clock)
             drift = baseline_drift(timed[0])
             for (name, sname, _), spec in zip(engines[1:], timed[1:], strict=True):
                 run = {
@@ -461,6 +472,7 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
                     **verify_report(total_stats([t for unit in spec for t in unit]).verify_rules, cfg),
                     **paired_metrics(spec, timed[0], opts.block_size, bound_table, conc),
                     "baseline_drift": drift[0] if drift else None,
+                    "other_cpu_cores": load.other_cores,
                 }
                 runs.append({**run, "warnings": run_warnings(run, drift)})
     return {
