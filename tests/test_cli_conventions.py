@@ -156,3 +156,25 @@ def test_help_loads_no_model_library():
             "print(sorted(m for m in ('torch', 'transformers', 'matplotlib') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(("argv", "code"), [(["--version"], 0), (["train", "--no-such-option"], 2)])
+def test_a_process_that_ran_gloo_ends_without_finalization(capsys, monkeypatch, argv, code):
+    """After a gloo run, main() flushes and ends through os._exit with the command's exit code
+    (gloo's worker threads must not meet a shutting-down interpreter)."""
+    from dspec_cli.core import process_exit
+
+    class Exited(BaseException):
+        pass
+
+    def fake_exit(status):
+        raise Exited(status)
+
+    monkeypatch.setattr(process_exit, "_reason", None)
+    monkeypatch.setattr(process_exit.os, "_exit", fake_exit)
+    process_exit.request_exit_without_finalization("gloo worker threads outlive the process group")
+    with pytest.raises(Exited) as ended:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert ended.value.args == (code,)
+    assert (out.strip() and not err) if code == 0 else err.startswith("Error: ")

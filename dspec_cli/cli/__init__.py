@@ -9,6 +9,7 @@ import warnings
 import typer
 
 from dspec_cli.core.errors import DspecError
+from dspec_cli.core.process_exit import exit_now, exit_without_finalization_requested
 
 app = typer.Typer(
     name="dspec",
@@ -69,24 +70,33 @@ def main(argv: list[str] | None = None) -> None:
     shown = warnings.showwarning
     warnings.showwarning = show_warning
     try:
-        code = app(args=argv, prog_name="dspec", standalone_mode=False)  # Typer turns Ctrl-C into a returned 130
-    except typer.Exit as exc:
-        code = exc.exit_code
-    except KeyboardInterrupt:
-        code = INTERRUPTED
-    except typer.Abort:  # end of input at a prompt
-        print("Aborted", file=sys.stderr)
-        sys.exit(1)
-    except Exception as exc:  # noqa: BLE001 - the one place that turns errors into a line
-        if os.environ.get("DSPEC_DEBUG"):
-            raise
-        sys.exit(_report(exc))
+        code = _run(argv)
     finally:
         warnings.showwarning = shown
     if code == INTERRUPTED:
         print("Interrupted", file=sys.stderr)
-    if isinstance(code, int) and code:
+    code = code if isinstance(code, int) else 0
+    if exit_without_finalization_requested():
+        exit_now(code)
+    if code:
         sys.exit(code)
+
+
+def _run(argv: list[str] | None) -> int | None:
+    """The command's exit code; user errors are reported here as one line."""
+    try:
+        return app(args=argv, prog_name="dspec", standalone_mode=False)  # Typer turns Ctrl-C into a returned 130
+    except typer.Exit as exc:
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return INTERRUPTED
+    except typer.Abort:  # end of input at a prompt
+        print("Aborted", file=sys.stderr)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - the one place that turns errors into a line
+        if os.environ.get("DSPEC_DEBUG"):
+            raise
+        return _report(exc)
 
 
 INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C

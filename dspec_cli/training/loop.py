@@ -39,6 +39,7 @@ from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import EMBEDDED, WEIGHTS_FILE
 from dspec_cli.core.jsonl import write_line
 from dspec_cli.core.outputs import check_output_dir
+from dspec_cli.core.process_exit import request_exit_without_finalization
 from dspec_cli.core.specs import parse_drafter_spec
 from dspec_cli.runtime.drafter import TrainableDrafter
 from dspec_cli.runtime.target import Target
@@ -144,7 +145,10 @@ def train(opts: TrainOptions, progress: Progress | None = None) -> TrainResult:
         return _Run(opts, recipe, drafter_cls, out, resume_from, rank, device, progress or _Silent()).run()
     finally:
         if rank.owns_group:
+            gloo = dist.get_backend() == "gloo"
             dist.destroy_process_group()
+            if gloo:  # its worker threads outlive the group (see core/process_exit.py)
+                request_exit_without_finalization("gloo worker threads outlive the process group")
 
 
 def _prepare(opts: TrainOptions) -> tuple[Recipe, type, Path, Path | None]:
