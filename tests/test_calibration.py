@@ -137,13 +137,13 @@ def test_sts_fits_left_to_right():
 
 def test_calibration_file_roundtrip_and_checks(tmp_path):
     rounds, _ = synthetic(2000, [0.5, 1.0, 2.0])
-    cal = calibrate(rounds, "dspark-markov")
+    cal = calibrate(rounds, "dspark-markov", chat_template_kwargs={"enable_thinking": True})
     file = cal.save(tmp_path)
     raw = json.loads(file.read_text())
-    assert set(raw) == {"drafter", "block_size", "temperatures", "metrics"}
+    assert set(raw) == {"drafter", "block_size", "temperatures", "chat_template_kwargs", "metrics"}
     assert set(raw["metrics"]) == {"before", "after"} and len(raw["metrics"]["after"]["ece"]) == 3
     back = Calibration.load(tmp_path, drafter="dspark-markov", block_size=3)
-    assert back.temperatures == cal.temperatures
+    assert back.temperatures == cal.temperatures and back.chat_template_kwargs == {"enable_thinking": True}
     with pytest.raises(DspecError, match="is for drafter 'dspark-markov', not 'dflash'"):
         Calibration.load(file, drafter="dflash")
     with pytest.raises(DspecError, match="is for block size 3, not 7"):

@@ -4,6 +4,7 @@ other kwargs than it was trained with warns."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 
@@ -17,6 +18,7 @@ from transformers import PreTrainedTokenizerBase
 
 from dspec_cli.core import plugins
 from dspec_cli.core.chat_template import DEFAULT_KWARGS, parse_kwargs
+from dspec_cli.core.data import load_conversations
 from dspec_cli.core.errors import DspecError
 from dspec_cli.runtime.target import Target
 from dspec_cli.training.data import tokenize_conversations
@@ -189,6 +191,11 @@ def test_server_regeneration_sends_and_checks_the_kwargs(target_dir, tmp_path):
                                     transport=httpx.MockTransport(serve))
     assert stats.written == 2 and stats.truncated == 2  # every answer stopped at max_tokens
     assert all(b["chat_template_kwargs"] == {"enable_thinking": True} for b in bodies)
+    lines = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [x["chat_template_kwargs"] for x in lines] == [{"enable_thinking": True}] * 2
+    with pytest.raises(DspecError, match="out.jsonl was regenerated with chat-template kwargs"):
+        regenerate_with_servers(dataclasses.replace(opts, chat_template_kwargs={}), ServerOptions(["http://fake"]),
+                                transport=httpx.MockTransport(serve))
     # the probe's token count (checked against --target's template) passes only under the same kwargs
     tok.chat_template = TEMPLATE.replace("{% if enable_thinking is false %}", "{% if enable_thinking %}")
     opts.output = tmp_path / "other.jsonl"
@@ -258,6 +265,34 @@ def test_training_renders_records_and_cards_the_mode(target_dir, tmp_path, rende
     assert saved["chat_template"] == {"enable_thinking": True}  # --resume keeps the mode
 
 
+@pytest.fixture(scope="module")
+def chatml_dir(tmp_path_factory):
+    """A target whose template (plain ChatML) reads no kwargs."""
+    path = tmp_path_factory.mktemp("chatml") / "target"
+    tiny_qwen3().save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_training_warns_on_data_regenerated_under_other_kwargs(target_dir, chatml_dir, tmp_path, probe, capsys):
+    data = write_conversations(tmp_path / "conv.jsonl", n=4)
+    lines = [json.loads(x) for x in data.read_text().splitlines()]
+    data.write_text("".join(json.dumps({**x, "chat_template_kwargs": {"enable_thinking": True}} if i else x) + "\n"
+                            for i, x in enumerate(lines)))  # the first line records none
+    for target, extra, warns in ((target_dir, [], True), (target_dir, ["--chat-template-kwargs", THINKING], False),
+                                 (chatml_dir, [], False)):
+        out = tmp_path / f"run{len(list(tmp_path.glob('run*')))}"
+        recipe = make_recipe(tmp_path, target, data, max_steps=1, save_every=0)
+        code, _, err = run_cli(["train", "--recipe", str(recipe), "--output", str(out), *extra], capsys)
+        assert code == 0, err
+        warned = [line for line in err.splitlines() if "regenerated with chat-template kwargs" in line]
+        assert warned == ([f"Warning: 3 of 4 training conversation(s) ({data}) were regenerated with chat-template "
+                           f"kwargs {THINKING} (thinking mode), not {{\"enable_thinking\": false}}: the drafter "
+                           f"learns answers the target gave under other kwargs (pass --chat-template-kwargs "
+                           f"'{THINKING}' to match)"] if warns else []), err
+        assert f"| data regenerated with | `{THINKING}` (3 conversations) |" in (out / "README.md").read_text()
+
+
 def test_regenerate_takes_the_recipes_mode(target_dir, tmp_path, rendered, capsys):
     prompts = write_prompts(tmp_path / "p.jsonl", 1)
     recipe = tmp_path / "r.toml"
@@ -269,6 +304,46 @@ def test_regenerate_takes_the_recipes_mode(target_dir, tmp_path, rendered, capsy
     assert rendered and all(t.endswith("<|im_start|>assistant\n") for t in rendered)
     assert_cli_error(["data", "regenerate", "--recipe", str(recipe), "--chat-template-kwargs", "{}"], capsys,
                      'trains with chat-template kwargs {"enable_thinking": true}, not {}')
+
+
+def test_regenerated_lines_record_the_kwargs_and_a_resume_keeps_them(target_dir, tmp_path, capsys):
+    out = tmp_path / "out.jsonl"
+    args = _prompt_commands(target_dir, tmp_path)["regenerate"]
+    write_prompts(tmp_path / "prompts.jsonl", 3)
+    code, _, err = run_cli([*args, "--limit", "2", "--chat-template-kwargs", THINKING], capsys)
+    assert code == 0, err
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["chat_template_kwargs"] for x in lines] == [{"enable_thinking": True}] * 2
+    assert [c.chat_template_kwargs for c in load_conversations(out)] == [{"enable_thinking": True}] * 2
+    # resuming under other kwargs: refused, the file (a partial last line included) left as it was
+    with out.open("a") as f:
+        f.write('{"id": "cut')
+    before = out.read_bytes()
+    assert_cli_error(args, capsys, f'{out} was regenerated with chat-template kwargs {THINKING}, not '
+                     '{"enable_thinking": false}: give another --output, or --chat-template-kwargs '
+                     f"'{THINKING}' to continue it")
+    assert out.read_bytes() == before
+    # lines written without the field are accepted, whatever the kwargs
+    out.write_text("".join(json.dumps({k: v for k, v in x.items() if k != "chat_template_kwargs"}) + "\n"
+                           for x in lines))
+    code, _, err = run_cli(args, capsys)
+    assert code == 0, err
+    assert [c.chat_template_kwargs for c in load_conversations(out)] == [None, None, {"enable_thinking": False}]
+
+
+def test_recorded_kwargs_must_be_objects(tmp_path):
+    from dspec_cli.core.calibration import Calibration
+
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"turns": ["hi"], "chat_template_kwargs": "thinking"}) + "\n")
+    with pytest.raises(DspecError, match=r"data.jsonl:1: chat_template_kwargs must be a JSON object"):
+        load_conversations(data)
+    cal = tmp_path / "calibration.json"
+    cal.write_text(json.dumps({"temperatures": [1.0], "chat_template_kwargs": ["thinking"]}))
+    with pytest.raises(DspecError, match=r"calibration.json: chat_template_kwargs must be a JSON object"):
+        Calibration.load(cal)
+    cal.write_text(json.dumps({"temperatures": [1.0], "chat_template_kwargs": None}))
+    assert Calibration.load(cal).chat_template_kwargs is None  # fitted on recorded traces: not known
 
 
 def test_checkpoints_without_the_field_were_trained_in_the_default_mode(thinking_drafter, target_dir, tmp_path):
@@ -289,6 +364,32 @@ def test_checkpoints_without_the_field_were_trained_in_the_default_mode(thinking
 
 def _warnings(err: str) -> list[str]:
     return [line for line in err.splitlines() if "was trained with chat-template kwargs" in line]
+
+
+def test_calibration_records_the_kwargs_and_runs_under_others_warn(thinking_drafter, target_dir, tmp_path, capsys):
+    # a thinking-mode drafter calibrated on non-thinking prompts (the training warning aside)
+    cal = tmp_path / "cal"
+    code, _, err = run_cli(["calibrate", "--drafter", "dspark-markov", "--checkpoint", str(thinking_drafter),
+                            "--target", str(target_dir), "--num-prompts", "1", "--max-new-tokens", "3", "--force",
+                            "--output", str(cal)], capsys)
+    assert code == 0 and len(_warnings(err)) == 1, err
+    assert json.loads((cal / "calibration.json").read_text())["chat_template_kwargs"] == {"enable_thinking": False}
+    bench = ["bench", "--drafter", "dspark-markov", "--checkpoint", str(cal), "--target", str(target_dir),
+             "--num-prompts", "1", "--max-new-tokens", "3", "--block-size", "4"]
+    export = ["export", str(cal), "--target", str(target_dir)]
+    for args, warns in (([*bench, "--chat-template-kwargs", THINKING], True), (bench, False),
+                        ([*export, "--format", "sglang", "--output", str(tmp_path / "sg"), "--chat-template-kwargs",
+                          THINKING], True),
+                        ([*export, "--format", "vllm", "--output", str(tmp_path / "vl"), "--chat-template-kwargs",
+                          THINKING], False)):  # vLLM calibrates at startup: the file is not used
+        code, _, err = run_cli(args, capsys)
+        assert code == 0, err
+        fitted = [line for line in err.splitlines() if "was fitted with chat-template kwargs" in line]
+        assert fitted == ([f"Warning: the calibration of drafter dspark-markov ({cal / 'calibration.json'}) was "
+                           f'fitted with chat-template kwargs {{"enable_thinking": false}} (non-thinking mode), not '
+                           f"{THINKING}: its temperatures fit the confidences of other prompts (pass "
+                           f"--chat-template-kwargs '{{\"enable_thinking\": false}}' to match)"] if warns else []), err
+        assert len(_warnings(err)) == (THINKING not in args), err  # the training warning, when trained otherwise
 
 
 def test_bench_calibrate_and_export_warn_under_other_kwargs(thinking_drafter, target_dir, tmp_path, capsys):

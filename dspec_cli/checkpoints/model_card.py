@@ -136,7 +136,8 @@ def write_model_card(out: Path, info: dict[str, Any]) -> None:
     label = mode(kwargs)
     flag = "" if dict(kwargs) == dict(DEFAULT_KWARGS) else f" --chat-template-kwargs '{describe(kwargs)}'"
     metrics = ", ".join(f"{k} {v:.4g}" for k, v in info["metrics"].items() if isinstance(v, int | float))
-    data = info["data"]
+    data = info["data"]  # its chat_template_kwargs: what the data's lines record -> how many
+    regenerated = ", ".join(f"`{k}` ({n} conversations)" for k, n in data.get("chat_template_kwargs", {}).items())
     lines = [
         "",
         f"# {drafter} drafter for {target}",
@@ -151,6 +152,7 @@ def write_model_card(out: Path, info: dict[str, Any]) -> None:
         f"| chat template kwargs | `{describe(kwargs)}`" + (f" ({label} mode)" if label else "") + " |",
         (f"| training data | `{', '.join(data['path']) if isinstance(data['path'], list) else data['path']}`: {data['samples']} samples ({data['skipped']} skipped, {data.get('truncated', 0)} truncated), "
          f"{data['tokens']} tokens, {data['loss_tokens']} assistant tokens |"),
+        *([f"| data regenerated with | {regenerated} |"] if regenerated else []),
         (f"| steps | {info['step']} of {info['total_steps']} ({info['epochs']:.2f} epochs), "
          f"global batch {info['global_batch']} |"),
         f"| optimizer | AdamW, lr {info['lr']:g}, {info['schedule']} schedule, warmup {info['warmup_ratio']:g} |",

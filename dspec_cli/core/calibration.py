@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from dspec_cli.core.chat_template import check_kwargs
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import CALIBRATION_FILE, read_json
 from dspec_cli.core.outputs import atomic_write_text
@@ -43,6 +44,8 @@ class Calibration:
     temperatures: list[float]
     metrics: dict = field(default_factory=dict)  # {"before": position_metrics, "after": ...}
     source: str = ""  # the file it was read from (for messages)
+    # the chat-template kwargs the fitted rounds' prompts were rendered with; None: not known
+    chat_template_kwargs: dict | None = None
     _rows: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # apply's temperature rows
 
     def __post_init__(self) -> None:
@@ -76,7 +79,7 @@ class Calibration:
 
     def to_dict(self) -> dict:
         return {"drafter": self.drafter, "block_size": self.block_size, "temperatures": self.temperatures,
-                "metrics": self.metrics}
+                "chat_template_kwargs": self.chat_template_kwargs, "metrics": self.metrics}
 
     def save(self, path: str | Path) -> Path:
         """Write to ``path`` (a folder gets ``calibration.json`` inside); returns the file."""
@@ -92,7 +95,7 @@ class Calibration:
         errors start with ``what`` (the option naming the file) and the path.
 
         Files holding only ``{"temperatures": [...]}`` are accepted (block size = their length,
-        drafter unknown).
+        drafter and chat-template kwargs unknown).
         """
         path = Path(path)
         file = path / CALIBRATION_FILE if path.is_dir() else path
@@ -103,8 +106,10 @@ class Calibration:
         temps = raw["temperatures"]
         size = raw.get("block_size", len(temps) if isinstance(temps, list) else 0)
         metrics = raw.get("metrics", {})
+        kwargs = raw.get("chat_template_kwargs")
         try:
-            cal = cls(str(raw.get("drafter", "")), size, temps, metrics if isinstance(metrics, dict) else {}, str(file))
+            cal = cls(str(raw.get("drafter", "")), size, temps, metrics if isinstance(metrics, dict) else {}, str(file),
+                      None if kwargs is None else check_kwargs(kwargs, f"{file}: chat_template_kwargs"))
             cal.check(drafter, block_size)
         except DspecError as exc:  # its checks name the file: add the option
             raise DspecError(f"{what} {exc}") from None

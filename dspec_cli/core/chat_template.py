@@ -7,9 +7,10 @@ to servers. Reasoning models switch modes with it: Qwen3's template takes ``enab
 default is Qwen3's non-thinking mode; templates that do not use a key ignore it.
 
 A drafter learns the target's answers in the mode its training data was rendered in, and accepts
-far less on traffic of another mode, so checkpoints record the kwargs (config.json
-``chat_template_kwargs``) and :func:`warn_if_other` warns when a drafter runs under others that
-the target's template renders differently.
+far less on traffic of another mode, so what dspec makes records the kwargs it was made under
+(``chat_template_kwargs`` in a checkpoint's config.json, in every line ``dspec data regenerate``
+writes, in calibration.json), and :func:`warn_if_other` warns when such a thing is used under
+others that the target's template renders differently.
 """
 
 from __future__ import annotations
@@ -81,17 +82,17 @@ def _probe(tokenizer, kwargs: Mapping[str, Any]) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
 
 
-def warn_if_other(drafter: str, trained: Mapping[str, Any] | None, used: Mapping[str, Any],
-                  tokenizer=None) -> None:
-    """A one-line warning when ``drafter``, trained under ``trained`` kwargs (None: not recorded),
-    runs under ``used`` and the target's chat template (``tokenizer``'s) renders them differently."""
-    if trained is None or renders_alike(tokenizer, trained, used):
+def warn_if_other(made: str, recorded: Mapping[str, Any] | None, used: Mapping[str, Any], tokenizer=None,
+                  effect: str = "it accepts less under other ones", stacklevel: int = 2) -> None:
+    """A one-line warning when something ``made`` under ``recorded`` kwargs (e.g. "drafter dspark was
+    trained"; None: not recorded) is used under ``used`` and the target's chat template
+    (``tokenizer``'s) renders them differently; ``effect`` says what that costs. ``stacklevel``
+    (:func:`warnings.warn`'s): the caller it is reported for, shown once per caller and text."""
+    if recorded is None or renders_alike(tokenizer, recorded, used):
         return
-    label = mode(trained)
+    label = mode(recorded)
     warnings.warn(
-        f"drafter {drafter} was trained with chat-template kwargs {describe(trained)}"
-        + (f" ({label} mode)" if label else "")
-        + f", not {describe(used)}: it accepts less under other ones (pass {OPTION} '{describe(trained)}' "
-        "to match)",
-        stacklevel=2,
+        f"{made} with chat-template kwargs {describe(recorded)}" + (f" ({label} mode)" if label else "")
+        + f", not {describe(used)}: {effect} (pass {OPTION} '{describe(recorded)}' to match)",
+        stacklevel=stacklevel,
     )

@@ -1,6 +1,7 @@
 """Prompt sets and conversations: jsonl files of ``{"turns": [...]}``, ShareGPT
 ``{"conversations": [{"from", "value"} | {"role", "content"}, ...]}`` or OpenAI-style
-``{"messages": [{"role", "content"}, ...]}`` lines."""
+``{"messages": [{"role", "content"}, ...]}`` lines. Conversations written by ``dspec data
+regenerate`` also record the ``chat_template_kwargs`` they were rendered with."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from dspec_cli.core.chat_template import check_kwargs
 from dspec_cli.core.datasets import is_registered, resolve
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.jsonl import parse_lines, read_jsonl
@@ -77,6 +79,7 @@ class Conversation:
     id: str
     messages: list[dict[str, str]]
     where: str  # file:line it came from
+    chat_template_kwargs: dict | None = None  # what the line records (regenerated data); None: not recorded
 
     def without_assistant(self) -> list[dict[str, str]]:
         """System and user turns only (the prompts of a regeneration)."""
@@ -111,7 +114,8 @@ def load_conversations(path: str | Path, limit: int | None = None) -> list[Conve
     """Read ``{"turns": [...]}`` or ``{"id"?, "conversations"|"messages": [...]}`` lines.
 
     ShareGPT ``{"from", "value"}`` messages and role names (human, gpt, ...) are accepted. A
-    line without ``id`` gets ``<file stem>-<line>``; duplicate ids are an error.
+    line without ``id`` gets ``<file stem>-<line>``; duplicate ids are an error. A line's
+    ``chat_template_kwargs`` (an object, when present) is kept on its conversation.
     """
     convs: list[Conversation] = []
     seen: dict[str, str] = {}
@@ -125,7 +129,9 @@ def load_conversations(path: str | Path, limit: int | None = None) -> list[Conve
         if cid in seen:
             raise DspecError(f"{where}: duplicate id {cid!r} (first at {seen[cid]})")
         seen[cid] = where
-        convs.append(Conversation(cid, _messages(obj, where), where))
+        kwargs = obj.get("chat_template_kwargs")
+        kwargs = None if kwargs is None else check_kwargs(kwargs, f"{where}: chat_template_kwargs")
+        convs.append(Conversation(cid, _messages(obj, where), where, kwargs))
     if not convs:
         raise DspecError(f"dataset {path}: no conversations")
     return convs

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -38,6 +38,7 @@ from dspec_cli.checkpoints.native import (
     recorded_chat_template_kwargs,
 )
 from dspec_cli.core.calibration import Calibration
+from dspec_cli.core.chat_template import warn_if_other
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import (
     CALIBRATION_FILE,
@@ -367,6 +368,21 @@ class TrainableDrafter(Drafter):
             drafter.calibration = Calibration.load(path / CALIBRATION_FILE, drafter=cls.name)
         drafter.chat_template_kwargs = recorded_chat_template_kwargs(path)
         return drafter
+
+
+def warn_if_other_kwargs(drafter: Drafter, used: Mapping[str, Any], tokenizer=None, name: str | None = None,
+                          calibration: bool = True) -> None:
+    """A one-line warning when ``drafter`` (``name``: as the command names it) runs under chat-template
+    kwargs ``used`` that the target's template (``tokenizer``'s) renders differently from those its
+    training data was rendered with, and (``calibration``) another when its calibration was fitted
+    under yet other ones (:func:`~dspec_cli.core.chat_template.warn_if_other`)."""
+    name = name or drafter.name
+    trained, cal = drafter.chat_template_kwargs, drafter.calibration if calibration else None
+    warn_if_other(f"drafter {name} was trained", trained, used, tokenizer, stacklevel=3)  # as the caller's
+    if cal is not None and cal.chat_template_kwargs != trained:
+        warn_if_other(f"the calibration of drafter {name} ({cal.source or 'calibration.json'}) was fitted",
+                      cal.chat_template_kwargs, used, tokenizer,
+                      effect="its temperatures fit the confidences of other prompts", stacklevel=3)
 
 
 def _check_block_size(name: str, path: Path, wanted: int | None) -> None:

@@ -3,7 +3,8 @@ sample order shared by all ranks, batching, and the target features of a batch (
 online by the frozen target, optionally cached on disk).
 
 Conversations are rendered with the recipe's chat-template kwargs (``[chat_template]``, default
-:data:`~dspec_cli.core.chat_template.DEFAULT_KWARGS`), the same ones regeneration used. Loss
+:data:`~dspec_cli.core.chat_template.DEFAULT_KWARGS`), the same ones regeneration used (its lines
+record them: :attr:`TrainData.recorded_kwargs` counts them, and training warns on others). Loss
 mask: 1 on every token of an assistant message's content through its end-of-turn marker
 (``<|im_end|>\\n`` for ChatML; found by rendering a probe conversation), 0 elsewhere
 (system/user turns, role headers, template-inserted thinking stubs).
@@ -21,15 +22,16 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from dspec_cli.core.chat_template import DEFAULT_KWARGS
+from dspec_cli.core.chat_template import DEFAULT_KWARGS, describe
 from dspec_cli.core.data import Conversation, load_conversations
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.outputs import atomic_write_text
@@ -122,6 +124,9 @@ class TrainData:
     source: str
     truncated: int = 0  # samples cut to max_length tokens
     split: int = 0  # conversations rendered as one sample per assistant turn
+    conversations: int = 0  # conversations read
+    # chat-template kwargs the conversations' lines record (compact JSON, :func:`describe`) -> how many
+    recorded_kwargs: dict[str, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.sample_ids)
@@ -187,8 +192,9 @@ def tokenize_conversations(
         )
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
+    recorded = Counter(describe(c.chat_template_kwargs) for c in convs if c.chat_template_kwargs is not None)
     return TrainData(np.concatenate(ids_parts), np.concatenate(mask_parts), offsets, names, skipped, source,
-                     truncated, split)
+                     truncated, split, len(convs), dict(recorded))
 
 
 def load_train_data(paths: Sequence[str], tokenizer, max_length: int, min_loss_tokens: int,

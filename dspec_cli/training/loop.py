@@ -34,6 +34,7 @@ from dspec_cli.checkpoints.model_card import write_model_card
 from dspec_cli.checkpoints.native import check_checkpoint_config, weights_fingerprint
 from dspec_cli.checkpoints.serving import describe, serving_methods
 from dspec_cli.core import plugins
+from dspec_cli.core.chat_template import warn_if_other
 from dspec_cli.core.devices import resolve_device
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import EMBEDDED, WEIGHTS_FILE
@@ -362,6 +363,11 @@ class _Run:
         length = min(spec.max_length, ctx)
         data = load_train_data(spec.paths, target.tokenizer, length, spec.min_loss_tokens, spec.limit,
                                self.recipe.chat_template)
+        if self.rank.main:  # data regenerated under other kwargs than the recipe renders it with
+            for recorded, n in data.recorded_kwargs.items():
+                warn_if_other(f"{n} of {data.conversations} training conversation(s) ({', '.join(spec.paths)}) were "
+                              "regenerated", json.loads(recorded), self.recipe.chat_template, target.tokenizer,
+                              effect="the drafter learns answers the target gave under other kwargs")
         if self.rank.main and data.split:
             self.progress.note(f"{data.split} conversation(s) became one sample per assistant turn (the chat "
                                "template rewrites earlier turns)")
@@ -544,7 +550,8 @@ class _Run:
         return {
             "drafter": self.cls.name, "target": name, "target_is_embedded": name == EMBEDDED,
             "data": {"path": r.data.path, "samples": len(data), "skipped": data.skipped, "truncated": data.truncated,
-                     "tokens": data.num_tokens, "loss_tokens": data.num_loss_tokens},
+                     "tokens": data.num_tokens, "loss_tokens": data.num_loss_tokens,
+                     "chat_template_kwargs": data.recorded_kwargs},
             "chat_template_kwargs": r.chat_template,
             "step": step, "total_steps": self.total, "epochs": step * r.train.global_batch / len(data),
             "global_batch": r.train.global_batch, "lr": r.train.lr, "schedule": r.train.schedule,

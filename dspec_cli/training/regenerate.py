@@ -15,22 +15,24 @@ shortened, or skipped when it is the first turn). An answer that reaches ``max_n
 cut there and kept (its conversation is counted as truncated): thinking answers need a budget of
 thousands of tokens.
 
-Output lines are ``{"id", "conversations": [{"role", "content"}, ...]}``, appended and flushed as
-conversations finish, in input order. Re-running skips ids already in the output (a partial last
-line left by an interruption is dropped first); every turn's randomness is keyed by (seed, id,
-turn), so a resumed file equals an uninterrupted one.
+Output lines are ``{"id", "conversations": [{"role", "content"}, ...], "chat_template_kwargs"}``
+(the kwargs the conversation was rendered with), appended and flushed as conversations finish, in
+input order. Re-running skips ids already in the output (a partial last line left by an
+interruption is dropped first) and refuses an output whose lines record other kwargs; every
+turn's randomness is keyed by (seed, id, turn), so a resumed file equals an uninterrupted one.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dspec_cli.checkpoints import load_drafter
-from dspec_cli.core.chat_template import default_kwargs
+from dspec_cli.core.chat_template import OPTION, check_kwargs, default_kwargs, describe
 from dspec_cli.core.data import Conversation, load_conversations
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.jsonl import decode, parse_lines, write_line
@@ -81,21 +83,29 @@ def turn_seed(seed: int, conv_id: str, turn: int) -> int:
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
-def done_ids(path: Path) -> tuple[set[str], bool]:
-    """Ids already in the output; drops a partial last line. Returns (ids, whether it repaired)."""
+def done_ids(path: Path, chat_template_kwargs: Mapping[str, Any]) -> tuple[set[str], bool]:
+    """Ids already in the output; drops a partial last line. Returns (ids, whether it repaired).
+    A line recording other chat-template kwargs than ``chat_template_kwargs`` is a DspecError
+    (the file is left as it was); lines that record none are accepted."""
     if not path.exists():
         return set(), False
     raw = path.read_bytes()
     repaired = bool(raw) and not raw.endswith(b"\n")
-    if repaired:
-        raw = raw[: raw.rfind(b"\n") + 1]
-        with open(path, "r+b") as f:
-            f.truncate(len(raw))
+    raw = raw[: raw.rfind(b"\n") + 1] if repaired else raw
     ids = set()
     for where, obj in parse_lines(decode(raw, str(path)), str(path)):
         if "id" not in obj:
             raise DspecError(f"{where}: no 'id'; --output must be a file written by dspec data regenerate")
+        recorded = obj.get("chat_template_kwargs")
+        if recorded is not None and check_kwargs(recorded, f"{where}: chat_template_kwargs") != chat_template_kwargs:
+            raise DspecError(
+                f"{path} was regenerated with chat-template kwargs {describe(recorded)}, not "
+                f"{describe(chat_template_kwargs)}: give another --output, or {OPTION} '{describe(recorded)}' to continue it"
+            )
         ids.add(str(obj["id"]))
+    if repaired:
+        with open(path, "r+b") as f:
+            f.truncate(len(raw))
     return ids, repaired
 
 
@@ -109,7 +119,7 @@ def plan(opts: RegenerateOptions) -> tuple[Path, RegenerateStats, list[Conversat
         raise DspecError("--output must differ from --dataset")
     convs = _conversations(sources, opts.limit)
     stats = RegenerateStats(conversations=len(convs))
-    finished, repaired = done_ids(out)
+    finished, repaired = done_ids(out, opts.chat_template_kwargs)
     if repaired:
         stats.notes.append(f"dropped a partial last line of {out} (interrupted write)")
     todo = [c for c in convs if c.id not in finished]
@@ -140,9 +150,10 @@ class Dialogue:
     def answered(self) -> int:
         return sum(m["role"] == "assistant" for m in self.history)
 
-    def record(self) -> dict:
+    def record(self, chat_template_kwargs: Mapping[str, Any]) -> dict:
+        """The output line: history through the last answer, rendered with ``chat_template_kwargs``."""
         last = max(i for i, m in enumerate(self.history) if m["role"] == "assistant")
-        return {"id": self.id, "conversations": self.history[: last + 1]}
+        return {"id": self.id, "conversations": self.history[: last + 1], "chat_template_kwargs": dict(chat_template_kwargs)}
 
 
 def regenerate(
@@ -203,7 +214,7 @@ def regenerate(
                 active = [d for d in runnable if d.next_turn()]
             for d in dialogues:
                 if d.answered:
-                    write_line(f, d.record())
+                    write_line(f, d.record(opts.chat_template_kwargs))
                     f.flush()
                     stats.written += 1
                     stats.truncated += d.truncated

@@ -7,8 +7,9 @@ through ``POST /v1/chat/completions``. Several servers share one queue of conver
 ``concurrency`` conversations at a time (a conversation stays on one server, so its turns reuse
 that server's prefix cache).
 
-Output lines are the built-in path's ``{"id", "conversations"}``, appended as conversations finish
-(completion order, not input order). A re-run skips ids already in the output. A request that
+Output lines are the built-in path's ``{"id", "conversations", "chat_template_kwargs"}``, appended
+as conversations finish (completion order, not input order). A re-run skips ids already in the
+output (and refuses one whose lines record other kwargs). A request that
 keeps failing (429, 5xx, timeouts and dropped connections are retried with exponential back-off;
 other 4xx answers are not) puts its conversation in ``<output stem>.errors.jsonl`` with the reason;
 that file lists the latest run's failures, and those conversations are tried again on the next run.
@@ -268,7 +269,7 @@ class _Regeneration:
                         errf.flush()
                     else:
                         if d.answered:
-                            write_line(f, d.record())
+                            write_line(f, d.record(self.opts.chat_template_kwargs))
                             f.flush()
                             self.stats.written += 1
                             self.stats.truncated += d.truncated

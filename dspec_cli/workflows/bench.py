@@ -17,7 +17,7 @@ from dspec_cli.checkpoints import load_drafter
 from dspec_cli.checkpoints.hub import resolve_checkpoint
 from dspec_cli.checkpoints.native import choose_target
 from dspec_cli.core import plugins
-from dspec_cli.core.chat_template import default_kwargs, warn_if_other
+from dspec_cli.core.chat_template import default_kwargs
 from dspec_cli.core.cpu_load import CpuMeter
 from dspec_cli.core.data import BUILTIN, Prompt, dataset_name, load_prompts
 from dspec_cli.core.devices import parse_dtype, resolve_device
@@ -25,6 +25,7 @@ from dspec_cli.core.errors import DspecError
 from dspec_cli.core.hardware import CostTable, device_name
 from dspec_cli.core.specs import parse_drafter_spec, parse_scheduler_spec
 from dspec_cli.core.version import __version__
+from dspec_cli.runtime.drafter import warn_if_other_kwargs
 from dspec_cli.runtime.engine import (
     GenerationConfig,
     RequestResult,
@@ -427,7 +428,7 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
     schedulers = [_schedulers(opts, target) for _ in opts.drafters]  # per drafter: the draft gate learns its cost
     drafters = [load_drafter(name, target, ckpt, opts.block_size) for name, ckpt in zip(opts.drafters, checkpoints, strict=True)]
     for name, drafter in zip(opts.drafters, drafters, strict=True):
-        warn_if_other(name, drafter.chat_template_kwargs, opts.chat_template_kwargs, target.tokenizer)
+        warn_if_other_kwargs(drafter, opts.chat_template_kwargs, target.tokenizer, name)
     runs = []
     for dset, prompts in prompt_sets.items():
         rendered = render_prompts(target, prompts, opts.chat_template_kwargs)

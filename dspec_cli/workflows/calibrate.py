@@ -26,10 +26,11 @@ from typing import Any
 import torch
 
 from dspec_cli.core.calibration import Calibration, apply_temperatures
-from dspec_cli.core.chat_template import DEFAULT_KWARGS, warn_if_other
+from dspec_cli.core.chat_template import DEFAULT_KWARGS
 from dspec_cli.core.data import jsonl_objects
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.jsonl import write_jsonl
+from dspec_cli.runtime.drafter import warn_if_other_kwargs
 from dspec_cli.runtime.engine import SpeculativeEngine
 from dspec_cli.workflows.bench import fitting_prompts
 
@@ -338,7 +339,7 @@ def record_rounds(target, drafter, prompts: Sequence[str], config, *, strict: bo
     context (:func:`~dspec_cli.workflows.bench.fitting_prompts`), and record their rounds raw
     (:func:`collect_rounds`). Returns (rounds, prompts used, prompts skipped as too long);
     ``progress(total)`` returns a per-request callback."""
-    warn_if_other(drafter.name, drafter.chat_template_kwargs, chat_template_kwargs, target.tokenizer)
+    warn_if_other_kwargs(drafter, chat_template_kwargs, target.tokenizer, calibration=False)  # refitted here
     rendered = [target.render_prompt(p, chat_template_kwargs) for p in prompts]
     ids, skipped = fitting_prompts(target, rendered, config.max_new_tokens, config.block_size, strict=strict,
                                    where="--dataset")
@@ -346,10 +347,13 @@ def record_rounds(target, drafter, prompts: Sequence[str], config, *, strict: bo
     return collect_rounds(target, drafter, ids, config, on_finish=on_finish), len(ids), skipped
 
 
-def calibrate(rounds: Rounds, drafter: str, grid: Sequence[float] = DEFAULT_GRID) -> Calibration:
-    """Fit STS on raw-confidence rounds; metrics before and after go into the result."""
+def calibrate(rounds: Rounds, drafter: str, grid: Sequence[float] = DEFAULT_GRID,
+              chat_template_kwargs: Mapping[str, Any] | None = None) -> Calibration:
+    """Fit STS on raw-confidence rounds (of prompts rendered with ``chat_template_kwargs``; None: not
+    known); metrics before and after go into the result."""
     if len(rounds) == 0:
         raise DspecError("no verified drafts were recorded: use more prompts or a larger --max-new-tokens")
     temps = fit_sts(rounds, grid)
     metrics = {"before": position_metrics(rounds), "after": position_metrics(rounds.with_temperatures(temps))}
-    return Calibration(drafter, rounds.block_size, temps, metrics)
+    kwargs = None if chat_template_kwargs is None else dict(chat_template_kwargs)
+    return Calibration(drafter, rounds.block_size, temps, metrics, chat_template_kwargs=kwargs)

@@ -227,7 +227,7 @@ def run_calibrate(opts: CalibrateOptions, progress: Callable[[str, int], Callabl
                  f"temperature {opts.temperature:g}")
     if old is not None:
         old.check(cls.name, rounds.block_size)
-    cal = calibrate(rounds, cls.name)
+    cal = calibrate(rounds, cls.name, chat_template_kwargs=None if opts.traces else opts.chat_template_kwargs)
     check_rounds(cal.metrics["before"]["count"], opts.force)
     written: list[Path] = []
     cal_file = None

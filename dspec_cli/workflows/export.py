@@ -24,9 +24,10 @@ from dspec_cli.checkpoints.serving import (
     check_engine_support,
     method,
 )
-from dspec_cli.core.chat_template import DEFAULT_KWARGS, describe, warn_if_other
+from dspec_cli.core.chat_template import DEFAULT_KWARGS, describe
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.outputs import atomic_write_text
+from dspec_cli.runtime.drafter import warn_if_other_kwargs
 from dspec_cli.workflows.serve_files import (
     SERVE_FILE,
     Sidecars,
@@ -83,12 +84,12 @@ def export(drafter, target, fmt: str, output: Path, target_name: str, checkpoint
     """Write ``drafter`` into ``output`` in the layout the engine reads, SGLang DSpark's side files
     (from ``checkpoint``'s calibration and ``cost_table``) and SERVE.md; returns the report
     (format, drafter, layout, method, output, target, the chat-template kwargs served, the engine
-    settings, files, notes and the command). A warning when the drafter was trained under other
-    chat-template kwargs than ``chat_template_kwargs``. Everything is checked before the first file
-    is written."""
+    settings, files, notes and the command). A warning when the drafter was trained (or, for SGLang,
+    whose STS file comes from its calibration, calibrated) under other chat-template kwargs than
+    ``chat_template_kwargs``. Everything is checked before the first file is written."""
     if fmt not in FORMATS:
         raise DspecError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    warn_if_other(drafter.name, drafter.chat_template_kwargs, chat_template_kwargs, target.tokenizer)
+    warn_if_other_kwargs(drafter, chat_template_kwargs, target.tokenizer, calibration=fmt == "sglang")
     layout, config, tensors = to_foreign(drafter, target)
     check_engine_support(layout, config, fmt)
     dspark = layout in DSPARK_LAYOUTS
