@@ -420,11 +420,10 @@ def verify_chain_grid(
     checks.shape("uniforms", uniforms, (R, W))
     if (noise is None) == (final_uniforms is None):
         raise ValueError("verify_chain_grid: give exactly one of noise and final_uniforms for the final token")
-    impl = _backend(backend, target_probs.device)
+    # the inverse-CDF draw is the reference's alone: "auto" takes it there, "triton" is an error
+    impl = _backend("torch" if final_uniforms is not None and backend == "auto" else backend, target_probs.device)
     if final_uniforms is not None and impl is not reference:
-        if backend == "triton":
-            raise ValueError("final_uniforms: the Triton backend draws the final token with noise; pass noise")
-        impl = reference
+        raise ValueError("final_uniforms: the Triton backend draws the final token with noise; pass noise")
     if isinstance(noise, torch.Tensor):
         noise = noise.float()
     probs, drafts = target_probs.flatten(0, 1), draft_tokens.flatten().long()

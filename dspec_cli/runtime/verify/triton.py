@@ -96,7 +96,10 @@ def _empty(width: int, device) -> VerifyResult:
     return VerifyResult(accepted, tokens, num_tokens)
 
 
-def draft_ends(num_draft: torch.Tensor, cu: torch.Tensor | None) -> torch.Tensor:
+def draft_ends(
+    num_draft: torch.Tensor,  # [R] int64
+    cu: torch.Tensor | None,  # [R] int64, or None
+) -> torch.Tensor:
     """Where each request's drafts end, [R] int64: ``cu`` as given, else the inclusive prefix sums
     of ℓ (the ragged layout). The kernels find request r's drafts at cu[r] − ℓ_r and its target
     rows at cu[r] − ℓ_r + r, so padded rows of W drafts and W + 1 target rows (flattened) are
@@ -104,7 +107,10 @@ def draft_ends(num_draft: torch.Tensor, cu: torch.Tensor | None) -> torch.Tensor
     return num_draft.cumsum(0) if cu is None else cu
 
 
-def grid_ends(num_draft: torch.Tensor, width: int) -> torch.Tensor:
+def grid_ends(
+    num_draft: torch.Tensor,  # [R] int64, each <= width
+    width: int,
+) -> torch.Tensor:
     """``cu`` [R] int64 of padded rows: request r's drafts at r·W, its target rows at r·(W + 1)."""
     return torch.arange(num_draft.numel(), device=num_draft.device) * width + num_draft
 
