@@ -17,9 +17,10 @@ its own timeout (a part that fails or hangs leaves an entry in ``errors`` and th
 * ``syncs``: host synchronisations per round of the engine (CUDA sync-debug mode; on a CPU the
   host reads :func:`dspec_cli.testing.host_reads.count_host_reads` counts), plain, dspark and
   ddtree at T = 0 and 1, on the embedded target;
-* ``kernels``: verification at R = 1 and 64, γ = 7, V = 151,936 (chain with draft
-  probabilities, one-hot drafts, greedy) on the torch grid path the engine runs and on the
-  Triton backend, against the time to read the logits once and torch's argmax;
+* ``kernels``: verification at R = 1 and 64, γ = 7, V = 151,936 (token and block rules with draft
+  probabilities, one-hot drafts, greedy) on the padded-grid path the engine runs, on the torch
+  reference and on the Triton kernels (what a CUDA round uses), against the time to read the
+  logits once and torch's argmax;
 * ``embedded``: the embedded target, dspark and ddtree against plain decoding at R = 1 and 64.
 
 ``goals`` sums up each figure against its target (met / missed). Times are medians of timed
@@ -29,6 +30,7 @@ repetitions after warm-up, CUDA synchronised. About 3 to 5 minutes on an H200.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import subprocess
@@ -260,7 +262,6 @@ def part_kernels(args) -> dict:
     from dspec_cli.runtime.graphs import GraphRunner
     from dspec_cli.runtime.verify import (
         triton_available,
-        verify_chain,
         verify_chain_grid,
         verify_greedy_grid,
     )
@@ -268,6 +269,7 @@ def part_kernels(args) -> dict:
     dev = torch.device(args.device)
     vocab, gamma = (8192 if args.small else 151_936), 7
     mode = "cuda" if dev.type == "cuda" else "eager"
+    backends = ("torch", "triton") if triton_available() and dev.type == "cuda" else ("torch",)
     out = []
     for rows in (1, 64):
         g = torch.Generator(device=dev).manual_seed(rows)
@@ -281,27 +283,22 @@ def part_kernels(args) -> dict:
         read_ms = median_ms(lambda probs=probs: probs.sum(), dev)
         runner = GraphRunner(mode)
         cases = {
-            "chain": lambda p, x, qq, ell=ell, u=u, noise=noise: verify_chain_grid(
-                p, x, qq, ell, uniforms=u, noise=noise).tokens,
-            "block": lambda p, x, qq, ell=ell, u=u, noise=noise: verify_chain_grid(
-                p, x, qq, ell, method="block", uniforms=u, noise=noise).tokens,
-            "one-hot": lambda p, x, qq, ell=ell, u=u, noise=noise: verify_chain_grid(
-                p, x, None, ell, uniforms=u, noise=noise).tokens,
-            "greedy": lambda p, x, qq, ell=ell: verify_greedy_grid(p, x, ell).tokens,
+            "chain": lambda p, x, qq, backend, ell=ell, u=u, noise=noise: verify_chain_grid(
+                p, x, qq, ell, uniforms=u, noise=noise, backend=backend).tokens,
+            "block": lambda p, x, qq, backend, ell=ell, u=u, noise=noise: verify_chain_grid(
+                p, x, qq, ell, method="block", uniforms=u, noise=noise, backend=backend).tokens,
+            "one-hot": lambda p, x, qq, backend, ell=ell, u=u, noise=noise: verify_chain_grid(
+                p, x, None, ell, uniforms=u, noise=noise, backend=backend).tokens,
+            "greedy": lambda p, x, qq, backend, ell=ell: verify_greedy_grid(p, x, ell, backend=backend).tokens,
         }
         row = {"R": rows, "gamma": gamma, "vocab": vocab, "read_logits_ms": read_ms,
                "argmax_ms": median_ms(lambda probs=probs: probs.argmax(-1), dev)}
-        for name, fn in cases.items():
-            ms = median_ms(lambda fn=fn, name=name, runner=runner, rows=rows, probs=probs, drafts=drafts, q=q:
-                           runner((name, rows), fn, [probs, drafts, q], rows), dev)
-            row[f"torch_{name}_ms"], row[f"torch_{name}_x_read"] = ms, ms / read_ms
-        if triton_available() and dev.type == "cuda":
-            flat_p, flat_q, flat_x, flat_u = probs.flatten(0, 1), q.flatten(0, 1), drafts.flatten(), u.flatten()
-            for name, qq in (("chain", flat_q), ("one-hot", None)):
-                ms = median_ms(lambda qq=qq, flat_p=flat_p, flat_x=flat_x, ell=ell, flat_u=flat_u, noise=noise:
-                               verify_chain(flat_p, flat_x, qq, ell, uniforms=flat_u, noise=noise, backend="triton",
-                                            validate=False), dev)
-                row[f"triton_{name}_ms"], row[f"triton_{name}_x_read"] = ms, ms / read_ms
+        for backend in backends:
+            for name, fn in cases.items():
+                step = functools.partial(fn, backend=backend)
+                ms = median_ms(lambda step=step, key=(name, rows, backend), runner=runner, probs=probs, drafts=drafts,
+                               q=q, rows=rows: runner(key, step, [probs, drafts, q], rows), dev)
+                row[f"{backend}_{name}_ms"], row[f"{backend}_{name}_x_read"] = ms, ms / read_ms
         out.append(row)
         print("kernels", {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     return {"runs": out}
@@ -367,7 +364,7 @@ def goals(report: dict) -> dict:
     prof = report.get("profile", {})
     goal("profile B=1 within 2x bound", (prof.get("x_bound") or [None])[0], "<= 2", lambda v: v <= 2)
     for run in report.get("kernels", {}).get("runs", []):
-        for kind in ("chain", "one-hot", "greedy"):
+        for kind in ("chain", "block", "one-hot", "greedy"):
             for backend in ("torch", "triton"):
                 value = run.get(f"{backend}_{kind}_x_read")
                 if value is not None:

@@ -336,12 +336,14 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from dspec_cli.core.sampling import CounterNoise
 from dspec_cli.runtime.verify import triton as tb
+from dspec_cli.runtime.verify import triton_block as tbl
 
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float64: "fp64", torch.int64: "i64", torch.int32: "i32"}
 built = []
 
 def compile_only(kernel, grid, *args, block_v=None, **constants):
     constants.pop("num_warps", None)
+    constants.pop("enable_fp_fusion", None)
     if block_v is not None:
         constants["BLOCK_V"] = block_v
     sig = {}
@@ -356,8 +358,16 @@ def compile_only(kernel, grid, *args, block_v=None, **constants):
     triton.compile(ASTSource(kernel, sig, constants), target=GPUTarget("cuda", 90, 32), options=options)
     built.append(kernel.__name__)
 
-tb.check_device = lambda device: None
+class CompileOnly:  # kernel[grid](...) as triton_block launches them
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        return lambda *args, **constants: compile_only(self.kernel, grid, *args, **constants)
+
+tb.check_device = tbl.check_device = lambda device: None
 tb._run = compile_only
+tbl._mass_kernel, tbl._decide_kernel = CompileOnly(tbl._mass_kernel), CompileOnly(tbl._decide_kernel)
 R, V = 3, 5000
 g = torch.Generator().manual_seed(0)
 num = torch.tensor([2, 0, 3]); drafts = torch.randint(0, V, (5,), generator=g)
@@ -366,7 +376,8 @@ u = torch.rand(5, dtype=torch.float64, generator=g); noise = CounterNoise(torch.
 tb.chain(probs, drafts, q, num, u, torch.ones(R, V), 5, 3)
 tb.chain(probs, drafts, None, num, u, noise, 5, 3)
 tb.chain_logits(probs.log().bfloat16(), 0.7, drafts, q, num, u, noise, 5, 3)
-tb.greedy(probs.log(), drafts, num, 5, 3)
+tb.greedy(probs.log(), drafts, num, 5, 3, cu=tb.grid_ends(num, 3))
+tbl.block(probs, drafts, q, num, u, torch.ones(R, V), 5, 3)
 tb.draw(probs.log().bfloat16(), 1.0, noise)
 tb.draw(probs.log(), 0.0, None)
 print(sorted(set(built)))
@@ -383,6 +394,6 @@ def test_kernels_compile_for_cuda(tmp_path):
                          timeout=600, check=False)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split("\n")[-2] == str(sorted([
-        "block_argmax_kernel", "chain_accept_kernel", "greedy_decide_kernel", "race_decide_kernel",
-        "race_partials_kernel", "row_stats_kernel",
+        "_decide_kernel", "_mass_kernel", "block_argmax_kernel", "chain_accept_kernel", "greedy_decide_kernel",
+        "race_decide_kernel", "race_partials_kernel", "row_stats_kernel",
     ]))  # fmt: skip

@@ -386,7 +386,9 @@ class SpeculativeEngine:
     def _accept(self, logits, grid, ell, q, seeds, rounds, method: str) -> VerifyResult:
         """Accept a prefix of each row's drafts by ``method`` ("token" or "block"): logits
         [n, 1 + W, V] float of grid [n, 1 + W] (anchor, drafts), ℓ [n]; q [n, W, V] or None
-        (one-hot drafts)."""
+        (one-hot drafts). The grid verifiers' "auto" backend: the Triton kernels on CUDA (final
+        token by the exponential race), the torch reference on a CPU (final token by the inverse
+        CDF)."""
         cfg = self.config
         width = grid.shape[1] - 1
         base = rounds * ROUND_STRIDE  # [n]

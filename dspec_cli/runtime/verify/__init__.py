@@ -21,7 +21,8 @@ value checks); ``validate=False`` skips the value checks on hot paths, and the l
 (:func:`verify_chain_logits`, :func:`sample_logits`) given ``max_draft`` never synchronise. The
 ``*_grid`` variants take padded rows instead ([R, W + 1] target rows, [R, W] drafts, lengths on
 the device), check shapes only and never read the device: what the engine's static round runs
-(torch backend).
+(chains and greedy on the Triton kernels on CUDA, the torch reference elsewhere; trees on the
+torch reference).
 """
 
 from __future__ import annotations
@@ -397,13 +398,19 @@ def verify_chain_grid(
     uniforms: torch.Tensor,  # [R, W] float64 in (0, 1): draft k's coin
     noise: torch.Tensor | CounterNoise | None = None,  # [R, V] Exp(1) (or its keys): final token by the race
     final_uniforms: torch.Tensor | None = None,  # [R] float64: final token by the inverse CDF
+    backend: str = "auto",
 ) -> VerifyResult:
     """:func:`verify_chain` over padded rows: row r verifies its first ``num_draft[r]`` drafts
     against target rows [r, 0..num_draft[r]] by ``method`` ("token" or "block"; one-hot drafts
     take the token rule, the same law). The padding never decides anything: both references
     compute every column and mask those past ℓ_r (:func:`reference.chain`,
-    :func:`block.block`), so a row's outcome equals the ragged call's with the same randomness.
-    No host reads (torch reference)."""
+    :func:`block.block`), and the Triton kernels read only a row's own ℓ_r drafts and ℓ_r + 1
+    target rows (:func:`triton.grid_ends`), so a row's outcome equals the ragged call's with the
+    same randomness. No host reads on either backend.
+
+    ``backend`` as in :func:`verify_chain`; the Triton backend draws the final token by the
+    race only, so ``final_uniforms`` takes the torch reference ("auto") or is an error
+    ("triton")."""
     if method not in CHAIN_METHODS:
         raise ValueError(f"method: expected one of {CHAIN_METHODS}, got {method!r}")
     R, W = _grid_shapes(target_probs, "target_probs", draft_tokens, num_draft)
@@ -413,23 +420,42 @@ def verify_chain_grid(
     checks.shape("uniforms", uniforms, (R, W))
     if (noise is None) == (final_uniforms is None):
         raise ValueError("verify_chain_grid: give exactly one of noise and final_uniforms for the final token")
+    # the inverse-CDF draw is the reference's alone: "auto" takes it there, "triton" is an error
+    impl = _backend("torch" if final_uniforms is not None and backend == "auto" else backend, target_probs.device)
+    if final_uniforms is not None and impl is not reference:
+        raise ValueError("final_uniforms: the Triton backend draws the final token with noise; pass noise")
     if isinstance(noise, torch.Tensor):
         noise = noise.float()
     probs, drafts = target_probs.flatten(0, 1), draft_tokens.flatten().long()
     q = None if draft_probs is None else draft_probs.flatten(0, 1)
-    fu = None if final_uniforms is None else final_uniforms.double()
-    args = (num_draft.long(), uniforms.flatten().double(), noise, R * W, W)
-    if method == "block" and q is not None:
-        return block.block(probs, drafts, q, *args, final_uniforms=fu, grid=True)
-    return reference.chain(probs, drafts, q, *args, final_uniforms=fu, grid=True)
+    block_q = q if method == "block" else None  # one-hot drafts: block = token in law
+    ell, coins = num_draft.long(), uniforms.flatten().double()
+    if impl is reference:
+        fu = None if final_uniforms is None else final_uniforms.double()
+        args = (ell, coins, noise, R * W, W)
+        if block_q is not None:
+            return block.block(probs, drafts, block_q, *args, final_uniforms=fu, grid=True)
+        return reference.chain(probs, drafts, q, *args, final_uniforms=fu, grid=True)
+    assert noise is not None  # final_uniforms took the reference above
+    cu = impl.grid_ends(ell, W)
+    if block_q is not None:
+        if isinstance(noise, CounterNoise):
+            noise = noise.tensor(vocab)
+        return _block_backend(impl).block(probs, drafts, block_q, ell, coins, noise, R * W, W, cu=cu)
+    return impl.chain(probs, drafts, q, ell, coins, noise, R * W, W, cu=cu)
 
 
 def verify_greedy_grid(
     target_logits: torch.Tensor,  # [R, W+1, V]
     draft_tokens: torch.Tensor,  # [R, W]
     num_draft: torch.Tensor,  # [R], each <= W
+    *,
+    backend: str = "auto",
 ) -> VerifyResult:
     """:func:`verify_greedy` over padded rows (see :func:`verify_chain_grid`). No host reads."""
     R, W = _grid_shapes(target_logits, "target_logits", draft_tokens, num_draft)
-    return reference.greedy(target_logits.flatten(0, 1), draft_tokens.flatten().long(), num_draft.long(), R * W, W,
-                            grid=True)
+    impl = _backend(backend, target_logits.device)
+    logits, drafts, ell = target_logits.flatten(0, 1), draft_tokens.flatten().long(), num_draft.long()
+    if impl is reference:
+        return reference.greedy(logits, drafts, ell, R * W, W, grid=True)
+    return impl.greedy(logits, drafts, ell, R * W, W, cu=impl.grid_ends(ell, W))

@@ -96,6 +96,25 @@ def _empty(width: int, device) -> VerifyResult:
     return VerifyResult(accepted, tokens, num_tokens)
 
 
+def draft_ends(
+    num_draft: torch.Tensor,  # [R] int64
+    cu: torch.Tensor | None,  # [R] int64, or None
+) -> torch.Tensor:
+    """Where each request's drafts end, [R] int64: ``cu`` as given, else the inclusive prefix sums
+    of ℓ (the ragged layout). The kernels find request r's drafts at cu[r] − ℓ_r and its target
+    rows at cu[r] − ℓ_r + r, so padded rows of W drafts and W + 1 target rows (flattened) are
+    ``cu = arange(R)·W + ℓ`` (:func:`grid_ends`)."""
+    return num_draft.cumsum(0) if cu is None else cu
+
+
+def grid_ends(
+    num_draft: torch.Tensor,  # [R] int64, each <= width
+    width: int,
+) -> torch.Tensor:
+    """``cu`` [R] int64 of padded rows: request r's drafts at r·W, its target rows at r·(W + 1)."""
+    return torch.arange(num_draft.numel(), device=num_draft.device) * width + num_draft
+
+
 def _noise_args(noise: torch.Tensor | CounterNoise, dummy: torch.Tensor) -> tuple:
     """(noise, noise row stride, seeds, offsets, salt, HASHED) kernel arguments."""
     if isinstance(noise, CounterNoise):
@@ -139,16 +158,18 @@ def chain(
     total: int,
     width: int,
     *,
+    cu: torch.Tensor | None = None,  # [R] int64: where each request's drafts end (see draft_ends)
     block_v: int | None = None,
 ) -> VerifyResult:
     """Triton chain rejection sampling; same contract as :func:`reference.chain`. Two launches
-    (race partials with the accepted prefix, then the decision) and one cumulative sum."""
+    (race partials with the accepted prefix, then the decision) and, without ``cu``, one
+    cumulative sum."""
     check_device(target_probs.device)
     R = num_draft.numel()
     if not R:
         return _empty(width, target_probs.device)
     accepted = _scratch(R, torch.long, target_probs.device)
-    return _race(_rows_2d(target_probs), False, 1.0, draft_tokens, draft_probs, num_draft, num_draft.cumsum(0),
+    return _race(_rows_2d(target_probs), False, 1.0, draft_tokens, draft_probs, num_draft, draft_ends(num_draft, cu),
                  uniforms, noise, accepted, None, width, block_v)  # fmt: skip
 
 
@@ -163,11 +184,13 @@ def chain_logits(
     total: int,
     width: int,
     *,
+    cu: torch.Tensor | None = None,  # [R] int64: where each request's drafts end (see draft_ends)
     block_v: int | None = None,
 ) -> VerifyResult:
     """Chain rejection sampling against softmax(target_logits / temperature), without writing
     the probabilities: softmax statistics per (row, block), the accepted prefix per request,
-    then the final token's race as :func:`chain`. Four launches and one cumulative sum."""
+    then the final token's race as :func:`chain`. Four launches and, without ``cu``, one
+    cumulative sum."""
     check_device(target_logits.device)
     R, dev = num_draft.numel(), target_logits.device
     if not R:
@@ -179,7 +202,7 @@ def chain_logits(
     part_max, part_sum = (_scratch((rows, n_blocks), torch.float32, dev) for _ in range(2))
     _run(K.row_stats_kernel, (rows, n_blocks), logits, part_max, part_sum, logits.stride(0), vocab, n_blocks,
          temperature, block_v=block)  # fmt: skip
-    cu = num_draft.cumsum(0)
+    cu = draft_ends(num_draft, cu)
     q = logits if draft_probs is None else _rows_2d(draft_probs)
     accepted = _scratch(R, torch.long, dev)
     fin_max, fin_sum = _scratch(R, torch.float32, dev), _scratch(R, torch.float32, dev)
@@ -216,10 +239,11 @@ def greedy(
     total: int,
     width: int,
     *,
+    cu: torch.Tensor | None = None,  # [R] int64: where each request's drafts end (see draft_ends)
     block_v: int | None = None,
 ) -> VerifyResult:
     """Triton greedy verification; same contract as :func:`reference.greedy`. Two launches
-    (block argmaxes of every row, then the decision) and one cumulative sum."""
+    (block argmaxes of every row, then the decision) and, without ``cu``, one cumulative sum."""
     check_device(target_logits.device)
     R, dev = num_draft.numel(), target_logits.device
     tokens, accepted, num_tokens = _outputs(R, width, dev)
@@ -227,7 +251,7 @@ def greedy(
         part_val, part_idx, n_blocks = _argmax_rows(_rows_2d(target_logits), 1.0, None, block_v)
         _run(
             K.greedy_decide_kernel, (R,),
-            part_val, part_idx, draft_tokens, num_draft, num_draft.cumsum(0), tokens, accepted, num_tokens,
+            part_val, part_idx, draft_tokens, num_draft, draft_ends(num_draft, cu), tokens, accepted, num_tokens,
             n_blocks, width + 1, HAS_DRAFTS=True, WIDTH=_width(width + 1), NB=_width(n_blocks),
         )  # fmt: skip
     return VerifyResult(accepted, tokens, num_tokens)

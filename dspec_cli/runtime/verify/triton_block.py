@@ -14,7 +14,8 @@ it is exact are there). Two launches:
 
 ρ and the final token match the torch reference bit for bit; the masses Z_k only to float64
 rounding (the partial sums run in another order), so a coin would have to fall within ~1e-16
-of h_k for a decision to differ. Like :mod:`dspec_cli.runtime.verify.triton_kernels`, the kernels
+of h_k for a decision to differ. Rows are found as by the other Triton kernels (``cu``: where each
+request's drafts end), so padded rows run in place. Like :mod:`dspec_cli.runtime.verify.triton_kernels`, the kernels
 run in the Triton interpreter when TRITON_INTERPRET=1 is set before triton is imported.
 """
 
@@ -24,9 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dspec_cli.core.ragged import prefix_sums
 from dspec_cli.core.types import VerifyResult
-from dspec_cli.runtime.verify.triton import check_device
+from dspec_cli.runtime.verify.triton import check_device, draft_ends
 
 # Kernel bodies and launches are typed by Triton's compiler, not by pyright.
 # pyright: reportAttributeAccessIssue=false, reportOperatorIssue=false, reportCallIssue=false, reportArgumentType=false
@@ -40,7 +40,8 @@ def _mass_kernel(
     target_ptr,  # [Σ(ℓ+1), V] target probabilities
     draft_tok_ptr,  # [Σℓ] int64
     draft_prob_ptr,  # [Σℓ, V] draft probabilities
-    cu_ptr,  # [R+1] int64, exclusive prefix sums of ℓ
+    num_draft_ptr,  # [R] int64
+    cu_ptr,  # [R] int64, where each request's drafts end (inclusive prefix sums of ℓ, or r·W + ℓ_r)
     mass_ptr,  # [Σℓ, NB] float64 partial masses (row of draft k, block b)
     vocab,
     num_blocks,
@@ -49,8 +50,8 @@ def _mass_kernel(
     r = tl.program_id(0)
     k = tl.program_id(1)
     b = tl.program_id(2)
-    d_start = tl.load(cu_ptr + r)
-    n = tl.load(cu_ptr + r + 1) - d_start
+    n = tl.load(num_draft_ptr + r)
+    d_start = tl.load(cu_ptr + r) - n
     if (k >= 1) & (k < n):  # Z_0 decides nothing; Z_k of k < ℓ only
         p_start = d_start + r
         rho = tl.full([], 1.0, tl.float64)
@@ -74,7 +75,8 @@ def _decide_kernel(
     target_ptr,  # [Σ(ℓ+1), V] target probabilities
     draft_tok_ptr,  # [Σℓ] int64
     draft_prob_ptr,  # [Σℓ, V] draft probabilities
-    cu_ptr,  # [R+1] int64, exclusive prefix sums of ℓ
+    num_draft_ptr,  # [R] int64
+    cu_ptr,  # [R] int64, where each request's drafts end
     mass_ptr,  # [Σℓ, NB] float64 partial masses from _mass_kernel
     uniform_ptr,  # [Σℓ] float64 coins
     noise_ptr,  # [R, V] float32 Exp(1)
@@ -87,8 +89,8 @@ def _decide_kernel(
     BLOCK_NB: tl.constexpr,
 ):
     r = tl.program_id(0)
-    d_start = tl.load(cu_ptr + r)
-    n = tl.load(cu_ptr + r + 1) - d_start
+    n = tl.load(num_draft_ptr + r)
+    d_start = tl.load(cu_ptr + r) - n
     p_start = d_start + r
     out_row = out_tok_ptr + r.to(tl.int64) * out_width
 
@@ -157,10 +159,12 @@ def block(
     total: int,
     width: int,
     *,
+    cu: torch.Tensor | None = None,  # [R] int64: inclusive prefix sums of ℓ, or arange(R)·W + ℓ for padded rows
     block_v: int | None = None,
 ) -> VerifyResult:
     """Triton block verification; same contract as :func:`dspec_cli.runtime.verify.block.block`
-    (the final token by the exponential race only)."""
+    (the final token by the exponential race only). ``cu`` locates the rows as in
+    :func:`dspec_cli.runtime.verify.triton.chain` (padded rows: :func:`~dspec_cli.runtime.verify.triton.grid_ends`)."""
     check_device(target_probs.device)
     R, vocab = num_draft.numel(), target_probs.shape[1]
     dev = target_probs.device
@@ -171,15 +175,15 @@ def block(
     block_size = block_v or min(MAX_BLOCK_V, triton.next_power_of_2(max(vocab, 16)))
     num_blocks = triton.cdiv(vocab, block_size)
     target, q = target_probs.contiguous(), draft_probs.contiguous()
-    drafts, cu = draft_tokens.contiguous(), prefix_sums(num_draft)
+    drafts, ends = draft_tokens.contiguous(), draft_ends(num_draft, cu)
     mass = torch.zeros(max(total, 1), num_blocks, dtype=torch.float64, device=dev)
     if width > 1:
         _mass_kernel[(R, width, num_blocks)](
-            target, drafts, q, cu, mass, vocab, num_blocks, BLOCK_V=block_size,
+            target, drafts, q, num_draft, ends, mass, vocab, num_blocks, BLOCK_V=block_size,
             enable_fp_fusion=False,  # no FMA contraction: the reference's arithmetic
         )  # fmt: skip
     _decide_kernel[(R,)](
-        target, drafts, q, cu, mass, uniforms.contiguous(), noise.contiguous(), tokens, accepted, vocab,
+        target, drafts, q, num_draft, ends, mass, uniforms.contiguous(), noise.contiguous(), tokens, accepted, vocab,
         num_blocks, width + 1, BLOCK_V=block_size, BLOCK_NB=triton.next_power_of_2(num_blocks),
         enable_fp_fusion=False,
     )  # fmt: skip

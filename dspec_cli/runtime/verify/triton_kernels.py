@@ -7,7 +7,8 @@ over rows x blocks programs and a call costs about one read of the rows it needs
 
 Flat ragged layout (see :mod:`dspec_cli.runtime.verify`): request r has ℓ_r drafts; ``cu`` holds
 the inclusive prefix sums of ℓ, so its drafts start at cu[r] - ℓ_r and its target rows at that
-plus r. Partials are [rows, n_blocks] row-major.
+plus r. Padded rows (W drafts and W + 1 target rows per request, flattened) are the same layout
+with cu[r] = r·W + ℓ_r. Partials are [rows, n_blocks] row-major.
 
 Randomness: coins and explicit noise are read; counter noise (``HASHED``) is computed in the
 kernel with the integer hash of :func:`dspec_cli.core.sampling.exponential` (lane 0 of the key
@@ -115,7 +116,7 @@ def greedy_decide_kernel(
     part_idx_ptr,  # [rows, n_blocks] int32
     draft_tok_ptr,  # [Σℓ] int64
     num_draft_ptr,  # [R] int64
-    cu_ptr,  # [R] int64, inclusive prefix sums of ℓ
+    cu_ptr,  # [R] int64, where each request's drafts end (module docstring)
     out_tok_ptr,  # [R, out_width] int64
     out_acc_ptr,  # [R] int64
     out_num_ptr,  # [R] int64
@@ -219,7 +220,7 @@ def chain_accept_kernel(
     draft_tok_ptr,  # [Σℓ] int64
     draft_prob_ptr,  # [Σℓ, V] (row stride q_stride; unused unless HAS_Q)
     num_draft_ptr,  # [R] int64
-    cu_ptr,  # [R] int64, inclusive prefix sums of ℓ
+    cu_ptr,  # [R] int64, where each request's drafts end (module docstring)
     uniform_ptr,  # [Σℓ] float64 coins
     out_acc_ptr,  # [R] int64
     fin_max_ptr,  # [R] float32: softmax statistics of the row the final token comes from
@@ -256,7 +257,7 @@ def race_partials_kernel(
     draft_tok_ptr,  # [Σℓ] int64
     draft_prob_ptr,  # [Σℓ, V] (row stride q_stride; unused unless HAS_Q)
     num_draft_ptr,  # [R] int64
-    cu_ptr,  # [R] int64, inclusive prefix sums of ℓ
+    cu_ptr,  # [R] int64, where each request's drafts end (module docstring)
     uniform_ptr,  # [Σℓ] float64 coins (unused with FROM_LOGITS)
     noise_ptr,  # [R, V] float32 Exp(1) (row stride noise_stride; unused with HASHED)
     seed_ptr,  # [R] int64 (HASHED only)
