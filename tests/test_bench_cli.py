@@ -295,6 +295,17 @@ def test_bound_is_never_below_the_speedup_and_warnings_say_what_to_do():
     assert "repeats disagree" in disagree and "1.20x [1.10–1.30], 2.20x [2.00–2.40]" in disagree
     assert "moved by 60 %" in drift and "stop it and rerun" in drift
     assert bench.run_warnings({**run, "speedup": 1.2, "speedup_runs_ci95": [[1.1, 1.3], [1.2, 1.4]]}, (0.1, 1, 1)) == []
+    one = {**run, "speedup_runs": [2.2], "speedup_runs_ci95": [[2.0, 2.4]]}
+    assert bench.run_warnings({**one, "speedup": 1.35, "speedup_ci95": [1.25, 1.4]}, None) == []  # interval reaches the bound
+    (over,) = bench.run_warnings({**one, "speedup": 1.45, "speedup_ci95": [1.35, 1.5]}, None)
+    assert "exceeds its bound" in over
+    assert bench.run_warnings({**one, "speedup": 1.4}, None) == []  # no interval: within BOUND_SLACK
+    (over,) = bench.run_warnings({**one, "speedup": 1.5}, None)
+    assert "exceeds its bound" in over
+    (wide,) = bench.run_warnings({**one, "speedup": 1.2, "max_round_tokens": 512, "cost_table_max_tokens": 32}, None)
+    assert "rounds verify up to 512 tokens, past the cost table's largest profiled B = 32" in wide
+    assert "--max-batch-tokens 512" in wide
+    assert bench.run_warnings({**one, "speedup": 1.2, "max_round_tokens": 32, "cost_table_max_tokens": 32}, None) == []
     (busy,) = bench.run_warnings({**run, "speedup": 1.2, "speedup_runs": [1.2], "speedup_runs_ci95": [[1.1, 1.3]], "other_cpu_cores": 1.1}, None)
     assert "other processes kept 1.1 CPU cores busy" in busy and "stop them and rerun" in busy
     assert bench.run_warnings({**run, "speedup": 1.2, "speedup_runs": [1.2], "speedup_runs_ci95": [[1.1, 1.3]], "other_cpu_cores": 0.3}, None) == []

@@ -300,23 +300,35 @@ def paired_metrics(spec: Sequence[Sequence[Timed]], base: Sequence[Sequence[Time
         "phase_ms_per_round": phase_ms_per_round(stats),
         "speedup_bound": bound,
         "speedup_bound_source": source if bound is not None else None,
+        # the most tokens a round verifies (every row at its widest) and the cost table's largest profiled B
+        "max_round_tokens": rows * max(budgets) if budgets else rows,
+        "cost_table_max_tokens": cost_table.grid[-1] if cost_table is not None else None,
     }
 
 
 BASELINE_DRIFT = 0.2  # plain decoding's tokens/s may move this much (as a fraction) within one run
+BOUND_SLACK = 0.10  # a speedup without an interval (too few pairs) may exceed its bound by this much unflagged
 OTHER_CPU_CORES = 0.5  # other processes may keep this many cores busy on average during a run
 
 
 def run_warnings(run: dict, drift: tuple[float, float, float] | None) -> list[str]:
-    """What makes a run's speedup untrustworthy, each with what to do: a speedup above its bound,
-    repeats whose 95 % intervals do not overlap, plain decoding's speed moving by more than
-    BASELINE_DRIFT (``drift``: :func:`baseline_drift`), other processes keeping more than
-    OTHER_CPU_CORES busy (``other_cpu_cores``)."""
+    """What makes a run's speedup untrustworthy, each with what to do: rounds wider than the cost
+    table reaches, a speedup above its bound (its 95 % interval entirely above it; without an
+    interval, by more than BOUND_SLACK), repeats whose 95 % intervals do not overlap, plain
+    decoding's speed moving by more than BASELINE_DRIFT (``drift``: :func:`baseline_drift`), other
+    processes keeping more than OTHER_CPU_CORES busy (``other_cpu_cores``)."""
     label = f"{run['dataset']} · {run['drafter']}" + ("" if run["scheduler"] in ("-", "fixed") else f" · {run['scheduler']}")
     label += f" · R={run['concurrency']}"
     out = []
+    widest, reach = run.get("max_round_tokens"), run.get("cost_table_max_tokens")
+    if widest is not None and reach is not None and widest > reach:
+        out.append(f"{label}: rounds verify up to {widest} tokens, past the cost table's largest profiled B = "
+                   f"{reach}: its bound and the schedulers extrapolate the step time in proportion to B there; "
+                   f"profile up to it (`dspec profile-hardware --max-batch-tokens {widest}`)")
     speedup, bound = run.get("speedup"), run.get("speedup_bound")
-    if speedup is not None and bound is not None and speedup > bound:
+    ci = run.get("speedup_ci95")
+    lowest = ci[0] if ci else (speedup * (1 - BOUND_SLACK) if speedup is not None else None)
+    if speedup is not None and bound is not None and lowest is not None and lowest > bound:
         why = ("the cost table does not describe this machine as it ran (profiled under another load or "
                "elsewhere); profile it again with `dspec profile-hardware` on a quiet machine"
                if run.get("speedup_bound_source") == "cost_table"
