@@ -47,12 +47,17 @@ def thinking_tokenizer():
     return tok
 
 
+def saved_target(tmp_path_factory, name: str, tokenizer):
+    """A tiny Qwen3 target folder with ``tokenizer`` (and its chat template)."""
+    path = tmp_path_factory.mktemp(name) / "target"
+    tiny_qwen3().save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("thinking") / "target"
-    tiny_qwen3().save_pretrained(path)
-    thinking_tokenizer().save_pretrained(path)
-    return path
+    return saved_target(tmp_path_factory, "thinking", thinking_tokenizer())
 
 
 @pytest.fixture
@@ -268,10 +273,7 @@ def test_training_renders_records_and_cards_the_mode(target_dir, tmp_path, rende
 @pytest.fixture(scope="module")
 def chatml_dir(tmp_path_factory):
     """A target whose template (plain ChatML) reads no kwargs."""
-    path = tmp_path_factory.mktemp("chatml") / "target"
-    tiny_qwen3().save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return path
+    return saved_target(tmp_path_factory, "chatml", tiny_tokenizer())
 
 
 def test_training_warns_on_data_regenerated_under_other_kwargs(target_dir, chatml_dir, tmp_path, probe, capsys):

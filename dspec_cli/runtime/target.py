@@ -380,9 +380,10 @@ class Target:
         attention_mask: torch.Tensor,  # [B, L]
         layer_ids: Sequence[int],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decoder alone (no LM head, no cache, HF's own masks) over the batch: (taps [B, L, n·d], the raw outputs of ``layer_ids`` (-1 = the
+        """The decoder alone (no LM head, no cache, HF's own masks) over the batch, what drafter
+        training learns from: taps [B, L, n·d], the raw outputs of ``layer_ids`` (-1 = the
         embeddings) through the hooks inference uses, and last_hidden [B, L, d], the final-norm
-        output). What drafter training learns from."""
+        output."""
         self._hook(layer_ids)
         out = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         last = out.last_hidden_state
