@@ -14,6 +14,7 @@ from dspec_cli.core.hookspecs import hookimpl
 from dspec_cli.core.version import __version__
 
 if TYPE_CHECKING:  # explicit re-exports (``X as X``) of the names _API loads lazily
+    from dspec_cli.checkpoints.config import DrafterConfig as DrafterConfig
     from dspec_cli.checkpoints.layouts import Converted as Converted
     from dspec_cli.core.calibration import Calibration as Calibration
     from dspec_cli.core.errors import DspecError as DspecError
@@ -32,7 +33,6 @@ if TYPE_CHECKING:  # explicit re-exports (``X as X``) of the names _API loads la
     from dspec_cli.core.types import StepOutput as StepOutput
     from dspec_cli.core.types import VerifyResult as VerifyResult
     from dspec_cli.runtime.drafter import Drafter as Drafter
-    from dspec_cli.runtime.drafter import DrafterConfig as DrafterConfig
     from dspec_cli.runtime.drafter import DraftState as DraftState
     from dspec_cli.runtime.drafter import TrainableDrafter as TrainableDrafter
     from dspec_cli.runtime.drafter import WrappedDrafter as WrappedDrafter
@@ -68,11 +68,11 @@ _API = {
     "get_drafter_class": "dspec_cli.core.plugins",
     "get_scheduler_class": "dspec_cli.core.plugins",
     "registry": "dspec_cli.core.plugins",
-    # checkpoints: what a foreign layout's reader returns
+    # checkpoints: a drafter's config.json hyper-parameters, what a foreign layout's reader returns
+    "DrafterConfig": "dspec_cli.checkpoints.config",
     "Converted": "dspec_cli.checkpoints.layouts",
     # runtime: what a drafter or scheduler builds on
     "Drafter": "dspec_cli.runtime.drafter",
-    "DrafterConfig": "dspec_cli.runtime.drafter",
     "DraftState": "dspec_cli.runtime.drafter",
     "TrainableDrafter": "dspec_cli.runtime.drafter",
     "WrappedDrafter": "dspec_cli.runtime.drafter",
@@ -95,7 +95,7 @@ _API = {
 __all__ = [  # the names of _API and the two defined here, spelled out for type checkers (tests/test_api.py)
     "__version__", "hookimpl", "DspecError", "Capability", "DraftTree", "PAD", "PrefillOutput", "Proposal",
     "Sampler", "StepOutput", "VerifyResult", "Calibration", "CostTable", "embedded_path", "reads_free", "get_drafter_class",
-    "get_scheduler_class", "registry", "Converted", "Drafter", "DrafterConfig", "DraftState",
+    "get_scheduler_class", "registry", "DrafterConfig", "Converted", "Drafter", "DraftState",
     "TrainableDrafter", "WrappedDrafter", "heuristic_confidence", "best_path", "select_tree", "Scheduler",
     "admit_candidates", "Target", "TargetBatch", "GenerationConfig", "SpeculativeEngine", "verify_chain", "verify_greedy",
     "verify_tree", "TrainData",

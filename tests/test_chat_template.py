@@ -349,9 +349,9 @@ def test_recorded_kwargs_must_be_objects(tmp_path):
 
 
 def test_checkpoints_without_the_field_were_trained_in_the_default_mode(thinking_drafter, target_dir, tmp_path):
-    from dspec_cli.checkpoints.native import recorded_chat_template_kwargs
+    from dspec_cli.checkpoints.config import CheckpointConfig
 
-    assert recorded_chat_template_kwargs(thinking_drafter) == {"enable_thinking": True}
+    assert CheckpointConfig.read(thinking_drafter).chat_template_kwargs == {"enable_thinking": True}
     config = json.loads((thinking_drafter / "config.json").read_text())
     for value, expected in ((None, None), (..., dict(DEFAULT_KWARGS))):
         folder = tmp_path / str(value)
@@ -361,7 +361,7 @@ def test_checkpoints_without_the_field_were_trained_in_the_default_mode(thinking
         else:
             config["chat_template_kwargs"] = value
         (folder / "config.json").write_text(json.dumps(config))
-        assert recorded_chat_template_kwargs(folder) == expected
+        assert CheckpointConfig.read(folder).chat_template_kwargs == expected
 
 
 def _warnings(err: str) -> list[str]:

@@ -91,3 +91,61 @@ def test_refreshed_card_keeps_the_authors_text(tmp_path):
     assert "Hand-written notes." in card and "Footer." in card and "stale numbers" not in card
     assert card.count(MEASURED_BEGIN) == 1 and "temperatures per position [2, 1]" in card
     assert refresh_model_card(tmp_path, config) == card
+
+
+BAD_CONFIGS = [  # (what is wrong, edit of a good config.json, the field the error names)
+    ("no drafter_config", lambda c: c.pop("drafter_config"), "drafter_config: field required"),
+    ("block size as a string", lambda c: c["drafter_config"].update(block_size="3"), "drafter_config.block_size"),
+    ("block size 0", lambda c: c["drafter_config"].update(block_size=0), "drafter_config.block_size must be >= 1"),
+    ("fractional block size", lambda c: c["drafter_config"].update(block_size=2.5), "drafter_config.block_size"),
+    ("no block size", lambda c: c["drafter_config"].pop("block_size"), "drafter_config.block_size: field required"),
+    ("NaN", lambda c: c["drafter_config"].update(rms_norm_eps=float("nan")), "drafter_config.rms_norm_eps: must be a finite"),
+    ("Infinity in the target", lambda c: c["target"].update(extra=[1, float("inf")]), "target.extra.1: must be a finite"),
+    ("target not an object", lambda c: c.update(target=[1]), "target: input should be a valid dictionary"),
+    ("mistyped target size", lambda c: c["target"].update(hidden_size="64"), "target.hidden_size"),
+    ("drafter not a string", lambda c: c.update(drafter=3), "drafter: input should be a valid string"),
+]
+
+
+def _broken(target: Target, tmp_path, edit):
+    path = save(target, tmp_path / "ckpt")
+    config = json.loads((path / "config.json").read_text())
+    edit(config)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("edit,field", [c[1:] for c in BAD_CONFIGS], ids=[c[0] for c in BAD_CONFIGS])
+def test_a_config_that_does_not_fit_its_record_names_the_file_and_field(target, tmp_path, edit, field):
+    from dspec_cli.checkpoints.native import choose_target
+
+    path = _broken(target, tmp_path, edit)
+    for load in (lambda: choose_target(None, [path]), lambda: DFLASH.from_pretrained(path, target)):
+        with pytest.raises(DspecError) as err:  # choose_target: what every command runs before a model loads
+            load()
+        assert str(err.value).startswith(f"checkpoint {path / 'config.json'}: {field}"), err.value
+
+
+def test_drafter_config_fields_are_typed_by_the_drafter(target, tmp_path):
+    for value, field in (("2", "num_layers"), (True, "num_layers"), ([1.5], "target_layer_ids.0")):
+        path = _broken(target, tmp_path / field, lambda c, v=value, f=field: c["drafter_config"].update({f.split(".")[0]: v}))
+        with pytest.raises(DspecError, match=f"config.json: {field}: input should be a valid integer"):
+            DFLASH.from_pretrained(path, target)
+    path = _broken(target, tmp_path / "extra", lambda c: c["drafter_config"].update(colour="red"))
+    with pytest.raises(DspecError, match="config.json: unknown key.s. colour; valid keys: block_size"):
+        DFLASH.from_pretrained(path, target)
+    with pytest.raises(DspecError, match="block size.*exceeds|--block-size 4 exceeds the 3 positions"):
+        DFLASH.from_pretrained(save(target, tmp_path / "good"), target, block_size=4)
+
+
+def test_bench_refuses_a_bad_config_before_any_model_loads(target, tmp_path, capsys, monkeypatch):
+    from tiny_models import run_cli
+
+    def no_model(*_args, **_kwargs):
+        raise AssertionError("a model was loaded before the bad config.json was found")
+
+    monkeypatch.setattr(Target, "load", no_model)
+    path = _broken(target, tmp_path, lambda c: c["drafter_config"].update(block_size="7"))
+    code, _, err = run_cli(["bench", "-d", "dflash", "--checkpoint", str(path), "--num-prompts", "1"], capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 1 and len(lines) == 1 and "drafter_config.block_size must be >= 1 (an integer), got '7'" in lines[0]

@@ -6,11 +6,12 @@ import pytest
 import torch
 from tiny_models import tiny_qwen3, tiny_target, tiny_tokenizer
 
+from dspec_cli.checkpoints.config import DrafterConfig
 from dspec_cli.core.calibration import Calibration
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.plugins import get_drafter_class
 from dspec_cli.core.types import Proposal
-from dspec_cli.runtime.drafter import Drafter, DrafterConfig
+from dspec_cli.runtime.drafter import Drafter
 from dspec_cli.runtime.engine import GenerationConfig, RoundSampler, SpeculativeEngine
 from dspec_cli.runtime.target import Target
 from dspec_cli.testing import (
@@ -99,8 +100,9 @@ def test_bad_input(target):
         eng.generate([[]])
     with pytest.raises(DspecError, match="exceeds the target's context"):
         eng.generate([[1] * 300])
-    with pytest.raises(DspecError, match="block-size must be >= 0"):
-        GenerationConfig(block_size=-1)
+    for bad in (0, -1):  # one rule wherever a block size is given (core.specs.check_block_size)
+        with pytest.raises(DspecError, match="--block-size must be >= 1"):
+            GenerationConfig(block_size=bad)
 
 
 T1, T07 = dict(temperature=1.0), dict(temperature=0.7, top_p=0.9)

@@ -106,7 +106,7 @@ def test_third_party_plugin_is_listed_and_usable(third_party_site):
         [
             sys.executable,
             "-c",
-            "import torch; from dspec_cli.core.plugins import get_drafter_class as g; from dspec_cli.runtime.drafter import DrafterConfig;"
+            "import torch; from dspec_cli.core.plugins import get_drafter_class as g; from dspec_cli.checkpoints.config import DrafterConfig;"
             "d = g('parrot')(DrafterConfig(block_size=3), None); p = d.propose(d.init_state(), torch.tensor([5, 7]), 3, None);"
             "print(p.tokens.tolist(), p.lengths.tolist())",
         ],

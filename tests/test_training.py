@@ -23,10 +23,11 @@ import torch.nn.functional as F
 from tiny_models import run_cli, tiny_qwen3, tiny_tokenizer
 
 from dspec_cli import hookimpl
+from dspec_cli.checkpoints.config import DrafterConfig
 from dspec_cli.core import plugins
 from dspec_cli.core.data import Conversation
 from dspec_cli.core.errors import DspecError
-from dspec_cli.runtime.drafter import DrafterConfig, TrainableDrafter
+from dspec_cli.runtime.drafter import TrainableDrafter
 from dspec_cli.training.data import (
     DataOrder,
     assistant_spans,

@@ -1,10 +1,12 @@
 """dspec's own drafter checkpoint format (docs/checkpoints.md): what ``config.json`` records of
-the drafter and its target, and the checks that a folder fits a target.
+the drafter and its target, the checks that a folder fits a target, and the target a command
+loads for its checkpoints.
 
-A drafter checkpoint is a folder: ``config.json`` (:func:`checkpoint_config`), ``model.safetensors``
-(trainable weights only), optional ``calibration.json``, ``cost_table.json`` and ``bench.json``,
-and a ``README.md`` model card (:mod:`dspec_cli.checkpoints.model_card`). :func:`check_checkpoint_config`
-validates a folder against a target; every field it reads is optional, so older checkpoints load.
+A drafter checkpoint is a folder: ``config.json`` (:func:`checkpoint_config`, read back as a
+:class:`~dspec_cli.checkpoints.config.CheckpointConfig`), ``model.safetensors`` (trainable
+weights only), optional ``calibration.json``, ``cost_table.json`` and ``bench.json``, and a
+``README.md`` model card (:mod:`dspec_cli.checkpoints.model_card`). :func:`check_fits` validates
+a folder against a target. Writing and reading a drafter: :mod:`dspec_cli.checkpoints.persist`.
 """
 
 from __future__ import annotations
@@ -17,15 +19,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dspec_cli.checkpoints.config import CheckpointConfig
 from dspec_cli.core.calibration import Calibration
-from dspec_cli.core.chat_template import check_kwargs, default_kwargs
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import (
     CALIBRATION_FILE,
+    CONFIG_FILE,
     COST_TABLE_FILE,
     DEFAULT_TARGET_PATH,
     EMBEDDED,
-    config_target,
     read_config,
 )
 from dspec_cli.core.hardware import CostTable
@@ -68,9 +70,6 @@ def target_id(target) -> str:
     return EMBEDDED if path == DEFAULT_TARGET_PATH.resolve() else str(path)
 
 
-CHAT_TEMPLATE_KEY = "chat_template_kwargs"
-
-
 def checkpoint_config(drafter) -> dict[str, Any]:
     """config.json of ``drafter``: name, dspec version, architectures, its target, the chat-template
     kwargs it was trained with (None: not known), its hyper-parameters."""
@@ -81,38 +80,29 @@ def checkpoint_config(drafter) -> dict[str, Any]:
         info["tokenizer_sha256"] = tokenizer_fingerprint(target.tokenizer)
     arch = "Dspec" + "".join(part.capitalize() for part in re.split(r"[^A-Za-z0-9]+", drafter.name)) + "Drafter"
     return {"drafter": drafter.name, "dspec_version": __version__, "architectures": [arch], "target": info,
-            CHAT_TEMPLATE_KEY: drafter.chat_template_kwargs, "drafter_config": drafter.config.to_dict()}
-
-
-def recorded_chat_template_kwargs(path: Path) -> dict[str, Any] | None:
-    """The chat-template kwargs a dspec checkpoint's training data was rendered with (config.json
-    ``chat_template_kwargs``; null: not known). Checkpoints written before dspec recorded them were
-    trained with the default, which was then the only setting."""
-    raw = read_config(path)
-    if CHAT_TEMPLATE_KEY not in raw:
-        return default_kwargs()
-    value = raw[CHAT_TEMPLATE_KEY]
-    return None if value is None else check_kwargs(value, f"checkpoint {path}: config.json {CHAT_TEMPLATE_KEY}")
+            "chat_template_kwargs": drafter.chat_template_kwargs, "drafter_config": drafter.config.to_dict()}
 
 
 def recorded_target(path: str | Path) -> str | None:
     """The target a dspec checkpoint folder was trained for, as config.json names it ("embedded",
-    a Hub id or a local path); None when it names none (foreign layouts, in-memory targets)."""
-    try:
-        raw = read_config(Path(path))
-    except DspecError:
-        return None  # the loader reports a missing / malformed config.json
-    name = config_target(raw).get("name_or_path") if "drafter" in raw else None
-    return name if isinstance(name, str) and name else None
+    a Hub id or a local path); None when it names none (foreign layouts, in-memory targets) or the
+    folder has no config.json (the loader says what it needs). A dspec config.json that does not
+    fit its record is an error here, before any model loads."""
+    if not (Path(path) / CONFIG_FILE).is_file():
+        return None
+    raw = read_config(Path(path))
+    if "drafter" not in raw:
+        return None  # a foreign layout or a draft model's own config
+    return CheckpointConfig.parse(raw, path).target.name_or_path or None
 
 
 def choose_target(target: str | None, checkpoints: Sequence[str | Path | None]) -> str | None:
     """The target a command loads: ``target`` (--target) when given, else the one the checkpoints
     record (saying so in a warning), else None (the embedded default). Checkpoints recording
     different targets, or a recorded local folder that is gone, are one-line errors."""
+    found = {str(c): name for c in checkpoints if c and (name := recorded_target(c))}  # checks each config.json
     if target is not None:
         return target
-    found = {str(c): name for c in checkpoints if c and (name := recorded_target(c))}
     names = set(found.values())
     if len(names) > 1:
         listed = ", ".join(f"{c}: {n}" for c, n in found.items())
@@ -134,9 +124,9 @@ _SIZES = (("hidden_size", "hidden size", "hidden_size"), ("vocab_size", "vocabul
           ("num_hidden_layers", "target layer count", "num_layers"))
 
 
-def _trained_for(raw: dict) -> str:
+def _trained_for(config: CheckpointConfig) -> str:
     """What to add to a mismatch error: the target config.json names and how to load it ("" if none)."""
-    name = config_target(raw).get("name_or_path")
+    name = config.target.name_or_path
     if not name:
         return ""
     if name == EMBEDDED:
@@ -144,30 +134,29 @@ def _trained_for(raw: dict) -> str:
     return f" (it was trained for {name}: pass --target {name})"
 
 
-def check_checkpoint_config(name: str, path: Path, target) -> None:
-    """One-line errors for a checkpoint of another drafter, for another target (sizes, tokenizer;
-    naming the target it was trained for), or with a malformed calibration.json / cost_table.json."""
-    raw = read_config(path)
-    saved = raw.get("drafter")
-    if saved not in (None, name):
-        raise DspecError(f"checkpoint {path} holds a {saved!r} drafter, not {name!r}")
-    stored = {**{k: raw["drafter_config"].get(k) for k in ("hidden_size", "vocab_size")}, **config_target(raw)}
+def check_fits(config: CheckpointConfig, name: str, path: Path, target) -> None:
+    """One-line errors for a checkpoint (``config`` read from ``path``) of another drafter than
+    ``name``, for another target (sizes, tokenizer; naming the target it was trained for), or with
+    a malformed calibration.json / cost_table.json."""
+    if config.drafter != name:
+        raise DspecError(f"checkpoint {path} holds a {config.drafter!r} drafter, not {name!r}")
+    # checkpoints written before the target section recorded the sizes in drafter_config only
+    stored = {**{k: config.drafter_config.get(k) for k in ("hidden_size", "vocab_size")},
+              **config.target.model_dump(exclude_none=True)}
     for key, label, attr in _SIZES:
         got, want = stored.get(key), getattr(target, attr)
         if got and got != want:
             raise DspecError(f"checkpoint {path}: drafter {label} {got} does not match the target's {want}"
-                             + _trained_for(raw))
-    fingerprint = stored.get("tokenizer_sha256")
+                             + _trained_for(config))
+    fingerprint = config.target.tokenizer_sha256
     if fingerprint and target.tokenizer is not None:
         mine = tokenizer_fingerprint(target.tokenizer)
         if mine != fingerprint:
             raise DspecError(
                 f"checkpoint {path}: the target's tokenizer differs from the drafter's "
-                f"(fingerprint {mine[:12]} vs {fingerprint[:12]}): token ids would not match" + _trained_for(raw)
+                f"(fingerprint {mine[:12]} vs {fingerprint[:12]}): token ids would not match" + _trained_for(config)
             )
     if (path / CALIBRATION_FILE).is_file():
         Calibration.load(path / CALIBRATION_FILE, drafter=name)
     if (path / COST_TABLE_FILE).is_file():
         CostTable.load(path / COST_TABLE_FILE, what="checkpoint cost table")
-
-

@@ -66,11 +66,11 @@ def _profile_steps(name, checkpoint, block_size, requests, verify_tokens, fmt, t
     from dspec_cli.checkpoints.hub import resolve_checkpoint
     from dspec_cli.checkpoints.native import choose_target
     from dspec_cli.core import sglang_sps as sglang_tables
+    from dspec_cli.core.specs import check_block_size
     from dspec_cli.runtime.target import Target
     from dspec_cli.workflows.step_profile import profile_steps, tokens_after_context
 
-    if block_size < 1:
-        raise DspecError(f"--block-size must be >= 1, got {block_size}")
+    check_block_size(block_size)
     widths = int_list(verify_tokens, "--verify-tokens") if verify_tokens else (
         [1, block_size // 2 + 1, block_size + 1] if fmt == "sglang-additive" else [block_size + 1])
     path = str(resolve_checkpoint(checkpoint)) if checkpoint else None

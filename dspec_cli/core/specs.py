@@ -1,5 +1,6 @@
 """Drafter and scheduler specs as the CLI takes them: ``NAME[:BASE][,KEY=VALUE...]``, resolved
-through the plugin registry, option values typed by the class's own defaults."""
+through the plugin registry, option values typed by the class's own defaults; and the rule for
+the block size every drafter shares (:func:`check_block_size`)."""
 
 from __future__ import annotations
 
@@ -72,3 +73,11 @@ def _option_value(flag: str, spec: str, key: str, value: str, default: Any) -> A
     except (KeyError, ValueError):
         kind = type(default).__name__ if default not in (dataclasses.MISSING, None) else "JSON"
         raise DspecError(f"{flag} {spec!r}: {key} expects {kind}, got {value!r}") from None
+
+
+def check_block_size(value: Any, what: str = "--block-size") -> int:
+    """The one rule for a block size γ (draft tokens per round), wherever one is given: an integer
+    >= 1. (A checkpoint also bounds it by the γ it was trained for: ``CheckpointConfig.block_size``.)"""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise DspecError(f"{what} must be >= 1 (an integer), got {value!r}")
+    return value

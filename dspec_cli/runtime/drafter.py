@@ -22,8 +22,6 @@ tightened in :meth:`Drafter.settle`).
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,22 +29,16 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from dspec_cli.checkpoints.layouts import load_foreign
-from dspec_cli.checkpoints.native import (
-    check_checkpoint_config,
-    checkpoint_config,
-    recorded_chat_template_kwargs,
+from dspec_cli.checkpoints.config import DrafterConfig
+from dspec_cli.checkpoints.persist import (
+    load_config_only,
+    load_embedded,
+    load_trained,
+    save_drafter,
 )
 from dspec_cli.core.calibration import Calibration
 from dspec_cli.core.chat_template import warn_if_other
 from dspec_cli.core.errors import DspecError
-from dspec_cli.core.files import (
-    CALIBRATION_FILE,
-    CONFIG_FILE,
-    WEIGHTS_FILE,
-    embedded_path,
-    read_config,
-)
 from dspec_cli.core.ragged import prefix_mask, ragged
 from dspec_cli.core.types import Capability, Proposal, Sampler
 
@@ -57,36 +49,6 @@ if TYPE_CHECKING:
     from dspec_cli.training.data import TrainData
 
 CAPABILITIES = tuple(Capability)
-
-
-@dataclass
-class DrafterConfig:
-    """Hyper-parameters serialised into a checkpoint's config.json. Subclass to add fields."""
-
-    block_size: int = 7  # γ: draft tokens proposed per round
-    target_layer_ids: tuple[int, ...] = ()  # target decoder layers the drafter reads (-1 = embeddings)
-
-    def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise DspecError(f"block_size must be >= 1, got {self.block_size}")
-        self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any], *, where: str = "config") -> Self:
-        """Build from a dict; unknown keys are an error that lists the valid ones."""
-        valid = cls.field_names()
-        unknown = sorted(set(values) - set(valid))
-        if unknown:
-            raise DspecError(f"{where}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(valid)}")
-        return cls(**values)
-
-    def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
 
 @dataclass
@@ -146,18 +108,12 @@ class Drafter:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target: Target, **overrides: Any) -> Self:
-        """Load a checkpoint folder written by :meth:`save_pretrained`."""
-        path = Path(path)
-        values = {**read_config(path).get("drafter_config", {}), **overrides}
-        return cls.build(cls.config_class.from_dict(values, where=str(path / CONFIG_FILE)), target)
+        """Load a checkpoint folder written by :meth:`save_pretrained` (its config.json)."""
+        return load_config_only(cls, path, target, overrides)
 
     def save_pretrained(self, path: str | Path) -> None:
-        """Write config.json (:func:`~dspec_cli.checkpoints.native.checkpoint_config`)."""
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        (path / CONFIG_FILE).write_text(json.dumps(checkpoint_config(self), indent=2) + "\n")
-        if self.calibration is not None:
-            self.calibration.save(path / CALIBRATION_FILE)
+        """Write config.json and calibration.json (:func:`~dspec_cli.checkpoints.persist.save_drafter`)."""
+        save_drafter(self, path)
 
     # -- the decoding cycle ----------------------------------------------------------
     @property
@@ -315,59 +271,19 @@ class TrainableDrafter(Drafter):
         return [p for p in self.net.parameters() if p.requires_grad]
 
     def save_pretrained(self, path: str | Path) -> None:
-        from safetensors.torch import save_file
-
-        super().save_pretrained(path)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.net.state_dict().items()}
-        save_file(state, str(Path(path) / WEIGHTS_FILE))
+        """Write config.json, calibration.json and the weights of ``net`` (model.safetensors)."""
+        save_drafter(self, path, self.net)
 
     @classmethod
     def load_default(cls, target: Target, **overrides: Any) -> Self:
         """The embedded drafter ``assets/drafters/<name>/`` if it fits ``target``."""
-
-        path = embedded_path("drafters") / cls.name
-        hint = f"train one with `dspec train --drafter {cls.name} --recipe RECIPE` or pass --checkpoint PATH"
-        if not (path / "config.json").is_file():
-            raise DspecError(f"no trained {cls.name} drafter is embedded; {hint}")
-        _check_block_size(cls.name, path, overrides.get("block_size"))
-        try:
-            return cls.from_pretrained(path, target, **overrides)
-        except DspecError as exc:
-            raise DspecError(f"the embedded {cls.name} drafter does not fit this target ({exc}); {hint}") from None
+        return load_embedded(cls, target, overrides)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target: Target, **overrides: Any) -> Self:
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-
-        path = Path(path)
-        if (foreign := load_foreign(cls, path, target, overrides)) is not None:
-            return foreign  # another project's layout (DeepSpec, z-lab DFlash, EAGLE-3), converted in memory
-        check_checkpoint_config(cls.name, path, target)
-        _check_block_size(cls.name, path, overrides.get("block_size"))
-        drafter = super().from_pretrained(path, target, **overrides)
-        weights = path / WEIGHTS_FILE
-        if not weights.is_file():
-            raise DspecError(f"checkpoint {path}: {WEIGHTS_FILE} is missing")
-        try:
-            state = load_file(str(weights), device=str(target.device))
-        except (SafetensorError, OSError) as exc:
-            raise DspecError(f"checkpoint {path}: {WEIGHTS_FILE} is corrupt ({exc})") from None
-        try:
-            missing, unexpected = drafter.net.load_state_dict(state, strict=False)
-        except RuntimeError as exc:  # size mismatch
-            detail = str(exc).strip().splitlines()[-1].strip()
-            raise DspecError(f"checkpoint {path}: weights do not fit drafter {cls.name!r} ({detail})") from None
-        if missing or unexpected:
-            raise DspecError(
-                f"checkpoint {path}: weights do not match drafter {cls.name!r} "
-                f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})"
-            )
-        if (path / CALIBRATION_FILE).is_file():  # validated by check_checkpoint_config
-            drafter.calibration = Calibration.load(path / CALIBRATION_FILE, drafter=cls.name)
-        drafter.chat_template_kwargs = recorded_chat_template_kwargs(path)
-        return drafter
+        """A checkpoint folder: dspec's format or a foreign layout (DeepSpec, z-lab DFlash, EAGLE-3),
+        checked against ``target`` (:func:`~dspec_cli.checkpoints.persist.load_trained`)."""
+        return load_trained(cls, path, target, overrides)
 
 
 def warn_if_other_kwargs(drafter: Drafter, used: Mapping[str, Any], tokenizer=None, name: str | None = None,
@@ -383,11 +299,3 @@ def warn_if_other_kwargs(drafter: Drafter, used: Mapping[str, Any], tokenizer=No
         warn_if_other(f"the calibration of drafter {name} ({cal.source or 'calibration.json'}) was fitted",
                       cal.chat_template_kwargs, used, tokenizer,
                       effect="its temperatures fit the confidences of other prompts", stacklevel=3)
-
-
-def _check_block_size(name: str, path: Path, wanted: int | None) -> None:
-    """A block larger than the one a checkpoint was trained with is an error naming both."""
-    trained = read_config(path).get("drafter_config", {}).get("block_size")
-    if isinstance(trained, int) and wanted is not None and wanted > trained:
-        raise DspecError(f"--block-size {wanted} exceeds the {trained} positions drafter {name!r} was trained for "
-                         f"({path}); use --block-size {trained} or less")

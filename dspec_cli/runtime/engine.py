@@ -31,6 +31,7 @@ from dspec_cli.core.sampling import (
     TREE_DRAFT_SALT,
     CounterNoise,
 )
+from dspec_cli.core.specs import check_block_size
 from dspec_cli.core.types import DraftTree, Proposal, VerifyResult
 from dspec_cli.runtime.drafter import Drafter
 from dspec_cli.runtime.drafter_lag import DrafterLag
@@ -64,8 +65,7 @@ class GenerationConfig:
     graphs: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.block_size < 0:  # 0 = no drafting (plain decoding)
-            raise DspecError(f"--block-size must be >= 0, got {self.block_size}")
+        check_block_size(self.block_size)
         if self.max_new_tokens < 1:
             raise DspecError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:

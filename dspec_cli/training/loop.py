@@ -30,8 +30,9 @@ from typing import Any, Protocol, cast
 import torch
 import torch.distributed as dist
 
+from dspec_cli.checkpoints.config import CheckpointConfig
 from dspec_cli.checkpoints.model_card import write_model_card
-from dspec_cli.checkpoints.native import check_checkpoint_config, weights_fingerprint
+from dspec_cli.checkpoints.native import check_fits, weights_fingerprint
 from dspec_cli.checkpoints.serving import describe, serving_methods
 from dspec_cli.core import plugins
 from dspec_cli.core.chat_template import warn_if_other
@@ -569,7 +570,7 @@ def _load_initial_weights(drafter, path: Path, target) -> None:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    check_checkpoint_config(drafter.name, path, target)
+    check_fits(CheckpointConfig.read(path), drafter.name, path, target)
     try:
         weights = load_file(str(path / WEIGHTS_FILE))
     except (SafetensorError, OSError) as exc:

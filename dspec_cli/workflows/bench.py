@@ -23,7 +23,11 @@ from dspec_cli.core.data import BUILTIN, Prompt, dataset_name, load_prompts
 from dspec_cli.core.devices import parse_dtype, resolve_device
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.hardware import CostTable, device_name
-from dspec_cli.core.specs import parse_drafter_spec, parse_scheduler_spec
+from dspec_cli.core.specs import (
+    check_block_size,
+    parse_drafter_spec,
+    parse_scheduler_spec,
+)
 from dspec_cli.core.version import __version__
 from dspec_cli.runtime.drafter import warn_if_other_kwargs
 from dspec_cli.runtime.engine import (
@@ -409,8 +413,7 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
     times the runs and ``meter`` measures other processes' CPU use during them (tests give
     synthetic ones).
     """
-    if opts.block_size < 1:
-        raise DspecError(f"--block-size must be >= 1, got {opts.block_size}")
+    check_block_size(opts.block_size)
     if any(c < 1 for c in opts.concurrency):
         raise DspecError("--concurrency values must be >= 1")
     if opts.repeats < 1:

@@ -20,7 +20,7 @@ from dspec_cli.core.devices import parse_dtype, resolve_device
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import CALIBRATION_FILE, embedded_path
 from dspec_cli.core.outputs import check_output_dir, check_output_file, write_json
-from dspec_cli.core.specs import parse_drafter_spec
+from dspec_cli.core.specs import check_block_size, parse_drafter_spec
 from dspec_cli.runtime.drafter import Drafter
 from dspec_cli.runtime.engine import GenerationConfig
 from dspec_cli.runtime.target import Target
@@ -161,8 +161,8 @@ def _check(opts: CalibrateOptions) -> type[Drafter]:
     """Every option that can be checked before a model loads; returns the drafter class."""
     if opts.num_prompts is not None and opts.num_prompts < 1:
         raise DspecError(f"--num-prompts must be >= 1, got {opts.num_prompts}")
-    if opts.block_size is not None and opts.block_size < 1:
-        raise DspecError(f"--block-size must be >= 1, got {opts.block_size}")
+    if opts.block_size is not None:
+        check_block_size(opts.block_size)
     cls, _ = parse_drafter_spec(opts.drafter)
     if not {"confidence", "draft_probs"} & set(cls.capabilities):
         raise DspecError(f"drafter {cls.name!r} has no confidence signal (no confidence head, no draft "

@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from dspec_cli.checkpoints import load_drafter
+from dspec_cli.checkpoints.config import CheckpointConfig
 from dspec_cli.core import plugins
 from dspec_cli.core.errors import DspecError
-from dspec_cli.core.files import CONFIG_FILE, EMBEDDED, config_target, read_config
+from dspec_cli.core.files import CONFIG_FILE, EMBEDDED, read_config
 from dspec_cli.core.hardware import SlowHalfPrecision
 from dspec_cli.runtime.target import Target
 
@@ -21,15 +22,16 @@ def validate_checkpoint(path: Path, target: str | None = None, device: str = "cp
     if not path.is_dir():
         raise DspecError(f"checkpoint {path}: no such folder")
     raw = read_config(path)
-    if not isinstance(raw.get("drafter"), str):
+    if "drafter" not in raw:
         raise DspecError(f"checkpoint {path}: {CONFIG_FILE} names no drafter (not a dspec drafter checkpoint)")
-    plugins.get_drafter_class(raw["drafter"])  # an unknown drafter fails before the target loads
-    name = target or config_target(raw).get("name_or_path")
+    config = CheckpointConfig.parse(raw, path)  # a config.json that does not fit fails before the target loads
+    plugins.get_drafter_class(config.drafter)  # so does an unknown drafter
+    name = target or config.target.name_or_path
     try:
         with warnings.catch_warnings():  # loaded to check shapes only: no matmul speed concern
             warnings.simplefilter("ignore", SlowHalfPrecision)
             tgt = Target.load(None if name in (None, "", EMBEDDED) else name, dtype="bfloat16", device=device)
     except DspecError as exc:
         raise DspecError(f"{exc} (pass --target to validate against another copy of the target)") from None
-    load_drafter(raw["drafter"], tgt, path)
+    load_drafter(config.drafter, tgt, path)
     return raw

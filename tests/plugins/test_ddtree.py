@@ -455,7 +455,7 @@ def test_registered_and_checkpoints(target, tmp_path, monkeypatch):
     assert torch.equal(trees[0].tokens, trees[1].tokens) and torch.equal(trees[0].parents, trees[1].parents)
     with pytest.raises(DspecError, match="holds a 'dspark-markov' drafter, not 'dflash'"):
         DDTreeDrafter.from_pretrained(tmp_path / "ckpt", target, base="dflash")
-    monkeypatch.setattr("dspec_cli.runtime.drafter.embedded_path", lambda name: tmp_path / name)
+    monkeypatch.setattr("dspec_cli.checkpoints.persist.embedded_path", lambda name: tmp_path / name)
     with pytest.raises(DspecError, match="no trained dspark-markov drafter is embedded"):
         DDTreeDrafter.load_default(target)  # the default base
     drafter.save_pretrained(tmp_path / "drafters" / "dspark-markov")

@@ -233,7 +233,7 @@ def test_checkpoint_mismatch_errors(target, tmp_path):
 
 def test_load_default(target, tmp_path, monkeypatch):
 
-    monkeypatch.setattr("dspec_cli.runtime.drafter.embedded_path", lambda name: tmp_path / name)
+    monkeypatch.setattr("dspec_cli.checkpoints.persist.embedded_path", lambda name: tmp_path / name)
     cls = get_drafter_class("dflash")
     with pytest.raises(DspecError, match="no trained dflash drafter is embedded; train one with `dspec train --drafter dflash"):
         cls.load_default(target)

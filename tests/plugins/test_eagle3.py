@@ -473,7 +473,7 @@ def test_checkpoint_errors(target, tmp_path):
 
 def test_load_default_without_embedded_drafter(target, monkeypatch, tmp_path):
 
-    monkeypatch.setattr("dspec_cli.runtime.drafter.embedded_path", lambda name: tmp_path / name)
+    monkeypatch.setattr("dspec_cli.checkpoints.persist.embedded_path", lambda name: tmp_path / name)
     with pytest.raises(DspecError, match="dspec train --drafter eagle3"):
         Eagle3Drafter.load_default(target)
     build(target).save_pretrained(tmp_path / "drafters" / "eagle3")

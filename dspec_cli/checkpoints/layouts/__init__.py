@@ -6,8 +6,8 @@ DeepSpec's ``Qwen3DSparkModel`` / ``Gemma4DSparkModel`` and z-lab's ``DFlashDraf
 (``dspec_dflash``), SpecForge's ``LlamaForCausalLMEagle3`` (``dspec_eagle3``).
 
 A folder is foreign when its config.json has no ``"drafter"`` key (ours always has one) and
-names an ``architectures`` entry. :func:`load_foreign` is the one hook in
-``TrainableDrafter.from_pretrained``: it converts in memory (no files written), checks the
+names an ``architectures`` entry. :func:`load_foreign` is the one hook in the loader of trained
+drafters (:func:`~dspec_cli.checkpoints.persist.load_trained`): it converts in memory (no files written), checks the
 frozen embedding / LM head copies against the target's (our checkpoints hold trainable weights
 only) and loads the weights, failing in one line that names the foreign tensor or field.
 """
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from dspec_cli.checkpoints.config import Trained
 from dspec_cli.checkpoints.layouts.common import (
     ARCH_FIELDS,
     Converted,
@@ -41,10 +42,9 @@ from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import read_config
 
 if TYPE_CHECKING:  # annotations only: checkpoints/ sits below runtime/
-    from dspec_cli.runtime.drafter import TrainableDrafter
     from dspec_cli.runtime.target import Target
 
-D = TypeVar("D", bound="TrainableDrafter")
+D = TypeVar("D", bound=Trained)
 
 __all__ = [
     "ARCH_FIELDS", "Converted", "Layout", "Rules", "arch_config", "arch_values", "checkpoint_drafter", "convert",
@@ -93,10 +93,11 @@ def _layout(config: dict, folder: str | Path) -> str | None:
         raise DspecError(f"checkpoint {folder}: {exc}") from None
 
 
-def convert(folder: str | Path) -> Converted:
-    """Read a foreign checkpoint folder into our names (DspecError if it is not one)."""
+def convert(folder: str | Path, config: dict | None = None) -> Converted:
+    """Read a foreign checkpoint folder (its config.json ``config`` when already read) into our
+    names (DspecError if it is not one)."""
     folder = Path(folder)
-    config = read_config(folder)
+    config = read_config(folder) if config is None else config
     layout = _layout(config, folder)
     if layout is None:
         raise DspecError(f"checkpoint {folder}: not a foreign layout (dspec's own, or no 'architectures')")
@@ -108,21 +109,18 @@ def checkpoint_drafter(folder: str | Path) -> str:
     """The drafter name a checkpoint folder holds (ours: config.json's "drafter"; foreign: converted)."""
     config = read_config(Path(folder))
     if _layout(config, folder) is not None:
-        return convert(folder).drafter
+        return convert(folder, config).drafter
     if not isinstance(config.get("drafter"), str):
         raise DspecError(f"checkpoint {folder}: config.json names no drafter")
     return config["drafter"]
 
 
-def load_foreign(cls: type[D], path: Path, target: Target, overrides: dict[str, Any]) -> D | None:
-    """The loading hook: a drafter built from a foreign checkpoint, or None if ``path`` is not one."""
-    try:
-        config = read_config(path)
-    except DspecError:
-        return None  # the native loader reports a missing / malformed config.json
+def load_foreign(cls: type[D], path: Path, config: dict, target: Target, overrides: dict[str, Any]) -> D | None:
+    """The loading hook: a drafter built from the foreign checkpoint ``path`` (its config.json
+    ``config``), or None if it is not one."""
     if _layout(config, path) is None:
         return None
-    conv = convert(path)
+    conv = convert(path, config)
     where = f"checkpoint {path} ({conv.layout})"
     if conv.drafter != cls.name:
         raise DspecError(f"{where} holds a {conv.drafter!r} drafter, not {cls.name!r}")

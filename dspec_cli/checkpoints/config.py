@@ -1,0 +1,179 @@
+"""A dspec checkpoint's ``config.json`` as typed records (docs/checkpoints.md), validated by pydantic.
+
+:class:`CheckpointConfig` is the file: the drafter's name, the dspec version and architecture it
+was written by, the target it was trained for (:class:`TargetRecord`), the chat-template kwargs
+of its training data and ``drafter_config``, the drafter's hyper-parameters, which each drafter
+types with its own :class:`DrafterConfig` subclass. Types are strict (no ``"7"`` for 7) and every
+number is finite; a file that does not fit is a one-line error naming the file and the field.
+Fields other than ``drafter`` and ``drafter_config`` are optional, so older checkpoints load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    TypeAdapter,
+    ValidationError,
+)
+
+from dspec_cli.core.chat_template import default_kwargs
+from dspec_cli.core.errors import DspecError
+from dspec_cli.core.files import CONFIG_FILE, read_config
+from dspec_cli.core.specs import check_block_size
+
+if TYPE_CHECKING:
+    import torch
+    from typing_extensions import Self
+
+    from dspec_cli.core.calibration import Calibration
+
+
+@dataclass
+class DrafterConfig:
+    """Hyper-parameters serialised into a checkpoint's config.json. Subclass to add fields."""
+
+    __pydantic_config__ = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")  # how from_dict types the fields
+
+    block_size: int = 7  # γ: draft tokens proposed per round
+    target_layer_ids: tuple[int, ...] = ()  # target decoder layers the drafter reads (-1 = embeddings)
+
+    def __post_init__(self) -> None:
+        check_block_size(self.block_size, "block_size")
+        self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], *, where: str = "config") -> Self:
+        """Build from a dict of JSON values, each checked against its field's type; unknown keys
+        are an error that lists the valid ones."""
+        valid = cls.field_names()
+        unknown = sorted(set(values) - set(valid))
+        if unknown:
+            raise DspecError(f"{where}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(valid)}")
+        try:
+            return _adapter(cls).validate_json(json.dumps(values))
+        except ValidationError as exc:
+            raise invalid(where, exc) from None
+        except DspecError as exc:  # a rule of the drafter's own (__post_init__)
+            raise DspecError(f"{where}: {exc}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+
+
+@functools.cache
+def _adapter(cls: type) -> TypeAdapter:
+    return TypeAdapter(cls)
+
+
+class TargetRecord(BaseModel):
+    """config.json ``target``: the target a checkpoint was trained for ("embedded", a Hub id or an
+    absolute local path; "" when unknown) and its sizes and tokenizer, checked when it loads."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow", frozen=True)
+
+    name_or_path: str = ""
+    vocab_size: PositiveInt | None = None
+    hidden_size: PositiveInt | None = None
+    num_hidden_layers: PositiveInt | None = None
+    tokenizer_sha256: str | None = None
+
+
+class CheckpointConfig(BaseModel):
+    """config.json of a dspec drafter checkpoint (see the module docstring)."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow", frozen=True)
+
+    drafter: str
+    dspec_version: str = ""
+    architectures: list[str] = []
+    target: TargetRecord = TargetRecord()
+    # the kwargs its training data was rendered with; null: not known. Checkpoints written before
+    # dspec recorded them were trained with the default, which was then the only setting
+    chat_template_kwargs: dict[str, Any] | None = Field(default_factory=default_kwargs)
+    drafter_config: dict[str, Any]  # typed by the drafter's DrafterConfig; block_size checked here
+
+    @classmethod
+    def parse(cls, raw: dict[str, Any], folder: str | Path) -> CheckpointConfig:
+        """The record of config.json ``raw`` (read from ``folder``); DspecError naming the file
+        and the field when it does not fit."""
+        where = f"checkpoint {Path(folder) / CONFIG_FILE}"
+        _require_finite(raw, where, "")
+        try:
+            config = cls.model_validate(raw)
+        except ValidationError as exc:
+            raise invalid(where, exc) from None
+        if "block_size" not in config.drafter_config:
+            raise DspecError(f"{where}: drafter_config.block_size: field required")
+        try:
+            check_block_size(config.drafter_config["block_size"], "drafter_config.block_size")
+        except DspecError as exc:
+            raise DspecError(f"{where}: {exc}") from None
+        return config
+
+    def block_size(self, wanted: int | None, folder: str | Path) -> int:
+        """The block size to load with: ``wanted`` (None: the trained one), at most the trained one."""
+        trained = self.drafter_config["block_size"]
+        if wanted is not None and wanted > trained:
+            raise DspecError(f"--block-size {wanted} exceeds the {trained} positions drafter {self.drafter!r} was "
+                             f"trained for ({folder}); use --block-size {trained} or less")
+        return trained if wanted is None else wanted
+
+    @classmethod
+    def read(cls, folder: str | Path) -> CheckpointConfig:
+        """The record of ``folder``'s config.json (:meth:`parse`)."""
+        return cls.parse(read_config(Path(folder)), folder)
+
+
+def invalid(where: str, exc: ValidationError) -> DspecError:
+    """A one-line error of pydantic's first complaint: ``where``, the field path, what is wrong."""
+    first = exc.errors()[0]
+    field = ".".join(str(part) for part in first["loc"]) or "(top level)"
+    got = f" (got {first['input']!r})" if first["type"] != "missing" else ""
+    return DspecError(f"{where}: {field}: {first['msg'][0].lower()}{first['msg'][1:]}{got}")
+
+
+def _require_finite(value: Any, where: str, field: str) -> None:
+    """NaN and ±Infinity (which Python's json reads) are no number a checkpoint may hold."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise DspecError(f"{where}: {field}: must be a finite number (got {value!r})")
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        _require_finite(item, where, f"{field}.{key}" if field else str(key))
+
+
+class Checkpointed(Protocol):
+    """A drafter class as checkpoints/ sees it (``runtime.drafter.Drafter``, which it never
+    imports): its registry name, config type, constructors, and what a checkpoint records of it."""
+
+    name: ClassVar[str]
+    config_class: ClassVar[type[DrafterConfig]]
+    calibration: Calibration | None
+    chat_template_kwargs: dict[str, Any] | None
+
+    @classmethod
+    def build(cls, config: Any, target: Any) -> Self: ...
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, target: Any, **overrides: Any) -> Self: ...
+
+
+class Trained(Checkpointed, Protocol):
+    """A drafter class with trainable weights ``net`` (``runtime.drafter.TrainableDrafter``)."""
+
+    net: torch.nn.Module
