@@ -12,6 +12,8 @@
 * Plugins import only the public API: ``dspec_cli``, ``dspec_cli.nn``,
   ``dspec_cli.checkpoints.layouts``, their own package and other plugins' package roots.
 * At most 12 modules directly in ``dspec_cli/``.
+* A checkpoint's config.json is read in ``checkpoints/`` only (``read_config`` is imported nowhere
+  else), into its typed record.
 * Drafters come from checkpoints through ``load_drafter`` only: outside ``checkpoints/`` no call
   of a ``from_pretrained`` / ``load_default`` except a drafter class's own delegation (inside a
   method of that name) and transformers' classes.
@@ -240,6 +242,25 @@ def stray_drafter_loads(base: Path, folders: list[Path]) -> list[str]:
     return bad
 
 
+CHECKPOINT_READERS = ("read_config",)  # a checkpoint folder's raw config.json (core/files.py)
+
+
+def stray_checkpoint_reads(folder: Path) -> list[str]:
+    """Imports of the raw config.json reader outside ``checkpoints/``."""
+    bad = []
+    for path in sorted(folder.rglob("*.py")):
+        if (folder / "checkpoints") in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and any(a.name in CHECKPOINT_READERS for a in node.names):
+                bad.append(f"{path.relative_to(folder)}:{node.lineno} imports {node.module}.read_config")
+    return bad
+
+
+def test_checkpoint_files_are_read_in_checkpoints():
+    assert stray_checkpoint_reads(PACKAGE) == []
+
+
 def test_drafters_load_through_load_drafter():
     assert stray_drafter_loads(ROOT, [PACKAGE, PLUGINS, ROOT / "benchmarks"]) == []
 
@@ -278,6 +299,13 @@ def test_checker_finds_cycles(tmp_path):
         "dspec_cli/checkpoints/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dspec_cli.runtime.b import D\n",
         "dspec_cli/runtime/b.py": "from dspec_cli.checkpoints.a import f\n"})
     assert cycles(annotated) == [] and cycles(annotated, typing=True) == [["dspec_cli.checkpoints.a", "dspec_cli.runtime.b"]]
+
+
+def test_checker_finds_stray_checkpoint_reads(tmp_path):
+    for rel in ("checkpoints/native.py", "runtime/drafter.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("from dspec_cli.core.files import CONFIG_FILE, read_config\n")
+    assert stray_checkpoint_reads(tmp_path) == ["runtime/drafter.py:1 imports dspec_cli.core.files.read_config"]
 
 
 def test_checker_finds_stray_drafter_loads(tmp_path):

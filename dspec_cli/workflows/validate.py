@@ -10,7 +10,7 @@ from dspec_cli.checkpoints import load_drafter
 from dspec_cli.checkpoints.config import CheckpointConfig
 from dspec_cli.core import plugins
 from dspec_cli.core.errors import DspecError
-from dspec_cli.core.files import CONFIG_FILE, EMBEDDED, read_config
+from dspec_cli.core.files import EMBEDDED
 from dspec_cli.core.hardware import SlowHalfPrecision
 from dspec_cli.runtime.target import Target
 
@@ -21,10 +21,7 @@ def validate_checkpoint(path: Path, target: str | None = None, device: str = "cp
     path = Path(path)
     if not path.is_dir():
         raise DspecError(f"checkpoint {path}: no such folder")
-    raw = read_config(path)
-    if "drafter" not in raw:
-        raise DspecError(f"checkpoint {path}: {CONFIG_FILE} names no drafter (not a dspec drafter checkpoint)")
-    config = CheckpointConfig.parse(raw, path)  # a config.json that does not fit fails before the target loads
+    config = CheckpointConfig.read(path)  # a config.json that does not fit fails before the target loads
     plugins.get_drafter_class(config.drafter)  # so does an unknown drafter
     name = target or config.target.name_or_path
     try:
@@ -34,4 +31,4 @@ def validate_checkpoint(path: Path, target: str | None = None, device: str = "cp
     except DspecError as exc:
         raise DspecError(f"{exc} (pass --target to validate against another copy of the target)") from None
     load_drafter(config.drafter, tgt, path)
-    return raw
+    return config.model_dump(mode="json")
