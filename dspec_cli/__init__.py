@@ -30,7 +30,6 @@ if TYPE_CHECKING:  # explicit re-exports (``X as X``) of the names _API loads la
     from dspec_cli.core.types import PrefillOutput as PrefillOutput
     from dspec_cli.core.types import Proposal as Proposal
     from dspec_cli.core.types import Sampler as Sampler
-    from dspec_cli.core.types import StepOutput as StepOutput
     from dspec_cli.core.types import VerifyResult as VerifyResult
     from dspec_cli.runtime.drafter import Drafter as Drafter
     from dspec_cli.runtime.drafter import DraftState as DraftState
@@ -59,7 +58,6 @@ _API = {
     "PrefillOutput": "dspec_cli.core.types",
     "Proposal": "dspec_cli.core.types",
     "Sampler": "dspec_cli.core.types",
-    "StepOutput": "dspec_cli.core.types",
     "VerifyResult": "dspec_cli.core.types",
     "Calibration": "dspec_cli.core.calibration",
     "CostTable": "dspec_cli.core.hardware",
@@ -94,7 +92,7 @@ _API = {
 
 __all__ = [  # the names of _API and the two defined here, spelled out for type checkers (tests/test_api.py)
     "__version__", "hookimpl", "DspecError", "Capability", "DraftTree", "PAD", "PrefillOutput", "Proposal",
-    "Sampler", "StepOutput", "VerifyResult", "Calibration", "CostTable", "embedded_path", "reads_free", "get_drafter_class",
+    "Sampler", "VerifyResult", "Calibration", "CostTable", "embedded_path", "reads_free", "get_drafter_class",
     "get_scheduler_class", "registry", "DrafterConfig", "Converted", "Drafter", "DraftState",
     "TrainableDrafter", "WrappedDrafter", "heuristic_confidence", "best_path", "select_tree", "Scheduler",
     "admit_candidates", "Target", "TargetBatch", "GenerationConfig", "SpeculativeEngine", "verify_chain", "verify_greedy",

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from tiny_models import GreedySampler, tiny_target
+from tiny_models import GreedySampler, full_forward, tiny_target
 
 from dspec_cli.core.plugins import get_drafter_class
 from dspec_cli.nn.backbone import (
@@ -16,7 +16,7 @@ from dspec_cli.nn.backbone import (
     training_mask,
 )
 from dspec_cli.runtime.engine import GenerationConfig, SpeculativeEngine
-from dspec_cli.runtime.verify import verify_greedy
+from dspec_cli.runtime.verify import verify_greedy_grid
 
 B = 4
 
@@ -36,7 +36,7 @@ def drafter(target):
 @pytest.fixture(scope="module")
 def sequence(target, drafter):
     ids = torch.tensor([target.render_prompt("The quick brown fox jumps over the lazy dog")])
-    _, taps = target.forward_full(ids, drafter.target_layer_ids)
+    _, taps = full_forward(target, ids, drafter.target_layer_ids)
     return ids, taps[None]  # [1, L], [1, L, n·d]
 
 
@@ -133,6 +133,7 @@ def test_sample_anchors_and_blocks():
     assert not blocks.valid[1, 2:].any() and (blocks.input_ids[1, 2:] == 7).all()
 
 
+@torch.no_grad()
 def _manual_greedy_rounds(target, drafter, prompts, rounds):
     """The engine's cycle by hand; checks the draft cache after every propose and advance.
     Returns the state and each row's committed tokens."""
@@ -148,14 +149,15 @@ def _manual_greedy_rounds(target, drafter, prompts, rounds):
         keys = [k.clone() for k in state.cache.keys]
         prop = drafter.propose(state, anchors, B, sampler)
         assert all(torch.equal(k, k2) for k, k2 in zip(keys, state.cache.keys, strict=True))  # block K/V never stored
-        n = prop.lengths + 1
-        tokens = torch.cat([anchors[:, None], prop.tokens], 1).flatten()
-        o = target.verify(batch, tokens, n)
-        res = verify_greedy(o.logits, prop.tokens.flatten(), prop.lengths)
+        grid = torch.cat([anchors[:, None], prop.tokens], 1)  # [R, B+1]
+        logits, taps = target.score(batch, grid, None, batch.window(B + 1))
+        res = verify_greedy_grid(logits, prop.tokens, prop.lengths)
         keep = res.accepted + 1
-        target.commit(batch, keep)
+        target.keep(batch, keep)
+        batch.settle(batch.committed.tolist())
+        tokens = grid.flatten()
         sel = (torch.arange(B + 1)[None, :] < keep[:, None]).flatten()
-        drafter.advance(state, tokens[sel], keep, o.hidden[sel])
+        drafter.advance(state, tokens[sel], keep, taps.flatten(0, 1)[sel])
         assert torch.equal(state.cache.lengths, batch.committed)  # context == committed tokens
         for r, chunk in enumerate(torch.split(tokens[sel], keep.tolist())):
             committed[r] += chunk.tolist()
@@ -168,7 +170,7 @@ def test_cache_holds_exactly_the_committed_context(target, drafter):
     state, committed = _manual_greedy_rounds(target, drafter, prompts, rounds=4)
     bb = drafter.net.backbone
     for r, seq in enumerate(committed):  # incremental cache == cache built from the whole sequence
-        _, taps = target.forward_full(torch.tensor([seq]), drafter.target_layer_ids)
+        _, taps = full_forward(target, torch.tensor([seq]), drafter.target_layer_ids)
         fresh = bb.new_cache()
         fresh.add_rows(1)
         bb.extend_cache(fresh, taps, torch.tensor([len(seq)]), len(seq))
@@ -197,7 +199,7 @@ def assert_training_matches_inference(drafter, target) -> None:
     """The training forward (all blocks under the block mask) gives the inference forward's
     logits at three anchors of one prompt."""
     ids = torch.tensor([target.render_prompt("The quick brown fox jumps over the lazy dog")])
-    _, taps = target.forward_full(ids, drafter.target_layer_ids)
+    _, taps = full_forward(target, ids, drafter.target_layer_ids)
     anchors = [3, 9, ids.shape[1] - 2]
     with torch.no_grad():
         train = drafter.lm_logits(_train_hidden(drafter, ids, taps[None], torch.tensor([anchors])))

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
-from tiny_models import tiny_target
+from tiny_models import full_forward, tiny_target
 
 from dspec_cli.checkpoints import layouts as interop
 from dspec_cli.core.errors import DspecError
@@ -186,7 +186,7 @@ class ArgmaxSampler:
 def proposal(target: Target, drafter):
     """One proposal of γ tokens after a prompt: (tokens, draft_probs, confidence)."""
     prompt = torch.tensor(target.render_prompt("Numbers like 0 1 2"))
-    _, taps = target.forward_full(prompt[None], drafter.target_layer_ids)
+    _, taps = full_forward(target, prompt[None], drafter.target_layer_ids)
     state = drafter.init_state()
     drafter.add_requests(state, [prompt[:-1]], [taps[:-1]])
     out = drafter.propose(state, prompt[-1:], GAMMA, ArgmaxSampler())
@@ -241,7 +241,7 @@ def test_original_dflash_layout_is_the_anchor_layout_shifted(target):
     zl = cls.build(cls.config_class(block_size=GAMMA, num_layers=2, anchor_predicts=False), target)
     zl.net.load_state_dict(ours.net.state_dict())
     prompt = torch.tensor(target.render_prompt("hello"))
-    _, taps = target.forward_full(prompt[None], ours.target_layer_ids)
+    _, taps = full_forward(target, prompt[None], ours.target_layer_ids)
     states = ours.init_state(), zl.init_state()
     for d, s in zip((ours, zl), states, strict=True):
         d.add_requests(s, [prompt], [taps])

@@ -1,4 +1,5 @@
-"""Target: ragged batched verify / trees / commits / row moves equal plain full forwards."""
+"""Target: the engine's static level (score padded chains and trees, keep / keep_path, settle),
+append / rollback and row moves, all equal to plain full forwards."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dspec_cli.runtime.target import Target
 from tests.tiny_models import (
     FACTORIES,
     VOCAB_SIZE,
+    full_forward,
     tiny_qwen3,
     tiny_target,
     tiny_tokenizer,
@@ -26,7 +28,8 @@ def target(request) -> Target:
 
 
 class Session:
-    """A batch plus the reference token sequence (committed tokens) of every row."""
+    """A batch plus the reference token sequence (committed tokens) of every row, driven by the
+    engine's level: padded grids scored, kept on the device, host lengths bounded then settled."""
 
     def __init__(self, target: Target, seed: int, **batch_kwargs):
         self.t = target
@@ -42,7 +45,7 @@ class Session:
         return int(torch.randint(low, high, (1,), generator=self.gen))
 
     def check(self, out_logits, out_hidden, seq: list[int], new: list[int]) -> None:
-        logits, taps = self.t.forward_full(torch.tensor([seq + new]), LAYERS)
+        logits, taps = full_forward(self.t, torch.tensor([seq + new]), LAYERS)
         torch.testing.assert_close(out_logits, logits[len(seq) :], atol=ATOL, rtol=ATOL)
         torch.testing.assert_close(out_hidden, taps[len(seq) :], atol=ATOL, rtol=ATOL)
 
@@ -56,7 +59,7 @@ class Session:
         assert out.logits.shape == (len(prompts), VOCAB_SIZE)
         for r, p in enumerate(prompts):
             assert out.hidden[r].shape == (len(p), 3 * self.t.hidden_size)
-            logits, taps = self.t.forward_full(torch.tensor([p]), LAYERS)
+            logits, taps = full_forward(self.t, torch.tensor([p]), LAYERS)
             torch.testing.assert_close(out.logits[r], logits[-1], atol=ATOL, rtol=ATOL)
             torch.testing.assert_close(out.hidden[r], taps, atol=ATOL, rtol=ATOL)
         self.seqs += prompts
@@ -67,31 +70,42 @@ class Session:
         sizes = [0 if self.randint(0, 5) == 0 else self.randint(1, most + 1) for _ in self.seqs]
         return sizes if any(sizes) else [1] * len(sizes)
 
+    @torch.no_grad()
+    def score(self, rows: list[list[int]], parents: list[list[int]] | None = None):
+        """Target.score of right-padded rows (and parents: a tree per row), as the engine runs it."""
+        q = max(len(r) for r in rows)
+        ids = torch.tensor([r + [0] * (q - len(r)) for r in rows])
+        window = self.batch.window(q)
+        if parents is None:
+            return self.t.score(self.batch, ids, None, window, dense=self.t.dense(self.batch, q, window))
+        return self.t.score(self.batch, ids, torch.tensor([p + [-1] * (q - len(p)) for p in parents]), window)
+
+    def settle(self, grown: int) -> None:
+        """After a keep the host knows only a bound; the caller settles the exact lengths."""
+        self.batch.bound(grown)
+        assert not self.batch.exact
+        self.batch.settle([len(s) for s in self.seqs])
+
     def chain_round(self, max_len: int = 4) -> None:
         chains = [[self.anchors[r]] + self.rand(n - 1) if n else [] for r, n in enumerate(self.sizes(max_len + 1))]
-        lengths = torch.tensor([len(c) for c in chains])
-        out = self.t.verify(self.batch, torch.tensor(sum(chains, [])), lengths)
-        assert out.rows.tolist() == sum(([r] * len(c) for r, c in enumerate(chains)), [])
-        off = 0
+        logits, taps = self.score(chains)
         for r, chain in enumerate(chains):
-            k = len(chain)
-            self.check(out.logits[off : off + k], out.hidden[off : off + k], self.seqs[r], chain)
-            off += k
+            if chain:
+                self.check(logits[r, : len(chain)], taps[r, : len(chain)], self.seqs[r], chain)
         keep = [self.randint(1, len(c) + 1) if c else 0 for c in chains]
-        self.t.commit(self.batch, torch.tensor(keep))
+        self.t.keep(self.batch, torch.tensor(keep))
         for r, chain in enumerate(chains):
             if chain:
                 self.seqs[r] += chain[: keep[r]]
                 self.anchors[r] = self.rand(1)[0]
+        self.settle(max(len(c) for c in chains))
 
     def tree_round(self, max_nodes: int = 7) -> None:
         rows = len(self.seqs)
         sizes = self.sizes(max_nodes)
         parents = [[-1] + [self.randint(0, i) for i in range(1, n)] if n else [] for n in sizes]
         toks = [[self.anchors[r]] + self.rand(n - 1) if n else [] for r, n in enumerate(sizes)]
-        out = self.t.verify_tree(
-            self.batch, torch.tensor(sum(toks, [])), torch.tensor(sum(parents, [])), torch.tensor(sizes)
-        )
+        logits, taps = self.score(toks, parents)
 
         def path_to(r: int, node: int) -> list[int]:
             path = [node]
@@ -99,45 +113,47 @@ class Session:
                 path.append(parents[r][path[-1]])
             return path[::-1]
 
-        off = 0
         for r in range(rows):
             for node in range(sizes[r]):
                 new = [toks[r][i] for i in path_to(r, node)]
-                i = off + node
-                self.check(out.logits[i : i + 1], out.hidden[i : i + 1], self.seqs[r] + new[:-1], new[-1:])
-            off += sizes[r]
+                self.check(logits[r, node : node + 1], taps[r, node : node + 1], self.seqs[r] + new[:-1], new[-1:])
         paths = [path_to(r, self.randint(0, sizes[r])) if sizes[r] else [] for r in range(rows)]
         depth = max(len(p) for p in paths) + 1
-        padded = torch.tensor([p + [-1] * (depth - len(p)) for p in paths])
-        self.t.commit_path(self.batch, padded)
+        self.t.keep_path(self.batch, torch.tensor([p + [-1] * (depth - len(p)) for p in paths]))
         for r, p in enumerate(paths):
             if p:
                 self.seqs[r] += [toks[r][i] for i in p]
                 self.anchors[r] = self.rand(1)[0]
+        self.settle(max(sizes))
 
     def append_round(self, max_len: int = 4) -> None:
-        """Target.append: ragged chains (>= 1 token per row) are committed; last-token logits."""
+        """Target.append: padded chains (>= 1 token per row) are kept; last-token logits."""
         chains = [[self.anchors[r]] + self.rand(self.randint(0, max_len)) for r in range(len(self.seqs))]
-        flat = torch.tensor([t for c in chains for t in c])
-        logits = self.t.append(self.batch, flat, torch.tensor([len(c) for c in chains]))
-        assert logits.shape == (len(chains), VOCAB_SIZE)
+        q = max(len(c) for c in chains)
+        ids = torch.tensor([c + [0] * (q - len(c)) for c in chains])
+        logits = self.t.append(self.batch, ids, [len(c) for c in chains])
+        assert logits.shape == (len(chains), VOCAB_SIZE) and self.batch.exact
         for r, chain in enumerate(chains):
-            full, _ = self.t.forward_full(torch.tensor([self.seqs[r] + chain]))
+            full, _ = full_forward(self.t, torch.tensor([self.seqs[r] + chain]))
             torch.testing.assert_close(logits[r], full[-1], atol=ATOL, rtol=ATOL)
             self.seqs[r] += chain
             self.anchors[r] = self.rand(1)[0]
 
     def rollback(self) -> None:
         drop = [self.randint(0, min(4, len(s))) for s in self.seqs]
-        self.t.rollback(self.batch, torch.tensor(drop))
+        self.t.rollback(self.batch, drop)
         self.seqs = [s[: len(s) - d] for s, d in zip(self.seqs, drop, strict=True)]
+
+    def select(self, index: list[int]) -> None:
+        self.t.select_rows(self.batch, index)
+        self.seqs, self.anchors = [self.seqs[i] for i in index], [self.anchors[i] for i in index]
 
     def assert_committed(self) -> None:
         assert self.batch.committed.tolist() == [len(s) for s in self.seqs]
         assert self.batch.lengths == [len(s) for s in self.seqs] and self.batch.exact
 
 
-def test_ragged_chains_match_full_forward(target):
+def test_padded_chains_match_full_forward(target):
     s = Session(target, seed=1)
     s.prefill([5, 11, 3])
     for _ in range(5):
@@ -164,18 +180,15 @@ def test_row_moves_and_continuous_batching(target):
     s.tree_round()
     s.rollback()
     s.chain_round()
-    target.remove(s.batch, [1])
-    del s.seqs[1], s.anchors[1]
+    s.select([0, 2])  # row 1 leaves
     s.prefill([6])  # a new request joins mid-stream
     for _ in range(2):
         s.chain_round()
-    target.remove(s.batch, [0, 2])
-    s.seqs, s.anchors = s.seqs[1:2], s.anchors[1:2]
+    s.select([1])
     s.prefill([3, 8])
     s.chain_round()
     s.assert_committed()
-    target.select_rows(s.batch, [2, 0, 1])  # the last row fills the first place
-    s.seqs, s.anchors = [s.seqs[i] for i in (2, 0, 1)], [s.anchors[i] for i in (2, 0, 1)]
+    s.select([2, 0, 1])  # the last row fills the first place
     s.chain_round()
     s.tree_round()
     s.assert_committed()
@@ -276,49 +289,22 @@ def test_bad_input_raises():
     with pytest.raises(ValueError, match="layer_ids"):
         t.new_batch([3])
     batch = t.new_batch()
-    with pytest.raises(ValueError, match="no rows"):
-        t.verify(batch, torch.tensor([1]), torch.tensor([1]))
     with pytest.raises(ValueError, match="prompts"):
         t.prefill(batch, [[1, 2], []])
     t.prefill(batch, [[1, 2, 3], [4, 5]])
-    with pytest.raises(ValueError, match="lengths"):
-        t.verify(batch, torch.tensor([1]), torch.tensor([1]))
-    with pytest.raises(ValueError, match="lengths"):
-        t.verify(batch, torch.tensor([], dtype=torch.long), torch.tensor([0, 0]))
-    with pytest.raises(ValueError, match="tokens"):
-        t.verify(batch, torch.tensor([1, 2]), torch.tensor([2, 2]))
-    with pytest.raises(ValueError, match="at least one token"):
-        t.append(batch, torch.tensor([1, 2]), torch.tensor([2, 0]))
-    with pytest.raises(ValueError, match="nothing to commit"):
-        t.commit(batch, torch.tensor([1, 1]))
-    with pytest.raises(ValueError, match="parents"):
-        t.verify_tree(batch, torch.tensor([1, 2, 3]), torch.tensor([-1, 1, -1]), torch.tensor([2, 1]))
-    t.verify(batch, torch.tensor([1, 2, 3]), torch.tensor([2, 1]))
-    with pytest.raises(ValueError, match="not been committed"):
-        t.verify(batch, torch.tensor([1, 2]), torch.tensor([1, 1]))
-    with pytest.raises(ValueError, match="keep"):
-        t.commit(batch, torch.tensor([1, 2]))
-    with pytest.raises(ValueError, match="commit_path cannot follow verify"):
-        t.commit_path(batch, torch.tensor([[0], [0]]))
-    t.commit(batch, torch.tensor([2, 1]))
-    t.verify_tree(batch, torch.tensor([1, 2, 3, 4]), torch.tensor([-1, 0, 0, -1]), torch.tensor([3, 1]))
-    with pytest.raises(ValueError, match="path"):
-        t.commit_path(batch, torch.tensor([[0, 1, 2], [0, -1, -1]]))
-    with pytest.raises(ValueError, match="path"):
-        t.commit_path(batch, torch.tensor([[0, -1, 2], [0, -1, -1]]))
-    with pytest.raises(ValueError, match="path"):
-        t.commit_path(batch, torch.tensor([[0, 9], [0, -1]]))
-    with pytest.raises(ValueError, match="not been committed"):
-        t.remove(batch, [0])
-    t.commit_path(batch, torch.tensor([[0, 2], [0, -1]]))
-    assert batch.committed.tolist() == [7, 4]
+    with pytest.raises(ValueError, match="append: ids"):
+        t.append(batch, torch.tensor([[1, 2], [3, 4]]), [2, 0])
+    with pytest.raises(ValueError, match="append: ids"):
+        t.append(batch, torch.tensor([[1, 2]]), [2])
     with pytest.raises(ValueError, match="drop"):
-        t.rollback(batch, torch.tensor([8, 0]))
-    t.rollback(batch, torch.tensor([2, 0]))
-    assert batch.committed.tolist() == [5, 4] and batch.lengths == [5, 4]
+        t.rollback(batch, [4, 0])
+    t.append(batch, torch.tensor([[1, 2], [3, 0]]), [2, 1])
+    assert batch.committed.tolist() == [5, 3] and batch.lengths == [5, 3]
+    t.rollback(batch, [2, 0])
+    assert batch.committed.tolist() == [3, 3] and batch.lengths == [3, 3]
     with pytest.raises(ValueError, match="rows"):
-        t.remove(batch, [2])
-    t.remove(batch, [0, 1])
+        t.select_rows(batch, [2])
+    t.select_rows(batch, [])
     assert batch.num_rows == 0 and batch.committed.numel() == 0
 
 
@@ -342,7 +328,7 @@ def test_load_local_and_default(tmp_path, monkeypatch):
     tok.save_pretrained(tmp_path / "m")
     t = Target.load(str(tmp_path / "m"), dtype="float32")
     ids = torch.tensor([[5, 6, 7, 8]])
-    torch.testing.assert_close(t.forward_full(ids)[0], Target(model).forward_full(ids)[0])
+    torch.testing.assert_close(full_forward(t, ids)[0], full_forward(Target(model), ids)[0])
     assert t.render_prompt("hi") == Target(model, tok).render_prompt("hi")
     assert not any(p.requires_grad for p in t.model.parameters())
     monkeypatch.setattr(target_mod, "DEFAULT_TARGET_PATH", tmp_path / "missing")

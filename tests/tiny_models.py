@@ -158,6 +158,16 @@ TRAIN_TEXTS = [
 ]
 
 
+@torch.no_grad()
+def full_forward(target, ids: torch.Tensor, layer_ids=()) -> tuple[torch.Tensor, torch.Tensor]:
+    """A plain forward of ids [1, L] (no cache, the model's own masks): (logits [L, V] float, taps
+    [L, n·d] of ``layer_ids``), the reference the target's cached steps are tested against."""
+    ids = ids.to(target.device)
+    logits = target.model(input_ids=ids, use_cache=False).logits[0].float()
+    taps, _ = target.decoder_features(ids, torch.ones_like(ids), layer_ids)
+    return logits, taps[0]
+
+
 def training_batch(target, layer_ids) -> tuple[dict, dict]:
     """A drafter training batch from TRAIN_TEXTS: two right-padded rows, loss after the first 4
     tokens, with the target features ``training_loss`` expects."""
@@ -171,7 +181,7 @@ def training_batch(target, layer_ids) -> tuple[dict, dict]:
         attn[r, : len(row)] = 1
     loss_mask = attn.clone()
     loss_mask[:, :4] = 0
-    taps = torch.stack([target.forward_full(ids[r : r + 1], layer_ids)[1] for r in range(len(rows))])
+    taps = torch.stack([full_forward(target, ids[r : r + 1], layer_ids)[1] for r in range(len(rows))])
     with torch.no_grad():
         last = target.model.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state
     return {"input_ids": ids, "loss_mask": loss_mask, "attention_mask": attn}, {"taps": taps, "last_hidden": last}

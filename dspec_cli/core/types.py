@@ -1,8 +1,7 @@
 """The data that flows through a speculative round, shared by every layer.
 
 A drafter returns a :class:`Proposal` (a chain, or a :class:`DraftTree`); the target returns a
-:class:`PrefillOutput` when requests join and a :class:`StepOutput` per verify; the verifier
-returns a :class:`VerifyResult`. :class:`Sampler` is what a drafter samples its drafts with.
+:class:`PrefillOutput` when requests join; the verifier returns a :class:`VerifyResult`. :class:`Sampler` is what a drafter samples its drafts with.
 Tensors are batched by request row r (R rows); token and node tensors are padded with
 :data:`PAD` past each row's length.
 """
@@ -94,15 +93,6 @@ class VerifyResult:
     tokens: torch.Tensor
     num_tokens: torch.Tensor
     path: torch.Tensor | None = None
-
-
-@dataclass
-class StepOutput:
-    """Target outputs of one verify (or tree verify) of n_r tokens per row, rows flattened in order."""
-
-    logits: torch.Tensor  # [Σn_r, V] float
-    hidden: torch.Tensor  # [Σn_r, n·d] taps of the drafter's target layers (n·d = 0 without taps)
-    rows: torch.Tensor  # [Σn_r] long: batch row of each entry
 
 
 @dataclass

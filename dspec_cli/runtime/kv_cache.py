@@ -31,7 +31,6 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 __all__ = [
-    "PendingStep",
     "SlotCache",
     "SlotLayer",
     "TargetBatch",
@@ -43,15 +42,6 @@ __all__ = [
 
 MIN_SLOTS = 64  # smallest slot capacity allocated
 GROWTH = 1.5  # slot capacity grows at least by this factor when exceeded
-
-
-@dataclass
-class PendingStep:
-    """The tokens of the last ragged verify, waiting for commit()/commit_path()."""
-
-    n: list[int]  # tokens per row (host copy)
-    q: int  # columns of the verified grid (max n)
-    parents: torch.Tensor | None  # [R, q] row-local parents (-1: root or padding); None for chains
 
 
 @dataclass
@@ -174,7 +164,6 @@ class TargetBatch:
         self.num_rows = 0
         self.lengths: list[int] = []
         self.exact = True
-        self.pending: PendingStep | None = None
         self.generation = 0
         self.reserve(rows, slots)
 
@@ -192,10 +181,6 @@ class TargetBatch:
     def capacity(self) -> tuple[int, int]:
         """(rows, slots) the buffers hold."""
         return self.cache.capacity
-
-    def require_idle(self, what: str) -> None:
-        if self.pending is not None:
-            raise ValueError(f"{what}: the last verify has not been committed yet")
 
     # -- capacity ------------------------------------------------------------------------------
 
@@ -260,7 +245,6 @@ class TargetBatch:
     def select_rows(self, index: Sequence[int]) -> None:
         """Rows become rows ``index`` of this batch, in that order; a repeated row is copied (every
         copy is an independent row from then on). Only rows that change place are copied."""
-        self.require_idle("select_rows")
         index = [int(i) for i in index]
         if any(not 0 <= i < self.num_rows for i in index):
             raise ValueError(f"rows must be indices in [0, {self.num_rows}), got {index}")

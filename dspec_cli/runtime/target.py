@@ -1,4 +1,4 @@
-"""Target: wraps a transformers causal LM for ragged batched prefill / verify / commit.
+"""Target: wraps a transformers causal LM for the engine's static round: prefill, score, keep.
 
 One :class:`~dspec_cli.runtime.kv_cache.SlotCache` holds the whole batch: preallocated K/V
 buffers in which row r's committed tokens occupy slots 0..len_r−1 (slot = RoPE position).
@@ -10,11 +10,14 @@ causal prefix (chains) or their ancestors (trees). Models with sliding-window la
 positions. Sliding layers keep their full KV history, which costs memory but keeps rollback
 exact.
 
-Two levels: the ragged API (:meth:`Target.prefill`, :meth:`Target.verify`,
-:meth:`Target.commit`, ...) validates its inputs and keeps the batch's host bookkeeping; the
-static one (:meth:`Target.score`, :meth:`Target.keep`, :meth:`Target.keep_path`) takes padded
-grids, reads nothing on the host and changes nothing there, so the engine can capture it as a
-CUDA graph (``docs/architecture.md``).
+Requests join with :meth:`Target.prefill` (host bookkeeping: rows and their lengths). A round
+is static: :meth:`Target.score` runs padded grids (chains, or trees with parents) and
+:meth:`Target.keep` / :meth:`Target.keep_path` keep what was accepted; they read nothing on the
+host and change nothing there, so the engine can capture them as CUDA graphs
+(``docs/architecture.md``); the host lengths are bounded and settled by the caller
+(:meth:`TargetBatch.bound`, :meth:`TargetBatch.settle`). A drafter running its own model
+(draft-model) uses :meth:`Target.append` and :meth:`Target.rollback`: score-and-keep and un-keep
+with exact host lengths.
 
 Hidden taps are raw decoder-layer outputs captured with forward hooks (``-1`` = embedding
 output, which for Gemma already includes the embedding scale), concatenated in
@@ -35,12 +38,10 @@ from dspec_cli.core.devices import auto_dtype, parse_dtype, resolve_device
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import ASSETS_DIR, DEFAULT_TARGET_PATH, embedded_path
 from dspec_cli.core.hardware import warn_if_slow_half
-from dspec_cli.core.ragged import flatten, to_grid
-from dspec_cli.core.types import PrefillOutput, StepOutput
+from dspec_cli.core.types import PrefillOutput
 from dspec_cli.runtime import attention
 from dspec_cli.runtime.kv_cache import (
     ForwardIO,
-    PendingStep,
     TargetBatch,
     ancestor_visibility,
     attention_layout,
@@ -48,7 +49,7 @@ from dspec_cli.runtime.kv_cache import (
     causal_visibility,
 )
 
-__all__ = ["ASSETS_DIR", "DEFAULT_TARGET_PATH", "PrefillOutput", "StepOutput", "Target", "TargetBatch", "embedded_path", "max_context"]
+__all__ = ["ASSETS_DIR", "DEFAULT_TARGET_PATH", "PrefillOutput", "Target", "TargetBatch", "embedded_path", "max_context"]
 
 _MASKABLE = ("sdpa", attention.NAME, "eager")
 _PAD_RATIO, _PAD_SLACK = 1.25, 64  # prefill groups: padded tokens <= ratio × real tokens + slack
@@ -56,7 +57,7 @@ _GROUP_TOKENS = 4096  # padded tokens per prefill forward
 
 
 class Target:
-    """A causal LM with a batched, ragged, rollback-able KV cache (see module docstring)."""
+    """A causal LM with a batched, rollback-able KV cache of one length per row (see module docstring)."""
 
     def __init__(self, model, tokenizer=None, *, chat_template: bool | None = None):
         self.model = model.eval()
@@ -193,7 +194,7 @@ class Target:
         )
         return list(ids)
 
-    # -- batch API -------------------------------------------------------------------------------
+    # -- rows joining and leaving (host bookkeeping) ---------------------------------------------
 
     def new_batch(self, layer_ids: Sequence[int] = (), *, rows: int = 0, slots: int = 0) -> TargetBatch:
         """An empty batch tapping the raw outputs of ``layer_ids`` (-1 = embedding output), with
@@ -210,7 +211,6 @@ class Target:
         Token-identical prompts run once and their rows are copied; distinct ones run in groups of
         similar length (see :func:`_length_groups`), so padding stays a bounded part of the work.
         """
-        batch.require_idle("prefill")
         if not prompts or min(len(p) for p in prompts) == 0:
             raise ValueError("prompts must be a non-empty list of non-empty token lists")
         distinct: dict[tuple[int, ...], int] = {}
@@ -255,123 +255,10 @@ class Target:
         batch.commit_prefill(row0, lens)
         return logits[:, -1].float(), [taps[r, width - n :] for r, n in enumerate(lens)]
 
-    @torch.no_grad()
-    def verify(self, batch: TargetBatch, tokens: torch.Tensor, lengths: torch.Tensor) -> StepOutput:
-        """Score ragged chains appended after each row's committed prefix.
-
-        tokens [Σn_r]: row r's n_r = ``lengths[r]`` tokens (anchor + ℓ_r drafts, so n_r = ℓ_r + 1),
-        rows in order; ``lengths`` [R] may hold 0 for rows that sit this step out.
-        """
-        n, q, flat = self._ragged(batch, tokens, lengths)
-        ids = to_grid(tokens.to(self.device, torch.long), batch.num_rows, q, flat)
-        window = batch.window(q)
-        logits, taps = self.score(batch, ids, None, window, dense=self.dense(batch, q, window))
-        batch.pending = PendingStep(n=n, q=q, parents=None)
-        return self._step_output(logits, taps, n, flat)
-
-    @torch.no_grad()
-    def append(self, batch: TargetBatch, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Feed and commit ragged chains in one step (verify + commit of every token, no taps).
-
-        tokens [Σn_r], lengths [R] >= 1 as in :meth:`verify`. Returns the logits [R, V] float after
-        each row's last token: what a drafter's own model needs to draft the next one.
-        """
-        n, q, flat = self._ragged(batch, tokens, lengths)
-        if min(n) < 1:
-            raise ValueError(f"append: every row needs at least one token, got lengths {n}")
-        ids = to_grid(tokens.to(self.device, torch.long), batch.num_rows, q, flat)
-        window = batch.window(q)
-        logits, _ = self.score(batch, ids, None, window, dense=self.dense(batch, q, window))
-        last = logits[torch.arange(len(n), device=self.device), _counts(n, self.device) - 1]
-        self._commit(batch, _counts(n, self.device), n)
-        return last
-
-    @torch.no_grad()
-    def verify_tree(
-        self, batch: TargetBatch, tokens: torch.Tensor, parents: torch.Tensor, lengths: torch.Tensor
-    ) -> StepOutput:
-        """Score ragged trees: row r has n_r = ``lengths[r]`` (lengths [R]) nodes, tokens [Σn_r], with
-        row-local parents [Σn_r]: node 0 is the anchor (parent -1), node i > 0 has parent < i. Position = committed
-        length + depth; each node attends to the row's committed slots and to its ancestors."""
-        n, q, flat = self._ragged(batch, tokens, lengths)
-        if parents.shape != tokens.shape:
-            raise ValueError(f"parents must be shaped like tokens, got {tuple(parents.shape)}")
-        rows, dev = batch.num_rows, self.device
-        par = to_grid(parents.to(dev, torch.long), rows, q, flat, fill=-1)  # [R, q]
-        col = torch.arange(q, device=dev)[None, :]
-        real = col < _counts(n, dev)[:, None]
-        ok = torch.where(col == 0, par == -1, (par >= 0) & (par < col))
-        if not bool(torch.where(real, ok, True).all()):
-            raise ValueError("parents: node 0 of a row must be -1 and node i > 0 needs 0 <= parent < i")
-        ids = to_grid(tokens.to(dev, torch.long), rows, q, flat)
-        logits, taps = self.score(batch, ids, par, batch.window(q))
-        batch.pending = PendingStep(n=n, q=q, parents=par)
-        return self._step_output(logits, taps, n, flat)
-
-    def commit(self, batch: TargetBatch, keep: torch.Tensor) -> None:
-        """Chains: keep the first ``keep[r]`` verified tokens of each row [R]; the rest are dropped."""
-        pending = _require_pending(batch, tree=False)
-        keep = keep.to(self.device, torch.long)
-        keep_list = keep.tolist()
-        if len(keep_list) != batch.num_rows or any(not 0 <= k <= m for k, m in zip(keep_list, pending.n, strict=True)):
-            raise ValueError(f"keep must be [R] with 0 <= keep[r] <= n_r={pending.n}, got {keep_list}")
-        self._commit(batch, keep, keep_list)
-
-    def commit_path(self, batch: TargetBatch, path: torch.Tensor) -> None:
-        """Trees: keep the nodes of ``path`` [R, D] (row-local ids from the root down, -1 padded)."""
-        pending = _require_pending(batch, tree=True)
-        parents = pending.parents
-        assert parents is not None  # a tree step (_require_pending)
-        rows, q = parents.shape
-        path = path.to(self.device, torch.long)
-        if path.dim() != 2 or path.shape[0] != rows:
-            raise ValueError(f"path must be [R={rows}, D], got {tuple(path.shape)}")
-        used = path >= 0
-        n = _counts(pending.n, self.device)
-        parent = parents.gather(1, path.clamp(0, q - 1))  # [R, D]
-        prev = torch.cat([torch.full_like(path[:, :1], -1), path[:, :-1]], dim=1)
-        chain = (parent == prev) & (path < n[:, None])
-        prefix = used.int().cummin(dim=1).values == used.int()  # -1 only as trailing padding
-        ok = torch.where(used, chain, True).all() & prefix.all()
-        ok, *added = torch.cat([ok[None].long(), used.sum(dim=1)]).tolist()  # one host sync
-        if not ok:
-            raise ValueError("path: each row must be a chain 0, child, grandchild, ... then -1 padding")
-        batch.keep_path(path)
-        batch.pending = None
-        batch.settle([m + a for m, a in zip(batch.lengths, added, strict=True)])
-
-    def rollback(self, batch: TargetBatch, drop: torch.Tensor) -> None:
-        """Un-commit the last ``drop[r]`` committed tokens of each row [R]."""
-        batch.require_idle("rollback")
-        drop_list = drop.tolist()
-        if len(drop_list) != batch.num_rows or any(not 0 <= d <= m for d, m in zip(drop_list, batch.lengths, strict=True)):
-            raise ValueError(f"drop must be [R] with 0 <= drop[r] <= committed={batch.lengths}, got {drop_list}")
-        batch.advance(-drop.to(self.device, torch.long))
-        batch.settle([m - d for m, d in zip(batch.lengths, drop_list, strict=True)])
-
-    def remove(self, batch: TargetBatch, rows: Sequence[int]) -> None:
-        """Finished requests leave the batch; remaining rows keep their order."""
-        batch.require_idle("remove")
-        drop = {int(r) for r in rows}
-        if len(drop) != len(rows) or any(r < 0 or r >= batch.num_rows for r in drop):
-            raise ValueError(f"rows must be distinct indices in [0, {batch.num_rows}), got {list(rows)}")
-        batch.select_rows([r for r in range(batch.num_rows) if r not in drop])
-
     def select_rows(self, batch: TargetBatch, index: Sequence[int]) -> None:
         """Rows become rows ``index`` of the batch, in that order (a repeated row is copied; rows not
         named leave). Only rows that change place are copied."""
         batch.select_rows(index)
-
-    @torch.no_grad()
-    def forward_full(
-        self, ids: torch.Tensor, layer_ids: Sequence[int] = ()
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Plain forward of ids [1, L] (no cache, HF's own masks): (logits [L, V] float, taps [L, n·d])."""
-        if ids.dim() != 2 or ids.shape[0] != 1:
-            raise ValueError(f"ids must be [1, L], got {tuple(ids.shape)}")
-        self._hook(layer_ids)
-        out = self.model(input_ids=ids.to(self.device), use_cache=False)
-        return out.logits[0].float(), self._collect(layer_ids, ids.shape)[0]
 
     @torch.no_grad()
     def decoder_features(
@@ -431,40 +318,32 @@ class Target:
         """Trees: rows [0, n) keep the nodes of ``path`` [n, D+1] (no host read)."""
         batch.keep_path(path)
 
+    # -- a drafter's own model (draft-model): score and keep at once, exact host lengths ----------
+
+    @torch.no_grad()
+    def append(self, batch: TargetBatch, ids: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        """Score and keep one chain per row: ids [R, q], of which the first ``counts[r]`` (host ints,
+        1..q) are row r's new tokens (the rest padding). Returns the logits [R, V] float after each
+        row's last new token: what a draft model drafts its next token from."""
+        rows, q = ids.shape
+        if len(counts) != batch.num_rows or rows != batch.num_rows or not all(1 <= c <= q for c in counts):
+            raise ValueError(f"append: ids [R={batch.num_rows}, q] with counts in 1..q per row, got "
+                             f"{tuple(ids.shape)} and {list(counts)}")
+        window = batch.window(q)
+        logits, _ = self.score(batch, ids.to(self.device, torch.long), None, window, dense=self.dense(batch, q, window))
+        n = torch.tensor(list(counts), dtype=torch.long, device=self.device)
+        self.keep(batch, n)
+        batch.settle([m + c for m, c in zip(batch.lengths, counts, strict=True)])
+        return logits[torch.arange(rows, device=self.device), n - 1]
+
+    def rollback(self, batch: TargetBatch, drop: Sequence[int]) -> None:
+        """Un-keep the last ``drop[r]`` (host ints) kept tokens of each row."""
+        if len(drop) != batch.num_rows or any(not 0 <= d <= m for d, m in zip(drop, batch.lengths, strict=True)):
+            raise ValueError(f"drop must hold 0 <= drop[r] <= committed={batch.lengths} per row, got {list(drop)}")
+        self.keep(batch, -torch.tensor(list(drop), dtype=torch.long, device=self.device))
+        batch.settle([m - d for m, d in zip(batch.lengths, drop, strict=True)])
+
     # -- internals -------------------------------------------------------------------------------
-
-    def _commit(self, batch: TargetBatch, keep: torch.Tensor, keep_list: list[int]) -> None:
-        batch.advance(keep)
-        batch.pending = None
-        batch.settle([m + k for m, k in zip(batch.lengths, keep_list, strict=True)])
-
-    def _ragged(self, batch: TargetBatch, tokens: torch.Tensor, lengths: torch.Tensor):
-        """Validate a ragged input; return n (host list), q = max n and the flat index [Σn] into
-        [R*q] (None when every row has q tokens: the flat layout is the [R, q] grid itself)."""
-        batch.require_idle("verify")
-        rows = batch.num_rows
-        if rows == 0:
-            raise ValueError("verify: the batch has no rows (prefill first)")
-        if lengths.dim() != 1 or lengths.shape[0] != rows:
-            raise ValueError(f"lengths must be [R={rows}], got {tuple(lengths.shape)}")
-        n = [int(x) for x in lengths.tolist()]
-        total, q = sum(n), max(n)
-        if min(n) < 0 or total == 0:
-            raise ValueError(f"lengths must be >= 0 with a positive sum, got {n}")
-        if tokens.dim() != 1 or tokens.shape[0] != total:
-            raise ValueError(f"tokens must be [sum(lengths)={total}], got {tuple(tokens.shape)}")
-        if total == rows * q:
-            return n, q, None
-        dev = self.device
-        counts = _counts(n, dev)
-        offsets = torch.arange(rows, device=dev) * q - (torch.cumsum(counts, 0) - counts)
-        flat = torch.arange(total, device=dev) + torch.repeat_interleave(offsets, counts, output_size=total)
-        return n, q, flat
-
-    def _step_output(self, logits, taps, n: list[int], flat) -> StepOutput:
-        dev = self.device
-        out_rows = torch.repeat_interleave(torch.arange(len(n), device=dev), _counts(n, dev), output_size=sum(n))
-        return StepOutput(logits=flatten(logits, flat), hidden=flatten(taps, flat), rows=out_rows)
 
     def _masks(self, committed, pos, vis, window: int):
         """The model's attention_mask argument: one mask, or a dict per layer type (mixed layouts)."""
@@ -562,18 +441,3 @@ def _length_groups(lens: list[int]) -> list[list[int]]:
         groups.append([i])
         real = lens[i]
     return groups
-
-
-def _counts(n: list[int], device) -> torch.Tensor:
-    """Host list of per-row counts -> long tensor [R]."""
-    return torch.tensor(n, dtype=torch.long, device=device)
-
-
-def _require_pending(batch: TargetBatch, tree: bool) -> PendingStep:
-    pending = batch.pending
-    if pending is None:
-        raise ValueError("nothing to commit: call verify/verify_tree first")
-    if (pending.parents is not None) != tree:
-        want, got = ("commit_path", "verify") if tree else ("commit", "verify_tree")
-        raise ValueError(f"{want} cannot follow {got}; use {'commit' if tree else 'commit_path'}")
-    return pending

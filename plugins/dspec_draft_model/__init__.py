@@ -113,12 +113,13 @@ class DraftModelDrafter(Drafter):
 
     def propose(self, state: DraftModelState, anchors: torch.Tensor, max_len: int, sampler: Sampler) -> Proposal:
         R = anchors.shape[0]
-        # first step feeds what the draft cache lacks: pending committed ids + the anchor
-        feed = [torch.cat([state.pending[r], anchors[r : r + 1]]) for r in range(R)]
-        lengths = torch.tensor([f.numel() for f in feed], device=anchors.device)
-        ids = torch.cat(feed).clamp(max=self.model.vocab_size - 1)  # a target id past the draft's rows is padding
-        logits = self.model.append(state.batch, ids, lengths)  # [R, V_d]
-        ones = torch.ones_like(anchors)
+        # first step feeds what the draft cache lacks: pending committed ids + the anchor, padded rows
+        counts = [p.numel() + 1 for p in state.pending]
+        ids = anchors.new_zeros(R, max(counts))
+        for r in range(R):
+            ids[r, : counts[r]] = torch.cat([state.pending[r], anchors[r : r + 1]])
+        ids = ids.clamp(max=self.model.vocab_size - 1)  # a target id past the draft's rows is padding
+        logits = self.model.append(state.batch, ids, counts)  # [R, V_d]
         tokens, probs = [], []
         for k in range(max_len):
             q = sampler.probs(to_vocabulary(logits, self.target.vocab_size))  # [R, V]
@@ -126,7 +127,7 @@ class DraftModelDrafter(Drafter):
             tokens.append(x)
             probs.append(q)
             if k + 1 < max_len:
-                logits = self.model.append(state.batch, x, ones)
+                logits = self.model.append(state.batch, x[:, None], [1] * R)
         state.pending = [t[:0] for t in state.pending]
         state.fed = max_len - 1
         return Proposal(
@@ -142,8 +143,9 @@ class DraftModelDrafter(Drafter):
             state.pending = [torch.cat([p, c]) for p, c in zip(state.pending, chunks, strict=True)]
             return
         kept = (counts - 1).clamp(max=state.fed)  # fed drafts that were accepted
-        self.model.rollback(state.batch, state.fed - kept)  # drop rejected drafts from the draft cache
-        state.pending = [c[1 + k :] for c, k in zip(chunks, kept.tolist(), strict=True)]
+        kept_list = kept.tolist()
+        self.model.rollback(state.batch, [state.fed - k for k in kept_list])  # drop rejected drafts from the draft cache
+        state.pending = [c[1 + k :] for c, k in zip(chunks, kept_list, strict=True)]
         state.fed = -1
 
 

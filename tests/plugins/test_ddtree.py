@@ -20,7 +20,13 @@ from dspec_ddtree import (
 from dspec_ddtree.tree import node_depths, node_survival, prune_tree
 from test_dflash import PROMPTS, SAMPLINGS, build, plain_greedy
 from test_dspark import ForcedSampler, _state_after_prompt, strong
-from tiny_models import GreedySampler, assert_cli_error, run_cli, tiny_target
+from tiny_models import (
+    GreedySampler,
+    assert_cli_error,
+    full_forward,
+    run_cli,
+    tiny_target,
+)
 
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.hardware import CostTable
@@ -302,12 +308,13 @@ def test_tree_compiles_to_ancestor_mask_and_positions(target):
     assert tree.num_nodes.tolist() == [12] and max_depth(tree.parents[0]) >= 2
     tokens = torch.cat([anchor, tree.tokens[0]])
     parents = torch.cat([torch.tensor([-1]), tree.parents[0]])
-    logits = target.verify_tree(batch, tokens, parents, torch.tensor([13])).logits
+    with torch.no_grad():
+        logits = target.score(batch, tokens[None], parents[None], batch.window(13))[0][0]
     paths = {0: [int(anchor)]}
     for i in range(1, 13):
         paths[i] = paths[int(parents[i])] + [int(tokens[i])]
     for i in range(13):
-        full, _ = target.forward_full(torch.tensor([prompt + paths[i]]))
+        full, _ = full_forward(target, torch.tensor([prompt + paths[i]]))
         torch.testing.assert_close(logits[i], full[-1], atol=1e-4, rtol=1e-4)
 
 

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from dspec_dflash.loss import block_losses
-from tiny_models import tiny_target, tiny_tokenizer, training_batch
+from tiny_models import full_forward, tiny_target, tiny_tokenizer, training_batch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from dspec_cli.core.errors import DspecError
@@ -79,7 +79,7 @@ def check_draft_probs(target: Target, drafter, rows: int = 4000) -> None:
     """Each x_k is drawn from the reported q_k: over many rows with one context, the counts of
     x_k match Σ_r q_k^(r) (chi-square). Slot k > 0 q's depend on the sampled prefix (heads)."""
     prompt = torch.tensor(target.render_prompt("The quick brown fox"))
-    _, taps = target.forward_full(prompt[None], drafter.target_layer_ids)
+    _, taps = full_forward(target, prompt[None], drafter.target_layer_ids)
     state = drafter.init_state()
     drafter.add_requests(state, [prompt] * rows, [taps] * rows)
     sampling = dict(temperature=0.7, top_p=0.9)
@@ -199,7 +199,7 @@ def test_save_load_round_trip(target, tmp_path):
     assert loaded.config == drafter.config
     state = drafter.init_state(), loaded.init_state()
     prompt = torch.tensor(target.render_prompt("hello"))
-    _, taps = target.forward_full(prompt[None], drafter.target_layer_ids)
+    _, taps = full_forward(target, prompt[None], drafter.target_layer_ids)
     for d, s in zip((drafter, loaded), state, strict=True):
         d.add_requests(s, [prompt], [taps])
     anchors = torch.tensor([5])

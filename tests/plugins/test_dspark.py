@@ -15,7 +15,7 @@ from test_dflash import (
     check_training,
     training_batch,
 )
-from tiny_models import tiny_target
+from tiny_models import full_forward, tiny_target
 
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.plugins import get_drafter_class
@@ -52,7 +52,7 @@ def target():
 
 def _state_after_prompt(target, drafter, text: str):
     prompt = torch.tensor(target.render_prompt(text))
-    _, taps = target.forward_full(prompt[None], drafter.target_layer_ids)
+    _, taps = full_forward(target, prompt[None], drafter.target_layer_ids)
     state = drafter.init_state()
     drafter.add_requests(state, [prompt], [taps])
     return state

@@ -17,7 +17,7 @@ from dspec_eagle3 import (
     ttt_attention_mask,
 )
 from dspec_eagle3.loss import ttt_outputs
-from tiny_models import tiny_target, tiny_tokenizer, training_batch
+from tiny_models import full_forward, tiny_target, tiny_tokenizer, training_batch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from dspec_cli.core import sampling
@@ -80,7 +80,7 @@ class Driver:
 
     def remove(self, row: int) -> None:
         keep = [r for r in range(len(self.seqs)) if r != row]
-        self.target.remove(self.batch, [row])
+        self.target.select_rows(self.batch, keep)
         self.drafter.remove_requests(self.state, keep)
         self.seqs.pop(row)
         self.anchors = self.anchors[keep]
@@ -97,34 +97,38 @@ class Driver:
         R = len(self.seqs)
         prop = self.drafter.propose(self.state, self.anchors, gamma, sampler(R, gamma))
         tokens = torch.cat([self.anchors[:, None], prop.tokens], 1)  # [R, γ+1]
-        out = self.target.verify(self.batch, tokens.reshape(-1), torch.full((R,), gamma + 1))
+        with torch.no_grad():
+            _, taps = self.target.score(self.batch, tokens, None, self.batch.window(gamma + 1))
         keep = torch.randint(0, gamma + 1, (R,), generator=gen) + 1
-        self.target.commit(self.batch, keep)
+        self.target.keep(self.batch, keep)
+        self.batch.settle(self.batch.committed.tolist())
         sel = (torch.arange(gamma + 1)[None, :] < keep[:, None]).reshape(-1)
         nxt = torch.randint(0, self.target.vocab_size, (R,), generator=gen)
-        self.commit(tokens.reshape(-1)[sel], out.hidden[sel], keep, nxt)
+        self.commit(tokens.reshape(-1)[sel], taps.flatten(0, 1)[sel], keep, nxt)
 
     def tree_round(self, choose) -> tuple:
-        """Propose a tree, verify it, commit ``choose(out, tree)`` ([R, D+1] root-first path) and
-        return (tree, path, out)."""
+        """Propose a tree, score it, commit ``choose(logits [R·(N+1), V], tree)`` ([R, D+1] root-first
+        path) and return (proposal, path)."""
         prop = self.drafter.propose(self.state, self.anchors, self.drafter.config.tree_depth, sampler(1, 1))
         tree = prop.tree
         R, N = tree.tokens.shape
         tokens = torch.cat([self.anchors[:, None], tree.tokens], 1)  # [R, N+1]
         parents = torch.cat([torch.full((R, 1), -1), tree.parents], 1)
-        out = self.target.verify_tree(self.batch, tokens.reshape(-1), parents.reshape(-1), torch.full((R,), N + 1))
-        path, anchors = choose(out, tree)
-        self.target.commit_path(self.batch, path)
+        with torch.no_grad():
+            logits, taps = self.target.score(self.batch, tokens, parents, self.batch.window(N + 1))
+        path, anchors = choose(logits.flatten(0, 1), tree)
+        self.target.keep_path(self.batch, path)
+        self.batch.settle(self.batch.committed.tolist())
         used = path >= 0
         flat = (torch.arange(R)[:, None] * (N + 1) + path.clamp(min=0))[used]
-        self.commit(tokens.reshape(-1)[flat], out.hidden[flat], used.sum(1), anchors)
+        self.commit(tokens.reshape(-1)[flat], taps.flatten(0, 1)[flat], used.sum(1), anchors)
         return prop, path
 
 
 def ttt_logits(drafter: Eagle3Drafter, target: Target, seq: list[int], index: int, steps: int) -> torch.Tensor:
     """Full-vocabulary draft logits [steps, V] of the training-time test at ``index`` of ``seq``."""
     ids = torch.tensor([seq])
-    _, taps = target.forward_full(ids, drafter.target_layer_ids)
+    _, taps = full_forward(target, ids, drafter.target_layer_ids)
     with torch.no_grad():
         outs = ttt_outputs(drafter.net, drafter.embed, ids, taps[None], torch.ones_like(ids), steps)
         return torch.stack([drafter._full_logits(drafter.net.logits(o[:, index]))[0] for o in outs])
@@ -282,7 +286,7 @@ def test_tree_proposal(target, draft_vocab):
     drv.admit([target.render_prompt(p) for p in PROMPTS[:2]])
     gen = torch.Generator().manual_seed(0)
 
-    def random_path(out, tree):  # commit the path to a random node, then a random anchor
+    def random_path(logits, tree):  # commit the path to a random node, then a random anchor
         R, N = tree.tokens.shape
         path = torch.full((R, drafter.config.tree_depth + 1), -1)
         for r in range(R):
@@ -317,8 +321,8 @@ def test_tree_greedy_equals_plain_greedy(target):
     drv.admit(prompts)
     outputs = [[int(a)] for a in drv.anchors]
 
-    def greedy_walk(out, tree):
-        probs = sampling.logits_to_probs(out.logits, 0.0)
+    def greedy_walk(logits, tree):
+        probs = sampling.logits_to_probs(logits, 0.0)
         res = verify_tree(probs, tree.tokens.reshape(-1), tree.parents.reshape(-1), tree.num_nodes)
         for r in range(len(outputs)):
             outputs[r] += res.tokens[r, : res.accepted[r] + 1].tolist()
