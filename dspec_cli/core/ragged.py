@@ -24,19 +24,15 @@ def prefix_mask(counts: torch.Tensor, width: int) -> torch.Tensor:
     return torch.arange(width, device=counts.device)[None, :] < counts[:, None]
 
 
-def to_grid(values: torch.Tensor, rows: int, q: int, flat: torch.Tensor | None, fill: int = 0) -> torch.Tensor:
-    """Flat ragged values [Σn] -> grid [R, q] right-padded with ``fill`` (flat [Σn]: their index
-    into [R*q]; None: every row is full)."""
-    if flat is None:
-        return values.view(rows, q)
-    return values.new_full((rows * q,), fill).index_copy(0, flat, values).view(rows, q)
-
-
-def flatten(grid: torch.Tensor, flat: torch.Tensor | None) -> torch.Tensor:
-    """grid [R, q, ...] -> the flat ragged entries [Σn, ...] at flat [Σn] (None: all of them;
-    the inverse of :func:`to_grid`)."""
-    rows_q = grid.reshape(grid.shape[0] * grid.shape[1], *grid.shape[2:])
-    return rows_q if flat is None else rows_q.index_select(0, flat)
+def to_grid(values: torch.Tensor, counts: torch.Tensor, width: int, fill: float = 0) -> torch.Tensor:
+    """Flat ragged values [Σcounts, ...] -> the grid [R, width, ...], rows right-padded with ``fill``
+    (counts [R] long, each <= width; no host read)."""
+    R, total, tail = counts.shape[0], values.shape[0], values.shape[1:]
+    if total == R * width:  # every row full
+        return values.reshape(R, width, *tail)
+    rows = torch.repeat_interleave(torch.arange(R, device=counts.device), counts, output_size=total)
+    index = rows * width + torch.arange(total, device=counts.device) - prefix_sums(counts)[rows]
+    return values.new_full((R * width, *tail), fill).index_copy(0, index, values).view(R, width, *tail)
 
 
 def prefix_sums(num: torch.Tensor) -> torch.Tensor:

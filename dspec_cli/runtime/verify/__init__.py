@@ -1,7 +1,12 @@
-"""The common verifier: chain, greedy and tree verification over a flattened ragged batch.
+"""The common verifier: chain, greedy and tree verification, one implementation per rule, on
+padded rows.
 
-Layout (like vLLM): request r proposes ℓ_r >= 0 drafts; its target rows are one per draft
-position followed by its bonus row, so target rows number Σ(ℓ_r + 1) and drafts Σℓ_r.
+Layout: request r verifies ℓ_r >= 0 drafts. The ``*_grid`` functions take padded rows: [R, W + 1]
+target rows (one per draft position, then the bonus row), [R, W] drafts and the lengths ℓ on the
+device; they check shapes only and never read the device: what the engine's static round runs.
+:func:`verify_chain`, :func:`verify_greedy` and :func:`verify_tree` (the public API, and
+:func:`verify_chain_logits`) take the flattened ragged layout of vLLM (Σ(ℓ_r + 1) target rows,
+Σℓ_r drafts), validate it, and pad its rows into the grid functions' implementation.
 
 Chains are verified token by token (``method="token"``: each draft accepted with probability
 min(1, p/q) until the first rejection) or as a block (``method="block"``, Sun et al. 2025:
@@ -10,19 +15,18 @@ min(1, p/q) until the first rejection) or as a block (``method="block"``, Sun et
 
 Randomness, in order of precedence: explicit ``uniforms`` (the coins) and ``noise`` or
 ``final_uniforms`` (the final token: an Exp(1) vector per request for the exponential race, or
-one uniform per request for the inverse CDF; bit-for-bit comparable across backends), counter-based ``seeds`` / ``offsets`` (per request; ``offsets`` is the
-absolute position of the first draft, so numbers never depend on the batch and never repeat
-across steps), else ``generator`` (torch randomness). Coins are never exactly 0.
+one uniform per request for the inverse CDF; bit-for-bit comparable across backends),
+counter-based ``seeds`` / ``offsets`` (per request; ``offsets`` is the absolute position of the
+first draft, so numbers never depend on the batch and never repeat across steps), else
+``generator`` (torch randomness). Coins are never exactly 0.
 
 Backends: ``"torch"`` (reference, any device), ``"triton"`` (CUDA, or CPU under
-TRITON_INTERPRET=1), ``"auto"`` (Triton on CUDA tensors when it imports, else torch).
-Chain and greedy calls synchronise with the host once (ragged lengths and, with ``validate=True``, the
+TRITON_INTERPRET=1), ``"auto"`` (Triton on CUDA tensors when it imports, else torch). The ragged
+chain and greedy calls synchronise with the host once (lengths and, with ``validate=True``, the
 value checks); ``validate=False`` skips the value checks on hot paths, and the logits-level calls
-(:func:`verify_chain_logits`, :func:`sample_logits`) given ``max_draft`` never synchronise. The
-``*_grid`` variants take padded rows instead ([R, W + 1] target rows, [R, W] drafts, lengths on
-the device), check shapes only and never read the device: what the engine's static round runs
-(chains and greedy on the Triton kernels on CUDA, the torch reference elsewhere; trees on the
-torch reference).
+(:func:`verify_chain_logits`, :func:`sample_logits`) given ``max_draft`` never synchronise. On
+CUDA the engine's chains and greedy rounds run the Triton kernels; trees, and every round on a
+CPU, the torch reference.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from types import ModuleType
 
 import torch
 
+from dspec_cli.core.ragged import prefix_sums, to_grid
 from dspec_cli.core.sampling import (
     COIN_SALT,
     NOISE_SALT,
@@ -129,7 +134,7 @@ def _chain_coins(num_draft, total, uniforms, generator, seeds, offsets, device) 
         if seeds is not None:
             R = num_draft.numel()
             req = torch.repeat_interleave(torch.arange(R, device=device), num_draft, output_size=total)
-            local = torch.arange(total, device=device) - reference.prefix_sums(num_draft)[req]
+            local = torch.arange(total, device=device) - prefix_sums(num_draft)[req]
             uniforms = uniform(seeds[req], offsets[req] + local, COIN_SALT)
         else:
             uniforms = torch_uniform((total,), generator=generator, device=device)
@@ -234,14 +239,15 @@ def _scalar(value) -> bool:
 def _chain(
     target: torch.Tensor,  # [Σ(ℓ_r+1), V] probabilities, or logits when temperature is set
     temperature: float | None,
-    draft_tokens: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    num_draft: torch.Tensor,
+    draft_tokens: torch.Tensor,  # [Σℓ_r]
+    draft_probs: torch.Tensor | None,  # [Σℓ_r, V] or None
+    num_draft: torch.Tensor,  # [R]
     *,
     method: str, generator, uniforms, noise, final_uniforms, seeds, offsets, backend: str, validate: bool,
     max_draft: int | None,
 ) -> VerifyResult:
-    """Checks, randomness and dispatch of both chain verifications."""
+    """The ragged chain verifications (:func:`verify_chain`, :func:`verify_chain_logits`): checks and
+    randomness of the flat layout, then its rows padded into the grid one (:func:`_chain_grid`)."""
     if method not in CHAIN_METHODS:
         raise ValueError(f"method: expected one of {CHAIN_METHODS}, got {method!r}")
     name = "target_probs" if temperature is None else "target_logits"
@@ -287,24 +293,48 @@ def _chain(
     total, width = _ragged_sizes(c, num_draft, draft_tokens, target, name, validate, max_draft)
 
     num_draft, draft_tokens = num_draft.long(), draft_tokens.long()
-    uniforms = _chain_coins(num_draft, total, uniforms, generator, seeds, offsets, device)
-    block_q = draft_probs if method == "block" else None  # one-hot drafts: block = token in law
-    if final_uniforms is not None:  # torch backend only (checked above)
-        fu = final_uniforms.double()
+    coins = to_grid(_chain_coins(num_draft, total, uniforms, generator, seeds, offsets, device), num_draft, width, 0.5)
+    if final_uniforms is None:
+        noise = _chain_noise(R, vocab, noise, generator, seeds, offsets, device)
+    grid_q = None if draft_probs is None else to_grid(draft_probs, num_draft, width)
+    return _chain_grid(to_grid(target, num_draft + 1, width + 1), temperature, to_grid(draft_tokens, num_draft, width),
+                       grid_q, num_draft, method, coins, noise, final_uniforms, impl)
+
+
+def _chain_grid(
+    target: torch.Tensor,  # [R, W+1, V] probabilities, or logits when temperature is set (Triton only)
+    temperature: float | None,
+    draft_tokens: torch.Tensor,  # [R, W] long
+    draft_probs: torch.Tensor | None,  # [R, W, V] or None (one-hot drafts)
+    num_draft: torch.Tensor,  # [R] long, each <= W
+    method: str,
+    coins: torch.Tensor,  # [R, W] float64
+    noise: torch.Tensor | CounterNoise | None,  # [R, V] Exp(1) or its keys (None with final_uniforms)
+    final_uniforms: torch.Tensor | None,  # [R] (the torch reference only)
+    impl: ModuleType,
+) -> VerifyResult:
+    """The one chain verification, on padded rows (inputs checked): dispatch by rule and backend."""
+    R, W = draft_tokens.shape
+    rows, drafts = target.flatten(0, 1), draft_tokens.flatten()
+    q = None if draft_probs is None else draft_probs.flatten(0, 1)
+    block_q = q if method == "block" else None  # one-hot drafts: block = token in law
+    if isinstance(noise, torch.Tensor):
+        noise = noise.float()
+    args = (num_draft, coins.flatten().double(), noise, R * W, W)
+    if impl is reference:
+        fu = None if final_uniforms is None else final_uniforms.double()
         if block_q is not None:
-            return block.block(target, draft_tokens, block_q, num_draft, uniforms, None, total, width,
-                               final_uniforms=fu)
-        return reference.chain(target, draft_tokens, draft_probs, num_draft, uniforms, None, total, width,
-                               final_uniforms=fu)
-    noise = _chain_noise(R, vocab, noise, generator, seeds, offsets, device)
+            return block.block(rows, drafts, block_q, *args, final_uniforms=fu)
+        return reference.chain(rows, drafts, q, *args, final_uniforms=fu)
+    assert noise is not None  # final_uniforms takes the reference (checked by the callers)
+    cu = impl.grid_ends(num_draft, W)
     if block_q is not None:
         if isinstance(noise, CounterNoise):
-            noise = noise.tensor(vocab)
-        return _block_backend(impl).block(target, draft_tokens, block_q, num_draft, uniforms, noise, total, width)
-    rest = (draft_tokens, draft_probs, num_draft, uniforms, noise, total, width)
+            noise = noise.tensor(rows.shape[1])
+        return _block_backend(impl).block(rows, drafts, block_q, num_draft, args[1], noise, R * W, W, cu=cu)
     if temperature is not None:  # the Triton backend (verify_chain_logits chose it)
-        return impl.chain_logits(target, temperature, *rest)
-    return impl.chain(target, *rest)
+        return impl.chain_logits(rows, temperature, drafts, q, num_draft, args[1], noise, R * W, W, cu=cu)
+    return impl.chain(rows, drafts, q, *args, cu=cu)
 
 
 def verify_greedy(
@@ -331,8 +361,10 @@ def _greedy(target_logits, draft_tokens, num_draft, backend: str, validate: bool
     if validate:
         checks.no_nan(c, "target_logits", target_logits)
         checks.token_range(c, "draft_tokens", draft_tokens, vocab)
-    total, width = _ragged_sizes(c, num_draft, draft_tokens, target_logits, "target_logits", validate, max_draft)
-    return impl.greedy(target_logits, draft_tokens.long(), num_draft.long(), total, width)
+    _, width = _ragged_sizes(c, num_draft, draft_tokens, target_logits, "target_logits", validate, max_draft)
+    num_draft = num_draft.long()
+    grid = to_grid(target_logits, num_draft + 1, width + 1)
+    return _greedy_grid(grid, to_grid(draft_tokens.long(), num_draft, width), num_draft, impl)
 
 
 def sample_logits(
@@ -370,10 +402,9 @@ def sample_logits(
     if _scalar(temperature) and _scalar(top_k) and _scalar(top_p) and int(top_k) == 0 and float(top_p) == 1:
         checks.positive("temperature", float(temperature))
         return impl.draw(logits, float(temperature), noise)
-    probs = logits_to_probs(logits, temperature, top_k, top_p)
-    bonus_only = torch.zeros(N, dtype=torch.long, device=device)  # no drafts: each row races over p
-    coins = torch.empty(0, dtype=torch.float64, device=device)
-    return impl.chain(probs, bonus_only[:0], None, bonus_only, coins, noise, 0, 0).tokens[:, 0]
+    probs = logits_to_probs(logits, temperature, top_k, top_p)[:, None]  # [N, 1, V]: no drafts, each row races over p
+    none = torch.zeros(N, 0, dtype=torch.long, device=device)
+    return _chain_grid(probs, None, none, None, none[:, 0], "token", none.double(), noise, None, impl).tokens[:, 0]
 
 
 def _grid_shapes(target: torch.Tensor, name: str, draft_tokens: torch.Tensor, num_draft: torch.Tensor) -> tuple[int, int]:
@@ -414,9 +445,8 @@ def verify_chain_grid(
     if method not in CHAIN_METHODS:
         raise ValueError(f"method: expected one of {CHAIN_METHODS}, got {method!r}")
     R, W = _grid_shapes(target_probs, "target_probs", draft_tokens, num_draft)
-    vocab = target_probs.shape[2]
     if draft_probs is not None:
-        checks.shape("draft_probs", draft_probs, (R, W, vocab))
+        checks.shape("draft_probs", draft_probs, (R, W, target_probs.shape[2]))
     checks.shape("uniforms", uniforms, (R, W))
     if (noise is None) == (final_uniforms is None):
         raise ValueError("verify_chain_grid: give exactly one of noise and final_uniforms for the final token")
@@ -424,25 +454,8 @@ def verify_chain_grid(
     impl = _backend("torch" if final_uniforms is not None and backend == "auto" else backend, target_probs.device)
     if final_uniforms is not None and impl is not reference:
         raise ValueError("final_uniforms: the Triton backend draws the final token with noise; pass noise")
-    if isinstance(noise, torch.Tensor):
-        noise = noise.float()
-    probs, drafts = target_probs.flatten(0, 1), draft_tokens.flatten().long()
-    q = None if draft_probs is None else draft_probs.flatten(0, 1)
-    block_q = q if method == "block" else None  # one-hot drafts: block = token in law
-    ell, coins = num_draft.long(), uniforms.flatten().double()
-    if impl is reference:
-        fu = None if final_uniforms is None else final_uniforms.double()
-        args = (ell, coins, noise, R * W, W)
-        if block_q is not None:
-            return block.block(probs, drafts, block_q, *args, final_uniforms=fu, grid=True)
-        return reference.chain(probs, drafts, q, *args, final_uniforms=fu, grid=True)
-    assert noise is not None  # final_uniforms took the reference above
-    cu = impl.grid_ends(ell, W)
-    if block_q is not None:
-        if isinstance(noise, CounterNoise):
-            noise = noise.tensor(vocab)
-        return _block_backend(impl).block(probs, drafts, block_q, ell, coins, noise, R * W, W, cu=cu)
-    return impl.chain(probs, drafts, q, ell, coins, noise, R * W, W, cu=cu)
+    return _chain_grid(target_probs, None, draft_tokens.long(), draft_probs, num_draft.long(), method, uniforms, noise,
+                       final_uniforms, impl)
 
 
 def verify_greedy_grid(
@@ -453,9 +466,15 @@ def verify_greedy_grid(
     backend: str = "auto",
 ) -> VerifyResult:
     """:func:`verify_greedy` over padded rows (see :func:`verify_chain_grid`). No host reads."""
-    R, W = _grid_shapes(target_logits, "target_logits", draft_tokens, num_draft)
-    impl = _backend(backend, target_logits.device)
-    logits, drafts, ell = target_logits.flatten(0, 1), draft_tokens.flatten().long(), num_draft.long()
+    _grid_shapes(target_logits, "target_logits", draft_tokens, num_draft)
+    return _greedy_grid(target_logits, draft_tokens.long(), num_draft.long(), _backend(backend, target_logits.device))
+
+
+def _greedy_grid(target_logits: torch.Tensor, draft_tokens: torch.Tensor, num_draft: torch.Tensor,
+                 impl: ModuleType) -> VerifyResult:
+    """The one greedy verification, on padded rows: logits [R, W+1, V], drafts [R, W] long, ℓ [R] long."""
+    R, W = draft_tokens.shape
+    logits, drafts = target_logits.flatten(0, 1), draft_tokens.flatten()
     if impl is reference:
-        return reference.greedy(logits, drafts, ell, R * W, W, grid=True)
-    return impl.greedy(logits, drafts, ell, R * W, W, cu=impl.grid_ends(ell, W))
+        return reference.greedy(logits, drafts, num_draft, R * W, W)
+    return impl.greedy(logits, drafts, num_draft, R * W, W, cu=impl.grid_ends(num_draft, W))

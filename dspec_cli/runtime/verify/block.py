@@ -88,27 +88,24 @@ def stop_probs(
 
 
 def block(
-    target_probs: torch.Tensor,  # [Σ(ℓ_r+1), V]
-    draft_tokens: torch.Tensor,  # [Σℓ_r] long
-    draft_probs: torch.Tensor,  # [Σℓ_r, V]
-    num_draft: torch.Tensor,  # [R] long
-    uniforms: torch.Tensor,  # [Σℓ_r] float64 in (0, 1): the coin of draft k decides h_k
+    target_probs: torch.Tensor,  # [R·(W+1), V]
+    draft_tokens: torch.Tensor,  # [R·W] long
+    draft_probs: torch.Tensor,  # [R·W, V]
+    num_draft: torch.Tensor,  # [R] long, each <= W
+    uniforms: torch.Tensor,  # [R·W] float64 in (0, 1): the coin of draft k decides h_k
     noise: torch.Tensor | CounterNoise | None,  # [R, V] Exp(1) (or its keys) for the final token's race (None with final_uniforms)
     total: int,
     width: int,
     *,
     final_uniforms: torch.Tensor | None = None,  # [R] float64 in (0, 1): the final token by inverse CDF
-    grid: bool = False,
 ) -> VerifyResult:
-    """Block verification; total = Σℓ_r and width = max ℓ_r (host ints); ``grid``: every request
-    has ``width`` draft rows and ``width + 1`` target rows (padded, total = R·width).
+    """Block verification over padded rows, flattened: every request has W = ``width`` draft rows
+    and W + 1 target rows (total = R·W, host ints).
 
-    Every quantity is computed for all ``width`` columns and masked by ℓ_r: a column past a row's
-    drafts (padding, or the next request's drafts in the ragged layout) enters neither ρ_k nor
-    Z_k for k <= ℓ_r (ρ_k reads columns < k, Z_k column k < ℓ_r), h is 0 there
-    (:func:`stop_probs`) and its coin is masked, so padding cannot change a decision: the
-    grid form computes exactly what the ragged form computes for the same rows."""
-    d_start, p_start, d_idx, valid = reference.layout(num_draft, total, width, grid)
+    Every quantity is computed for all W columns and masked by ℓ_r: a column past a row's drafts
+    enters neither ρ_k nor Z_k for k <= ℓ_r (ρ_k reads columns < k, Z_k column k < ℓ_r), h is 0
+    there (:func:`stop_probs`) and its coin is masked, so padding cannot change a decision."""
+    d_start, p_start, d_idx, valid = reference.layout(num_draft, total, width)
     rows = target_probs.shape[0]
     cols = torch.arange(width, device=num_draft.device)
     p_idx = (p_start[:, None] + cols).clamp(max=rows - 1)  # [R, L]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from dspec_cli.core.ragged import prefix_sums
 from dspec_cli.core.sampling import CounterNoise, sample_from_probs, sample_inverse_cdf
 from dspec_cli.core.types import VerifyResult
 
@@ -52,16 +51,15 @@ def final_draw(
     return sample_from_probs(weights, noise)
 
 
-def layout(num_draft: torch.Tensor, total: int, width: int, grid: bool = False):  # num_draft [R] long
-    """Flattened ragged layout (or, with ``grid``, padded rows of ``width`` drafts and ``width + 1``
-    target rows, flattened) as padded grids.
+def layout(num_draft: torch.Tensor, total: int, width: int):  # num_draft [R] long
+    """Indices of padded rows of ``width`` drafts and ``width + 1`` target rows, flattened.
 
     Returns d_start [R] (first draft of each request), p_start [R] (its first target row),
     d_idx [R, width] (flat draft index, clamped in range) and valid [R, width].
     """
     R = num_draft.numel()
     rows = torch.arange(R, device=num_draft.device)
-    d_start = rows * width if grid else prefix_sums(num_draft)[:-1]
+    d_start = rows * width
     p_start = d_start + rows
     k = torch.arange(width, device=num_draft.device)
     valid = k < num_draft[:, None]
@@ -83,21 +81,20 @@ def committed(
 
 
 def chain(
-    target_probs: torch.Tensor,  # [Σ(ℓ_r+1), V]
-    draft_tokens: torch.Tensor,  # [Σℓ_r] long
-    draft_probs: torch.Tensor | None,  # [Σℓ_r, V] or None (one-hot drafts)
-    num_draft: torch.Tensor,  # [R] long
-    uniforms: torch.Tensor,  # [Σℓ_r] float64 in (0, 1)
+    target_probs: torch.Tensor,  # [R·(W+1), V]
+    draft_tokens: torch.Tensor,  # [R·W] long
+    draft_probs: torch.Tensor | None,  # [R·W, V] or None (one-hot drafts)
+    num_draft: torch.Tensor,  # [R] long, each <= W
+    uniforms: torch.Tensor,  # [R·W] float64 in (0, 1)
     noise: torch.Tensor | CounterNoise | None,  # [R, V] Exp(1) for the final token's race (None with final_uniforms)
     total: int,
     width: int,
     *,
     final_uniforms: torch.Tensor | None = None,  # [R] float64 in (0, 1): the final token by inverse CDF
-    grid: bool = False,
 ) -> VerifyResult:
-    """Chain rejection sampling; total = Σℓ_r and width = max ℓ_r (host ints); ``grid``: every
-    request has ``width`` draft rows and ``width + 1`` target rows (padded, total = R·width)."""
-    d_start, p_start, d_idx, valid = layout(num_draft, total, width, grid)
+    """Chain rejection sampling over padded rows, flattened: every request has W = ``width`` draft
+    rows and W + 1 target rows (total = R·W, host ints); columns past ℓ_r are computed and masked."""
+    d_start, p_start, d_idx, valid = layout(num_draft, total, width)
     rows = target_probs.shape[0]
     p_idx = (p_start[:, None] + torch.arange(width, device=num_draft.device)).clamp(max=rows - 1)
     x = draft_tokens[d_idx]  # [R, L]
@@ -125,16 +122,16 @@ def chain(
 
 
 def greedy(
-    target_logits: torch.Tensor,  # [Σ(ℓ_r+1), V]
-    draft_tokens: torch.Tensor,  # [Σℓ_r] long
-    num_draft: torch.Tensor,  # [R] long
+    target_logits: torch.Tensor,  # [R·(W+1), V]
+    draft_tokens: torch.Tensor,  # [R·W] long
+    num_draft: torch.Tensor,  # [R] long, each <= W
     total: int,
     width: int,
-    grid: bool = False,
 ) -> VerifyResult:
-    """Greedy verification: accept while draft == argmax; the final token is the argmax."""
-    _, p_start, d_idx, valid = layout(num_draft, total, width, grid)
-    best = target_logits.argmax(-1)  # [Σ(ℓ_r+1)]
+    """Greedy verification over padded rows (as :func:`chain`): accept while draft == argmax; the
+    final token is the argmax."""
+    _, p_start, d_idx, valid = layout(num_draft, total, width)
+    best = target_logits.argmax(-1)  # [R·(W+1)]
     rows = target_logits.shape[0]
     p_idx = (p_start[:, None] + torch.arange(width, device=num_draft.device)).clamp(max=rows - 1)
     x = draft_tokens[d_idx]

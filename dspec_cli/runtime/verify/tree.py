@@ -58,6 +58,7 @@ from __future__ import annotations
 import torch
 
 from dspec_cli.core.host import reads_free
+from dspec_cli.core.ragged import to_grid
 from dspec_cli.core.sampling import (
     NODE_SALT,
     NOISE_SALT,
@@ -106,7 +107,8 @@ def verify_tree(
     accepted nodes; -1 padded). Randomness as in :func:`dspec_cli.runtime.verify.verify_chain`.
     ``draft_probs`` (methods "sampled" and "traversal", required there): row of node v = the
     distribution v's children were drawn from (without replacement, in node order); rows of
-    leaves are ignored.
+    leaves are ignored. The rows are checked (with ``validate``, their values too, in one host
+    read), then padded into :func:`verify_tree_grid`'s implementation.
     """
     if method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
@@ -153,29 +155,26 @@ def verify_tree(
     if target_probs.shape[0] != total + R:
         raise ValueError(f"target_probs: has {target_probs.shape[0]} rows, expected Σ(num_nodes + 1) = {total + R}")
 
-    tree = Tree(tree_tokens.long(), tree_parents.long(), num_nodes.long(), total, widest)
+    # the rows padded into the grid form (N columns of nodes, N + 1 target rows per request)
+    num_nodes, N = num_nodes.long(), max(widest, 1)
+    parents = to_grid(tree_parents.long(), num_nodes, N, -1)
     c = checks.Checks(device)
     if validate and total:
-        ok = (tree.parents >= 0) & (tree.parents < tree.local)
-        c.require("tree_parents", (ok | ~tree.valid).all(), "parent of node i must lie in [0, i) (parents first)")
+        real = torch.arange(N, device=device) < num_nodes[:, None]
+        ok = (parents >= 0) & (parents <= torch.arange(N, device=device))
+        c.require("tree_parents", (ok | ~real).all(), "parent of node i must lie in [0, i) (parents first)")
+    tree = Tree(to_grid(tree_tokens.long(), num_nodes, N), parents)
     depth_i = c.stat(tree.depths().max())
     fanout_i = c.stat(tree.fanout())
     values = c.run()
     depth, fanout = int(values[depth_i]), int(values[fanout_i])
     if noise is not None:
         checks.shape("noise", noise, (R, depth + 1, vocab))
-
+    coins = None if method == "match" else _node_coins(
+        tree, None if uniforms is None else to_grid(uniforms.double(), num_nodes, N, 0.5), seeds, offsets, generator)
+    q = None if draft_probs is None else to_grid(draft_probs, num_nodes + 1, N + 1)
     draw = _depth_draw(final_draw, noise, seeds, offsets, generator, R, vocab, device)
-    if method == "match":
-        return _match(target_probs, tree, depth, draw)
-    coins = _node_coins(tree, uniforms, seeds, offsets, generator, total)
-    if method == "recursive":
-        return _recursive(target_probs, tree, depth, fanout, coins, draw)
-    if draft_probs is None:  # unreachable: checked above; for the type checker
-        raise ValueError(f"draft_probs: required by method {method!r}")
-    if method == "sampled":
-        return _sampled(target_probs, draft_probs, tree, depth, fanout, coins, draw)
-    return traversal.walk(target_probs, draft_probs, tree, depth, coins, draw)
+    return _walk(method, to_grid(target_probs, num_nodes + 1, N + 1), q, tree, depth, fanout, coins, draw)
 
 
 def verify_tree_grid(
@@ -194,11 +193,10 @@ def verify_tree_grid(
     """:func:`verify_tree` over padded rows with host-known bounds on depth and fan-out: no host
     reads (shapes are checked on the host, values are not). Counter-based randomness only.
 
-    The nodes of a row are a prefix of its columns (the columns after them have parent -1). Every
-    method walks the same padded view (:meth:`Tree.grid`) that :func:`verify_tree` builds from
-    the ragged layout, with the same coins (salt NODE_SALT + local index) and target draws, so a
-    row's outcome does not depend on the padding: the exactness arguments above carry over
-    unchanged. The loops over depth and siblings run to the host bounds instead of stopping when
+    The nodes of a row are a prefix of its columns (the columns after them have parent -1). This
+    is the one implementation: :func:`verify_tree` pads its ragged rows into it, with the same
+    coins (salt NODE_SALT + local index) and target draws, so a row's outcome does not depend on
+    the padding and the exactness arguments above carry over unchanged. The loops over depth and siblings run to the host bounds instead of stopping when
     every walk has (the remaining iterations change nothing on stopped rows)."""
     if method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
@@ -216,20 +214,27 @@ def verify_tree_grid(
         raise ValueError(f"draft_probs: required by methods {SAMPLED_METHODS} and only used by them")
     if draft_probs is not None:
         checks.shape("draft_probs", draft_probs, (R, N + 1, vocab))
-        draft_probs = draft_probs.flatten(0, 1)
     checks.rng_keys(seeds, offsets, R, device)
-    tree = Tree.grid(tree_tokens.long(), tree_parents.long())
-    probs = target_probs.flatten(0, 1)
+    tree = Tree(tree_tokens.long(), tree_parents.long())
+    coins = None if method == "match" else _node_coins(tree, None, seeds, offsets, None)
     draw = _depth_draw(final_draw, None, seeds, offsets, None, R, vocab, device)
+    return _walk(method, target_probs, draft_probs, tree, depth, fanout, coins, draw)
+
+
+def _walk(method: str, target_probs: torch.Tensor, draft_probs: torch.Tensor | None, tree: Tree, depth: int,
+          fanout: int, coins: torch.Tensor | None, draw) -> VerifyResult:
+    """The one tree verification, on padded rows (inputs checked): target_probs, draft_probs
+    [R, N+1, V], coins [R, N] (None for "match"), ``draw`` from :func:`_depth_draw`."""
+    probs = target_probs.flatten(0, 1)
     if method == "match":
         return _match(probs, tree, depth, draw)
-    coins = _node_coins(tree, None, seeds, offsets, None, R * N)
+    assert coins is not None  # every rule but "match" has a coin per node
     if method == "recursive":
         return _recursive(probs, tree, depth, fanout, coins, draw)
-    assert draft_probs is not None  # checked above
+    assert draft_probs is not None  # checked by the callers
     if method == "sampled":
-        return _sampled(probs, draft_probs, tree, depth, fanout, coins, draw)
-    return traversal.walk(probs, draft_probs, tree, depth, coins, draw)
+        return _sampled(probs, draft_probs.flatten(0, 1), tree, depth, fanout, coins, draw)
+    return traversal.walk(probs, draft_probs.flatten(0, 1), tree, depth, coins, draw)
 
 
 def _depth_draw(final_draw: str, noise, seeds, offsets, generator, R: int, vocab: int, device):
@@ -248,11 +253,11 @@ def _depth_draw(final_draw: str, noise, seeds, offsets, generator, R: int, vocab
     return lambda d, w: sample_from_probs(w, torch_exponential((R, vocab), generator=generator, device=device))
 
 
-def _node_coins(tree: Tree, uniforms, seeds, offsets, generator, total: int) -> torch.Tensor:
-    """Coins [R, M] (one per node, padded) from uniforms [ΣN_r], else node i at (seed, offset)
-    ([R] int64 each) with salt NODE_SALT + i, else the generator."""
+def _node_coins(tree: Tree, uniforms, seeds, offsets, generator) -> torch.Tensor:
+    """Coins [R, N] (one per node, padded): ``uniforms`` [R, N] as given, else node i at (seed,
+    offset) ([R] int64 each) with salt NODE_SALT + i, else the generator."""
     if uniforms is not None:
-        return uniforms.double()[tree.flat] if total else torch.full_like(tree.valid, 0.5, dtype=torch.float64)
+        return uniforms
     if seeds is not None:
         return uniform(seeds[:, None], offsets[:, None], NODE_SALT + tree.local)
     return torch_uniform(tree.valid.shape, generator=generator, device=tree.valid.device)

@@ -1,6 +1,5 @@
 """The machinery shared by the tree verifiers (:mod:`dspec_cli.runtime.verify.tree`,
-:mod:`dspec_cli.runtime.verify.traversal`): a padded per-request view of the flattened trees and
-the top-down walk of the rejection methods, which tries a node's children in order, vectorised
+:mod:`dspec_cli.runtime.verify.traversal`): the trees of padded rows and the top-down walk of the rejection methods, which tries a node's children in order, vectorised
 over requests with a python loop over depth and sibling rank."""
 
 from __future__ import annotations
@@ -10,50 +9,23 @@ from collections.abc import Callable
 import torch
 
 from dspec_cli.core.host import reads_free
-from dspec_cli.core.ragged import prefix_sums
 from dspec_cli.core.types import VerifyResult
 
 
 class Tree:
-    """Padded per-request view [R, M] (M = max(max N_r, 1)) of the flattened tree."""
+    """The trees of padded rows: tokens, parents [R, N] (row-local parents, 0 = the root; a column
+    with parent -1 is not a node; a row's nodes are a prefix of its columns). Target rows are
+    [R, N + 1] flattened (the root, then one row per column); no host reads."""
 
-    def __init__(
-        self,
-        tokens: torch.Tensor,  # [ΣN_r] long
-        parents: torch.Tensor,  # [ΣN_r] long, local (0 = root)
-        num_nodes: torch.Tensor,  # [R] long
-        total: int,
-        widest: int,
-    ):
-        R, dev = num_nodes.numel(), num_nodes.device
-        self.n_start = prefix_sums(num_nodes)[:-1]  # [R] first node of each request
-        self.p_start = self.n_start + torch.arange(R, device=dev)  # [R] root row
-        j = torch.arange(max(widest, 1), device=dev)
-        self.valid = j < num_nodes[:, None]  # [R, M]
-        self.flat = (self.n_start[:, None] + j).clamp(max=max(total - 1, 0))  # [R, M] flat node index
-        if total:
-            self.tokens = torch.where(self.valid, tokens[self.flat], -1)  # [R, M]
-            self.parents = torch.where(self.valid, parents[self.flat], -1)  # [R, M]
-        else:
-            self.tokens = self.parents = torch.full_like(self.flat, -1)
-        self.local = j + 1  # [M] local index of padded column j
-
-    @classmethod
-    def grid(cls, tokens: torch.Tensor, parents: torch.Tensor) -> Tree:
-        """The view of padded rows: tokens, parents [R, N] (a column with parent -1 is not a
-        node; a row's nodes are a prefix of its columns). Target rows are [R, N + 1] flattened
-        (the root, then one row per column); no host reads."""
-        tree = cls.__new__(cls)
+    def __init__(self, tokens: torch.Tensor, parents: torch.Tensor):  # [R, N] long each
         R, N = tokens.shape
         rows = torch.arange(R, device=tokens.device)
         j = torch.arange(N, device=tokens.device)
-        tree.n_start, tree.p_start = rows * N, rows * (N + 1)
-        tree.valid = parents >= 0
-        tree.flat = tree.n_start[:, None] + j
-        tree.tokens = torch.where(tree.valid, tokens, -1)
-        tree.parents = torch.where(tree.valid, parents, -1)
-        tree.local = j + 1
-        return tree
+        self.p_start = rows * (N + 1)  # [R] flat target row of each root
+        self.valid = parents >= 0  # [R, N]
+        self.tokens = torch.where(self.valid, tokens, -1)  # [R, N]
+        self.parents = torch.where(self.valid, parents, -1)  # [R, N]
+        self.local = j + 1  # [N] local index of column j
 
     def depths(self) -> torch.Tensor:
         """Depth of every node [R, M+1] (root = 0) by pointer jumping; invalid columns -> 0."""
