@@ -141,7 +141,7 @@ def _manual_greedy_rounds(target, drafter, prompts, rounds):
     out = target.prefill(batch, prompts)
     state = drafter.init_state()
     drafter.add_requests(state, [torch.tensor(p) for p in prompts], out.hidden)
-    assert torch.equal(state.cache.lengths, batch.committed)
+    assert torch.equal(state.cache.lengths, batch.lengths)
     anchors = out.logits.argmax(-1)
     committed = [list(p) for p in prompts]
     sampler = GreedySampler()
@@ -154,11 +154,11 @@ def _manual_greedy_rounds(target, drafter, prompts, rounds):
         res = verify_greedy_grid(logits, prop.tokens, prop.lengths)
         keep = res.accepted + 1
         target.keep(batch, keep)
-        batch.settle(batch.committed.tolist())
+        batch.settle(batch.lengths.tolist())
         tokens = grid.flatten()
         sel = (torch.arange(B + 1)[None, :] < keep[:, None]).flatten()
         drafter.advance(state, tokens[sel], keep, taps.flatten(0, 1)[sel])
-        assert torch.equal(state.cache.lengths, batch.committed)  # context == committed tokens
+        assert torch.equal(state.cache.lengths, batch.lengths)  # context == committed tokens
         for r, chunk in enumerate(torch.split(tokens[sel], keep.tolist())):
             committed[r] += chunk.tolist()
         anchors = res.tokens.gather(1, res.accepted[:, None]).squeeze(1)

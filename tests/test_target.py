@@ -149,8 +149,8 @@ class Session:
         self.seqs, self.anchors = [self.seqs[i] for i in index], [self.anchors[i] for i in index]
 
     def assert_committed(self) -> None:
-        assert self.batch.committed.tolist() == [len(s) for s in self.seqs]
-        assert self.batch.lengths == [len(s) for s in self.seqs] and self.batch.exact
+        assert self.batch.lengths.tolist() == [len(s) for s in self.seqs]
+        assert self.batch.bounds == [len(s) for s in self.seqs] and self.batch.exact
 
 
 def test_padded_chains_match_full_forward(target):
@@ -299,13 +299,13 @@ def test_bad_input_raises():
     with pytest.raises(ValueError, match="drop"):
         t.rollback(batch, [4, 0])
     t.append(batch, torch.tensor([[1, 2], [3, 0]]), [2, 1])
-    assert batch.committed.tolist() == [5, 3] and batch.lengths == [5, 3]
+    assert batch.lengths.tolist() == [5, 3] and batch.bounds == [5, 3]
     t.rollback(batch, [2, 0])
-    assert batch.committed.tolist() == [3, 3] and batch.lengths == [3, 3]
+    assert batch.lengths.tolist() == [3, 3] and batch.bounds == [3, 3]
     with pytest.raises(ValueError, match="rows"):
         t.select_rows(batch, [2])
     t.select_rows(batch, [])
-    assert batch.num_rows == 0 and batch.committed.numel() == 0
+    assert batch.num_rows == 0 and batch.lengths.numel() == 0
 
 
 def test_render_prompt_chatml():

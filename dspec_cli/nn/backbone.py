@@ -399,23 +399,23 @@ class ContextCache:
         self._keys = [empty] * num_layers
         self._values = [empty] * num_layers
         self._lengths = torch.zeros(0, dtype=torch.long, device=device)  # [row capacity]
-        self.rows = 0
+        self.num_rows = 0
         self.bound = 0  # >= lengths.max()
         self.generation = 0
         self._fixed: int | None = None  # window fixed for the next forwards (fix_window)
 
     @property
     def keys(self) -> list[torch.Tensor]:
-        return [t[: self.rows] for t in self._keys]
+        return [t[: self.num_rows] for t in self._keys]
 
     @property
     def values(self) -> list[torch.Tensor]:
-        return [t[: self.rows] for t in self._values]
+        return [t[: self.num_rows] for t in self._values]
 
     @property
     def lengths(self) -> torch.Tensor:
         """[R] committed context per row."""
-        return self._lengths[: self.rows]
+        return self._lengths[: self.num_rows]
 
     @property
     def capacity(self) -> int:
@@ -442,12 +442,12 @@ class ContextCache:
 
     def add_rows(self, n: int) -> None:
         """n empty rows join at the end."""
-        self.reserve(self.rows + n, self.capacity)
-        self._lengths[self.rows : self.rows + n] = 0
-        self.rows += n
+        self.reserve(self.num_rows + n, self.capacity)
+        self._lengths[self.num_rows : self.num_rows + n] = 0
+        self.num_rows += n
         self._fixed = None
 
-    def keep_rows(self, index: Sequence[int] | torch.Tensor) -> None:
+    def select_rows(self, index: Sequence[int] | torch.Tensor) -> None:
         """Keep rows ``index`` [R'] (in that order); only rows that change place are copied."""
         index = [int(i) for i in (index.tolist() if isinstance(index, torch.Tensor) else index)]
         self.reserve(len(index), self.capacity)
@@ -459,10 +459,10 @@ class ContextCache:
             for t in self._keys + self._values:
                 t.index_copy_(0, dst, t.index_select(0, src))
             self._lengths.index_copy_(0, dst, self._lengths.index_select(0, src))
-        self._lengths[len(index) : self.rows] = 0  # rows that left: zero length (padding rows)
-        self.rows = len(index)
+        self._lengths[len(index) : self.num_rows] = 0  # rows that left: zero length (padding rows)
+        self.num_rows = len(index)
         self._fixed = None
-        if not self.rows:
+        if not self.num_rows:
             self.bound = 0
 
     def settle(self, bound: int) -> None:
@@ -478,9 +478,9 @@ class ContextCache:
         pos = self._lengths[rows] + torch.arange(total, device=dev) - starts[rows]
         bound = self.bound + max_count
         if bound > self.capacity:
-            bound = int((self.lengths + counts).max()) if self.rows else 0  # one sync, on growth only
+            bound = int((self.lengths + counts).max()) if self.num_rows else 0  # one sync, on growth only
             if bound > self.capacity:
-                self.reserve(self.rows, max(bound, self.capacity + self.capacity // 2, 16))
+                self.reserve(self.num_rows, max(bound, self.capacity + self.capacity // 2, 16))
         self.bound = bound
         return rows, pos
 
@@ -519,7 +519,7 @@ class ContextCache:
         if self._fixed is not None:
             return self._fixed
         if reads_free(self._lengths):
-            return int(self.lengths.max()) if self.rows else 0
+            return int(self.lengths.max()) if self.num_rows else 0
         return min(self.bound, self.capacity)
 
     def fix_window(self, bucket: int) -> int:
@@ -537,11 +537,11 @@ class ContextCache:
         """Per-layer K/V of rows [0, rows) (default R; more: padding rows) cut to :meth:`window`,
         [rows, Hkv, S', hd] each, and the visibility [rows, S'] bool; None when every slot is
         visible (one row whose exact length is a free host read: attention needs no mask)."""
-        rows = self.rows if rows is None else rows
+        rows = self.num_rows if rows is None else rows
         width = self.window()
         keys = [t[:rows, :, :width] for t in self._keys]
         values = [t[:rows, :, :width] for t in self._values]
-        if rows == 1 and self.rows == 1 and reads_free(self._lengths):
+        if rows == 1 and self.num_rows == 1 and reads_free(self._lengths):
             return keys, values, None
         return keys, values, torch.arange(width, device=self._lengths.device)[None, :] < self._lengths[:rows, None]
 

@@ -149,8 +149,8 @@ class SlotCache(Cache):
 class TargetBatch:
     """The KV cache of a batch of requests and the committed length of each row.
 
-    Attributes: ``cache`` (:class:`SlotCache`), ``num_rows``, ``committed`` [R] long on the
-    device (a view of a buffer updated in place), ``lengths`` (host copy of ``committed``: exact
+    Attributes: ``cache`` (:class:`SlotCache`), ``num_rows``, ``lengths`` [R] long on the
+    device (a view of a buffer updated in place), ``bounds`` (host copy of ``lengths``: exact
     when ``exact``, else an upper bound), ``layer_ids`` (tapped decoder layers) and
     ``generation`` (bumped whenever buffers are reallocated: graphs captured before read stale
     memory). Built by ``Target.new_batch``; all mutation goes through ``Target``.
@@ -160,22 +160,22 @@ class TargetBatch:
         self.layer_ids = tuple(int(i) for i in layer_ids)
         self.device = torch.device(device)
         self.cache = SlotCache()
-        self._committed = torch.zeros(0, dtype=torch.long, device=self.device)  # [row capacity]
+        self._lengths = torch.zeros(0, dtype=torch.long, device=self.device)  # [row capacity]
         self.num_rows = 0
-        self.lengths: list[int] = []
+        self.bounds: list[int] = []
         self.exact = True
         self.generation = 0
         self.reserve(rows, slots)
 
     @property
-    def committed(self) -> torch.Tensor:
+    def lengths(self) -> torch.Tensor:
         """[R] long: committed tokens per row = the next token's slot and RoPE position."""
-        return self._committed[: self.num_rows]
+        return self._lengths[: self.num_rows]
 
-    def committed_rows(self, rows: int) -> torch.Tensor:
+    def lengths_rows(self, rows: int) -> torch.Tensor:
         """[rows] committed lengths of rows [0, rows): the batch's rows, then padding rows (length 0)
         up to the row capacity."""
-        return self._committed[:rows]
+        return self._lengths[:rows]
 
     @property
     def capacity(self) -> tuple[int, int]:
@@ -193,15 +193,15 @@ class TargetBatch:
         rows = max(rows, have_rows)
         slots = max(slots, int(have_slots * GROWTH), MIN_SLOTS) if slots > have_slots else have_slots
         self.cache.resize(rows, slots)
-        committed = torch.zeros(rows, dtype=torch.long, device=self.device)
-        committed[: self._committed.shape[0]] = self._committed
-        self._committed = committed
+        lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
+        lengths[: self._lengths.shape[0]] = self._lengths
+        self._lengths = lengths
         self.generation += 1
 
     def window(self, q: int, bucket: int = 1) -> int:
         """Slots a forward of q new tokens per row attends over: the longest row (host bound) + q,
         rounded up to a multiple of ``bucket``; the capacity grows to hold it."""
-        need = max(self.lengths, default=0) + q
+        need = max(self.bounds, default=0) + q
         window = -(-need // bucket) * bucket
         self.reserve(self.num_rows, window)
         return window
@@ -212,26 +212,26 @@ class TargetBatch:
         """The exact committed lengths, read by the caller after sync-free commits."""
         if len(lengths) != self.num_rows:
             raise ValueError(f"settle: expected {self.num_rows} lengths, got {len(lengths)}")
-        self.lengths, self.exact = [int(n) for n in lengths], True
+        self.bounds, self.exact = [int(n) for n in lengths], True
 
     def bound(self, grown: int) -> None:
         """Every row may have grown by up to ``grown`` tokens (a commit the host did not read)."""
-        self.lengths = [n + grown for n in self.lengths]
+        self.bounds = [n + grown for n in self.bounds]
         self.exact = False
 
     def add_rows(self, count: int, slots: int) -> int:
         """``count`` empty rows join at the end (room for ``slots`` slots); returns the first."""
         first = self.num_rows
         self.reserve(first + count, slots)
-        self._committed[first : first + count] = 0
+        self._lengths[first : first + count] = 0
         self.num_rows += count
-        self.lengths += [0] * count
+        self.bounds += [0] * count
         return first
 
     def commit_prefill(self, row0: int, lengths: Sequence[int]) -> None:
         """Rows row0.. now hold prompts of ``lengths`` tokens at slots 0..."""
-        self._committed[row0 : row0 + len(lengths)] = torch.tensor(list(lengths), dtype=torch.long, device=self.device)
-        self.lengths[row0 : row0 + len(lengths)] = list(lengths)
+        self._lengths[row0 : row0 + len(lengths)] = torch.tensor(list(lengths), dtype=torch.long, device=self.device)
+        self.bounds[row0 : row0 + len(lengths)] = list(lengths)
 
     def shift_rows(self, row0: int, shift: torch.Tensor, width: int) -> None:
         """Move the first ``width`` slots of rows row0.. left by ``shift`` [G] (left padding out)."""
@@ -256,23 +256,23 @@ class TargetBatch:
             for layer in self.cache.kv_layers():
                 for buf in layer.kv():
                     buf.index_copy_(0, dst, buf.index_select(0, src))
-            self._committed.index_copy_(0, dst, self._committed.index_select(0, src))
-        self._committed[len(index) : self.num_rows] = 0  # rows that left: zero length (padding rows)
-        self.lengths = [self.lengths[i] for i in index]
+            self._lengths.index_copy_(0, dst, self._lengths.index_select(0, src))
+        self._lengths[len(index) : self.num_rows] = 0  # rows that left: zero length (padding rows)
+        self.bounds = [self.bounds[i] for i in index]
         self.num_rows = len(index)
 
     # -- device bookkeeping (no host reads: what a captured round runs) -------------------------
 
     def advance(self, keep: torch.Tensor) -> None:
         """Chains: rows [0, n) keep ``keep`` [n] more tokens (already in place at their slots)."""
-        self._committed[: keep.shape[0]] += keep
+        self._lengths[: keep.shape[0]] += keep
 
     def keep_path(self, path: torch.Tensor) -> None:
         """Trees: rows [0, n) keep the nodes of ``path`` [n, D+1] (row-local node ids written at
         slot committed + id, from the root down, -1 padded): they move to committed, committed+1, ..."""
         n, width = path.shape
         used = path >= 0
-        base = self._committed[:n, None]  # [n, 1]
+        base = self._lengths[:n, None]  # [n, 1]
         dst = base + torch.arange(width, device=self.device)
         src = torch.where(used, base + path, dst)  # padding copies a slot onto itself
         for layer in self.cache.kv_layers():
@@ -281,7 +281,7 @@ class TargetBatch:
                 heads, dim = rows.shape[1], rows.shape[3]
                 moved = rows.gather(2, src[:, None, :, None].expand(n, heads, width, dim))
                 rows.scatter_(2, dst[:, None, :, None].expand(n, heads, width, dim), moved)
-        self._committed[:n] += used.sum(1)
+        self._lengths[:n] += used.sum(1)
 
 
 def attention_masks(

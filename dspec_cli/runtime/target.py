@@ -289,7 +289,7 @@ class Target:
         (:meth:`dense`). Writes the tokens' K/V at slots committed + 0..q-1 and returns (logits
         [n, q, V] float, taps [n, q, n·d]); the batch's bookkeeping is unchanged."""
         rows, q = ids.shape
-        committed = batch.committed_rows(rows)
+        committed = batch.lengths_rows(rows)
         step = torch.arange(q, device=ids.device)
         if parents is None:
             vis = torch.ones(q, q, dtype=torch.bool, device=ids.device).tril().expand(rows, q, q)
@@ -306,7 +306,7 @@ class Target:
         """One row with an exactly known length and a window ending at its q-th new token: slots
         equal positions, so the model's own causal masking is exact and no mask is passed (sdpa's
         fast path; matters at R = 1 on a CPU)."""
-        return batch.num_rows == 1 and batch.exact and window == batch.lengths[0] + q
+        return batch.num_rows == 1 and batch.exact and window == batch.bounds[0] + q
 
     @staticmethod
     def keep(batch: TargetBatch, keep: torch.Tensor) -> None:
@@ -333,15 +333,15 @@ class Target:
         logits, _ = self.score(batch, ids.to(self.device, torch.long), None, window, dense=self.dense(batch, q, window))
         n = torch.tensor(list(counts), dtype=torch.long, device=self.device)
         self.keep(batch, n)
-        batch.settle([m + c for m, c in zip(batch.lengths, counts, strict=True)])
+        batch.settle([m + c for m, c in zip(batch.bounds, counts, strict=True)])
         return logits[torch.arange(rows, device=self.device), n - 1]
 
     def rollback(self, batch: TargetBatch, drop: Sequence[int]) -> None:
         """Un-keep the last ``drop[r]`` (host ints) kept tokens of each row."""
-        if len(drop) != batch.num_rows or any(not 0 <= d <= m for d, m in zip(drop, batch.lengths, strict=True)):
-            raise ValueError(f"drop must hold 0 <= drop[r] <= committed={batch.lengths} per row, got {list(drop)}")
+        if len(drop) != batch.num_rows or any(not 0 <= d <= m for d, m in zip(drop, batch.bounds, strict=True)):
+            raise ValueError(f"drop must hold 0 <= drop[r] <= committed={batch.bounds} per row, got {list(drop)}")
         self.keep(batch, -torch.tensor(list(drop), dtype=torch.long, device=self.device))
-        batch.settle([m - d for m, d in zip(batch.lengths, drop, strict=True)])
+        batch.settle([m - d for m, d in zip(batch.bounds, drop, strict=True)])
 
     # -- internals -------------------------------------------------------------------------------
 

@@ -125,7 +125,7 @@ class BlockDraftState(DraftState):
 
     @property
     def num_requests(self) -> int:
-        return self.cache.rows
+        return self.cache.num_rows
 
 
 @dataclass
@@ -219,13 +219,13 @@ class DFlashDrafter(TrainableDrafter):
             raise ValueError(f"hidden: {self.name} needs the target's taps for every prompt")
         self._check_taps(hidden[0])
         cache, dev = state.cache, self.target.device
-        old = cache.rows
+        old = cache.num_rows
         counts = torch.tensor([0] * old + [h.shape[0] for h in hidden], dtype=torch.long, device=dev)
         cache.add_rows(len(hidden))
         self.net.backbone.extend_cache(cache, torch.cat(hidden), counts, max(h.shape[0] for h in hidden))
 
     def remove_requests(self, state: BlockDraftState, keep: list[int]) -> None:
-        state.cache.keep_rows(keep)
+        state.cache.select_rows(keep)
 
     @torch.no_grad()
     def advance(self, state: BlockDraftState, committed, counts, hidden) -> None:
@@ -319,8 +319,8 @@ class DFlashDrafter(TrainableDrafter):
         """h [R, γ, d] for blocks [anchor, mask × (γ−1)] after each row's committed context."""
         cache = state.cache
         rows = anchors.shape[0]
-        if anchors.dim() != 1 or not cache.rows <= rows <= cache.lengths_rows(rows).shape[0]:
-            raise ValueError(f"anchors must be [R={cache.rows}] (or padded past R), got {tuple(anchors.shape)}")
+        if anchors.dim() != 1 or not cache.num_rows <= rows <= cache.lengths_rows(rows).shape[0]:
+            raise ValueError(f"anchors must be [R={cache.num_rows}] (or padded past R), got {tuple(anchors.shape)}")
         skip = 0 if self.config.anchor_predicts else 1  # original DFlash: the anchor slot predicts nothing
         slots = self.config.block_size + skip
         ids = torch.full((rows, slots), self.config.mask_token_id, dtype=torch.long, device=anchors.device)

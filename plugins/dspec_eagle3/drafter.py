@@ -85,7 +85,7 @@ class Eagle3State(DraftState):
 
     @property
     def num_requests(self) -> int:
-        return self.cache.rows
+        return self.cache.num_rows
 
 
 def default_layer_ids(num_layers: int) -> tuple[int, ...]:
@@ -197,7 +197,7 @@ class Eagle3Drafter(TrainableDrafter):
             raise ValueError("hidden: need one row of taps per prompt token (non-empty prompts)")
         self._check_taps(hidden[0])
         dev = self.target.device
-        old = state.cache.rows
+        old = state.cache.num_rows
         counts = torch.tensor([0] * old + [p.numel() - 1 for p in prompts], dtype=torch.long, device=dev)
         state.cache.add_rows(len(prompts))
         taps = torch.cat([h[:-1] for h in hidden])
@@ -207,7 +207,7 @@ class Eagle3Drafter(TrainableDrafter):
 
     def remove_requests(self, state: Eagle3State, keep: list[int]) -> None:
         index = torch.tensor(keep, dtype=torch.long, device=self.target.device)
-        state.cache.keep_rows(index)
+        state.cache.select_rows(index)
         state.pending = state.pending.index_select(0, index)
 
     @torch.no_grad()
@@ -235,7 +235,7 @@ class Eagle3Drafter(TrainableDrafter):
         """Chain: ``max_len`` tokens sampled one by one with ``sampler`` (q_k = what x_k is drawn
         from, mapped to the full vocabulary). Tree (config ``tree``): an EAGLE-2 tree of depth
         <= max_len plus its best path as the chain."""
-        R = state.cache.rows
+        R = state.cache.num_rows
         if anchors.shape != (R,):
             raise ValueError(f"anchors must be [R={R}], got {tuple(anchors.shape)}")
         if max_len < 1:
@@ -376,7 +376,7 @@ class _Run:
 
     def chain_mask(self) -> torch.Tensor:
         """[R, 1, P+1]: a chain step sees every earlier draft step and itself."""
-        return torch.ones(self.cache.rows, 1, self.processed + 1, dtype=torch.bool, device=self.base.device)
+        return torch.ones(self.cache.num_rows, 1, self.processed + 1, dtype=torch.bool, device=self.base.device)
 
     def tree_mask(self, parent: torch.Tensor) -> torch.Tensor:
         """parent [R, Q]: processed index of each new node's parent -> [R, Q, P+Q] (ancestors and

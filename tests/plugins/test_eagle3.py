@@ -90,7 +90,7 @@ class Driver:
         for r, chunk in enumerate(torch.split(tokens, counts.tolist())):
             self.seqs[r] += chunk.tolist()
         self.anchors = anchors
-        assert (self.state.cache.lengths + 1).tolist() == self.batch.lengths  # pending = last committed
+        assert (self.state.cache.lengths + 1).tolist() == self.batch.bounds  # pending = last committed
 
     def chain_round(self, gen: torch.Generator, gamma: int = 3) -> None:
         """Propose γ drafts, commit the anchor and a random number of them, pick a random anchor."""
@@ -101,7 +101,7 @@ class Driver:
             _, taps = self.target.score(self.batch, tokens, None, self.batch.window(gamma + 1))
         keep = torch.randint(0, gamma + 1, (R,), generator=gen) + 1
         self.target.keep(self.batch, keep)
-        self.batch.settle(self.batch.committed.tolist())
+        self.batch.settle(self.batch.lengths.tolist())
         sel = (torch.arange(gamma + 1)[None, :] < keep[:, None]).reshape(-1)
         nxt = torch.randint(0, self.target.vocab_size, (R,), generator=gen)
         self.commit(tokens.reshape(-1)[sel], taps.flatten(0, 1)[sel], keep, nxt)
@@ -118,7 +118,7 @@ class Driver:
             logits, taps = self.target.score(self.batch, tokens, parents, self.batch.window(N + 1))
         path, anchors = choose(logits.flatten(0, 1), tree)
         self.target.keep_path(self.batch, path)
-        self.batch.settle(self.batch.committed.tolist())
+        self.batch.settle(self.batch.lengths.tolist())
         used = path >= 0
         flat = (torch.arange(R)[:, None] * (N + 1) + path.clamp(min=0))[used]
         self.commit(tokens.reshape(-1)[flat], taps.flatten(0, 1)[flat], used.sum(1), anchors)
