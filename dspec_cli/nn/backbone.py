@@ -31,7 +31,6 @@ hidden state does not exist at inference) and all of its own slots (bidirectiona
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
@@ -42,6 +41,7 @@ from torch import nn
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.host import reads_free
 from dspec_cli.nn.linear import Linear
+from dspec_cli.nn.slots import SlotRows
 
 __all__ = [
     "BackboneConfig",
@@ -382,27 +382,38 @@ class DecoderLayer(nn.Module):
 # --------------------------------------------------------------------------------------
 
 
-class ContextCache:
+class ContextCache(SlotRows):
     """Post-RoPE context K/V per layer for R rows: ``keys[l]``, ``values[l]`` [R, Hkv, S, hd], views
     of buffers with room for more rows and slots that are updated in place (a captured CUDA graph
-    keeps reading the current values).
+    keeps reading the current values); the rows' bookkeeping is the slot cache's
+    (:class:`~dspec_cli.nn.slots.SlotRows`: ``lengths``, host ``bounds``, ``reserve``,
+    ``generation``, ``select_rows``).
 
     Slot j of row r holds position j; slots at or past ``lengths[r]`` are stale. Only committed
-    context is ever written (the block's K/V are not). Capacity grows geometrically when needed
-    (a new ``generation``: graphs captured before would read stale memory); :meth:`reserve` sizes
-    it up front. ``bound`` >= the longest row is kept on the host, so writes and attention windows
-    need no device read.
+    context is ever written (the block's K/V are not). The host bounds size writes and attention
+    windows without a device read.
     """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, device, dtype):
+        super().__init__(torch.device(device))
         empty = torch.zeros(0, kv_heads, 0, head_dim, device=device, dtype=dtype)
         self._keys = [empty] * num_layers
         self._values = [empty] * num_layers
-        self._lengths = torch.zeros(0, dtype=torch.long, device=device)  # [row capacity]
-        self.num_rows = 0
-        self.bound = 0  # >= lengths.max()
-        self.generation = 0
         self._fixed: int | None = None  # window fixed for the next forwards (fix_window)
+
+    def buffers(self) -> list[torch.Tensor]:
+        return self._keys + self._values
+
+    def _resize(self, rows: int, slots: int) -> None:
+        def grow(t):
+            out = t.new_zeros(rows, t.shape[1], slots, t.shape[3])
+            out[: t.shape[0], :, : t.shape[2]] = t
+            return out
+
+        self._keys, self._values = [grow(t) for t in self._keys], [grow(t) for t in self._values]
+
+    def _changed(self) -> None:
+        self._fixed = None
 
     @property
     def keys(self) -> list[torch.Tensor]:
@@ -412,63 +423,6 @@ class ContextCache:
     def values(self) -> list[torch.Tensor]:
         return [t[: self.num_rows] for t in self._values]
 
-    @property
-    def lengths(self) -> torch.Tensor:
-        """[R] committed context per row."""
-        return self._lengths[: self.num_rows]
-
-    @property
-    def capacity(self) -> int:
-        return self._keys[0].shape[2]
-
-    def reserve(self, rows: int, slots: int) -> None:
-        """Room for ``rows`` rows of ``slots`` slots (grows by copying: a new generation)."""
-        have_rows, have_slots = self._keys[0].shape[0], self.capacity
-        if rows <= have_rows and slots <= have_slots:
-            return
-        rows, slots = max(rows, have_rows), max(slots, have_slots)
-
-        def grow(t):
-            out = t.new_zeros(rows, t.shape[1], slots, t.shape[3])
-            out[: t.shape[0], :, : t.shape[2]] = t
-            return out
-
-        self._keys, self._values = [grow(t) for t in self._keys], [grow(t) for t in self._values]
-        self._fixed = None
-        lengths = self._lengths.new_zeros(rows)
-        lengths[: self._lengths.shape[0]] = self._lengths
-        self._lengths = lengths
-        self.generation += 1
-
-    def add_rows(self, n: int) -> None:
-        """n empty rows join at the end."""
-        self.reserve(self.num_rows + n, self.capacity)
-        self._lengths[self.num_rows : self.num_rows + n] = 0
-        self.num_rows += n
-        self._fixed = None
-
-    def select_rows(self, index: Sequence[int] | torch.Tensor) -> None:
-        """Keep rows ``index`` [R'] (in that order); only rows that change place are copied."""
-        index = [int(i) for i in (index.tolist() if isinstance(index, torch.Tensor) else index)]
-        self.reserve(len(index), self.capacity)
-        moved = [r for r, i in enumerate(index) if r != i]
-        if moved:
-            dev = self._lengths.device
-            dst = torch.tensor(moved, dtype=torch.long, device=dev)
-            src = torch.tensor([index[r] for r in moved], dtype=torch.long, device=dev)
-            for t in self._keys + self._values:
-                t.index_copy_(0, dst, t.index_select(0, src))
-            self._lengths.index_copy_(0, dst, self._lengths.index_select(0, src))
-        self._lengths[len(index) : self.num_rows] = 0  # rows that left: zero length (padding rows)
-        self.num_rows = len(index)
-        self._fixed = None
-        if not self.num_rows:
-            self.bound = 0
-
-    def settle(self, bound: int) -> None:
-        """The host bound of the longest row, from the caller (after writes it did not count)."""
-        self.bound = int(bound)
-
     def slots(self, counts: torch.Tensor, total: int, max_count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows and positions [total] of ``counts[r]`` new entries per row, flattened in row order
         (``total`` = Σcounts, ``max_count`` >= max counts); grows the capacity if needed."""
@@ -476,12 +430,11 @@ class ContextCache:
         rows = torch.repeat_interleave(torch.arange(counts.shape[0], device=dev), counts, output_size=total)
         starts = torch.cumsum(counts, 0) - counts
         pos = self._lengths[rows] + torch.arange(total, device=dev) - starts[rows]
-        bound = self.bound + max_count
-        if bound > self.capacity:
-            bound = int((self.lengths + counts).max()) if self.num_rows else 0  # one sync, on growth only
-            if bound > self.capacity:
-                self.reserve(self.num_rows, max(bound, self.capacity + self.capacity // 2, 16))
-        self.bound = bound
+        if max(self.bounds, default=0) + max_count > self.capacity[1]:
+            self.settle((self.lengths + counts).tolist())  # one sync, on growth only
+            self.reserve(self.num_rows, max(self.bounds, default=0))
+        else:
+            self.bound(max_count)
         return rows, pos
 
     def write(self, rows, pos, kv: list[tuple[torch.Tensor, torch.Tensor]], counts: torch.Tensor) -> None:
@@ -490,12 +443,8 @@ class ContextCache:
         for keys, values, (k, v) in zip(self._keys, self._values, kv, strict=True):
             keys[rows, :, pos] = k.to(keys.dtype)
             values[rows, :, pos] = v.to(values.dtype)
-        self._lengths[: counts.shape[0]] += counts
+        self.advance(counts)
         self._fixed = None
-
-    def lengths_rows(self, rows: int) -> torch.Tensor:
-        """[rows] lengths of rows [0, rows): R rows, then padding rows (length 0)."""
-        return self._lengths[:rows]
 
     def write_grid(self, pos: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], counts: torch.Tensor) -> None:
         """Store kv, per layer (K, V) [n, W, Hkv, hd], at positions pos [n, W] (each row's length + 0..W-1)
@@ -506,12 +455,12 @@ class ContextCache:
             for buf, new in ((keys, k), (values, v)):
                 part = buf[:n]
                 part.scatter_(2, index.expand(n, part.shape[1], width, part.shape[3]), new.transpose(1, 2).to(buf.dtype))
-        self._lengths[:n] += counts
+        self.advance(counts)
         self._fixed = None
 
     def visible(self) -> torch.Tensor:
         """[R, S] bool: slots that hold committed context."""
-        return torch.arange(self.capacity, device=self._lengths.device)[None, :] < self.lengths[:, None]
+        return torch.arange(self.capacity[1], device=self._lengths.device)[None, :] < self.lengths[:, None]
 
     def window(self) -> int:
         """Slots attention reads: as :meth:`fix_window` fixed it, else the longest row (exact where
@@ -520,7 +469,7 @@ class ContextCache:
             return self._fixed
         if reads_free(self._lengths):
             return int(self.lengths.max()) if self.num_rows else 0
-        return min(self.bound, self.capacity)
+        return min(max(self.bounds, default=0), self.capacity[1])
 
     def fix_window(self, bucket: int) -> int:
         """Fix the window of the next forwards (until a write): the longest row (exact where
@@ -529,7 +478,7 @@ class ContextCache:
         self._fixed = None
         window = self.window()
         if not reads_free(self._lengths):
-            window = min(-(-window // bucket) * bucket, self.capacity)
+            window = min(-(-window // bucket) * bucket, self.capacity[1])
         self._fixed = window
         return window
 
@@ -685,7 +634,7 @@ class ParallelBackbone(nn.Module):
         """Append context from padded rows: taps [n, W, n·d] of rows [0, n), of which the first
         ``counts[r]`` [n] are new tokens (padding rows: 0). No host reads and no host bookkeeping
         (capturable): the cache must have room for W more slots per row (:meth:`ContextCache.reserve`)
-        and its ``bound`` is the caller's to keep (:meth:`ContextCache.settle`)."""
+        and its host ``bounds`` are the caller's to keep (:meth:`ContextCache.settle`)."""
         pos = cache.lengths_rows(taps.shape[0])[:, None] + torch.arange(taps.shape[1], device=taps.device)  # [n, W]
         fused = self.fuse(taps)
         cos, sin = self.rotary(pos, self.dtype)

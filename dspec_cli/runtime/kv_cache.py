@@ -16,10 +16,11 @@ masks (:func:`attention_masks`) and overwritten later.
 
 Commit: a chain's accepted prefix is already in place, so committing only raises len_r; a
 tree's accepted path (node i written at slot len_r + i) is moved down to len_r, len_r+1, ...
-(one gather and one scatter per layer). :class:`TargetBatch` keeps the device lengths (updated
-in place, so a captured graph reads the current values) and a host copy that sizes windows:
-exact, or an upper bound after a commit made without reading the device (the engine's rounds),
-until :meth:`TargetBatch.settle`.
+(one gather and one scatter per layer). :class:`TargetBatch` keeps the rows' bookkeeping as
+every slot cache does (:class:`~dspec_cli.nn.slots.SlotRows`): the device lengths (updated in
+place, so a captured graph reads the current values) and a host copy that sizes windows: exact,
+or an upper bound after a commit made without reading the device (the engine's rounds), until
+``settle``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from dspec_cli.nn.slots import SlotRows
+
 __all__ = [
     "SlotCache",
     "SlotLayer",
@@ -39,9 +42,6 @@ __all__ = [
     "attention_masks",
     "causal_visibility",
 ]
-
-MIN_SLOTS = 64  # smallest slot capacity allocated
-GROWTH = 1.5  # slot capacity grows at least by this factor when exceeded
 
 
 @dataclass
@@ -146,57 +146,26 @@ class SlotCache(Cache):
         self.capacity = (rows, slots)
 
 
-class TargetBatch:
-    """The KV cache of a batch of requests and the committed length of each row.
-
-    Attributes: ``cache`` (:class:`SlotCache`), ``num_rows``, ``lengths`` [R] long on the
-    device (a view of a buffer updated in place), ``bounds`` (host copy of ``lengths``: exact
-    when ``exact``, else an upper bound), ``layer_ids`` (tapped decoder layers) and
-    ``generation`` (bumped whenever buffers are reallocated: graphs captured before read stale
-    memory). Built by ``Target.new_batch``; all mutation goes through ``Target``.
+class TargetBatch(SlotRows):
+    """The KV cache of a batch of requests and the committed length of each row: the slot rows
+    (:class:`~dspec_cli.nn.slots.SlotRows`: ``lengths`` on the device, ``bounds`` on the host,
+    ``capacity``, ``generation``, ``select_rows``) over the K/V buffers of ``cache``
+    (:class:`SlotCache`), and the tapped decoder layers ``layer_ids``. Built by
+    ``Target.new_batch``; all mutation goes through ``Target``.
     """
 
     def __init__(self, layer_ids: Sequence[int], device: torch.device, rows: int = 0, slots: int = 0):
+        super().__init__(torch.device(device))
         self.layer_ids = tuple(int(i) for i in layer_ids)
         self.device = torch.device(device)
         self.cache = SlotCache()
-        self._lengths = torch.zeros(0, dtype=torch.long, device=self.device)  # [row capacity]
-        self.num_rows = 0
-        self.bounds: list[int] = []
-        self.exact = True
-        self.generation = 0
         self.reserve(rows, slots)
 
-    @property
-    def lengths(self) -> torch.Tensor:
-        """[R] long: committed tokens per row = the next token's slot and RoPE position."""
-        return self._lengths[: self.num_rows]
+    def buffers(self) -> list[torch.Tensor]:
+        return [buf for layer in self.cache.kv_layers() for buf in layer.kv()]
 
-    def lengths_rows(self, rows: int) -> torch.Tensor:
-        """[rows] committed lengths of rows [0, rows): the batch's rows, then padding rows (length 0)
-        up to the row capacity."""
-        return self._lengths[:rows]
-
-    @property
-    def capacity(self) -> tuple[int, int]:
-        """(rows, slots) the buffers hold."""
-        return self.cache.capacity
-
-    # -- capacity ------------------------------------------------------------------------------
-
-    def reserve(self, rows: int, slots: int) -> None:
-        """Make room for ``rows`` rows of ``slots`` slots (buffers grow by copying: a new
-        ``generation``)."""
-        have_rows, have_slots = self.cache.capacity
-        if rows <= have_rows and slots <= have_slots:
-            return
-        rows = max(rows, have_rows)
-        slots = max(slots, int(have_slots * GROWTH), MIN_SLOTS) if slots > have_slots else have_slots
+    def _resize(self, rows: int, slots: int) -> None:
         self.cache.resize(rows, slots)
-        lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
-        lengths[: self._lengths.shape[0]] = self._lengths
-        self._lengths = lengths
-        self.generation += 1
 
     def window(self, q: int, bucket: int = 1) -> int:
         """Slots a forward of q new tokens per row attends over: the longest row (host bound) + q,
@@ -205,28 +174,6 @@ class TargetBatch:
         window = -(-need // bucket) * bucket
         self.reserve(self.num_rows, window)
         return window
-
-    # -- host bookkeeping ----------------------------------------------------------------------
-
-    def settle(self, lengths: Sequence[int]) -> None:
-        """The exact committed lengths, read by the caller after sync-free commits."""
-        if len(lengths) != self.num_rows:
-            raise ValueError(f"settle: expected {self.num_rows} lengths, got {len(lengths)}")
-        self.bounds, self.exact = [int(n) for n in lengths], True
-
-    def bound(self, grown: int) -> None:
-        """Every row may have grown by up to ``grown`` tokens (a commit the host did not read)."""
-        self.bounds = [n + grown for n in self.bounds]
-        self.exact = False
-
-    def add_rows(self, count: int, slots: int) -> int:
-        """``count`` empty rows join at the end (room for ``slots`` slots); returns the first."""
-        first = self.num_rows
-        self.reserve(first + count, slots)
-        self._lengths[first : first + count] = 0
-        self.num_rows += count
-        self.bounds += [0] * count
-        return first
 
     def commit_prefill(self, row0: int, lengths: Sequence[int]) -> None:
         """Rows row0.. now hold prompts of ``lengths`` tokens at slots 0..."""
@@ -237,35 +184,11 @@ class TargetBatch:
         """Move the first ``width`` slots of rows row0.. left by ``shift`` [G] (left padding out)."""
         rows = shift.shape[0]
         index = (torch.arange(width, device=self.device) + shift[:, None]).clamp(max=width - 1)  # [G, W]
-        for layer in self.cache.kv_layers():
-            for buf in layer.kv():
-                part = buf[row0 : row0 + rows, :, :width]
-                part.copy_(part.gather(2, index[:, None, :, None].expand(rows, part.shape[1], width, part.shape[3])))
+        for buf in self.buffers():
+            part = buf[row0 : row0 + rows, :, :width]
+            part.copy_(part.gather(2, index[:, None, :, None].expand(rows, part.shape[1], width, part.shape[3])))
 
-    def select_rows(self, index: Sequence[int]) -> None:
-        """Rows become rows ``index`` of this batch, in that order; a repeated row is copied (every
-        copy is an independent row from then on). Only rows that change place are copied."""
-        index = [int(i) for i in index]
-        if any(not 0 <= i < self.num_rows for i in index):
-            raise ValueError(f"rows must be indices in [0, {self.num_rows}), got {index}")
-        self.reserve(len(index), 0)
-        moved = [r for r, i in enumerate(index) if r != i]
-        if moved:
-            dst = torch.tensor(moved, dtype=torch.long, device=self.device)
-            src = torch.tensor([index[r] for r in moved], dtype=torch.long, device=self.device)
-            for layer in self.cache.kv_layers():
-                for buf in layer.kv():
-                    buf.index_copy_(0, dst, buf.index_select(0, src))
-            self._lengths.index_copy_(0, dst, self._lengths.index_select(0, src))
-        self._lengths[len(index) : self.num_rows] = 0  # rows that left: zero length (padding rows)
-        self.bounds = [self.bounds[i] for i in index]
-        self.num_rows = len(index)
-
-    # -- device bookkeeping (no host reads: what a captured round runs) -------------------------
-
-    def advance(self, keep: torch.Tensor) -> None:
-        """Chains: rows [0, n) keep ``keep`` [n] more tokens (already in place at their slots)."""
-        self._lengths[: keep.shape[0]] += keep
+    # -- device bookkeeping (no host reads: what a captured round runs; chains: advance) -------
 
     def keep_path(self, path: torch.Tensor) -> None:
         """Trees: rows [0, n) keep the nodes of ``path`` [n, D+1] (row-local node ids written at
@@ -275,12 +198,11 @@ class TargetBatch:
         base = self._lengths[:n, None]  # [n, 1]
         dst = base + torch.arange(width, device=self.device)
         src = torch.where(used, base + path, dst)  # padding copies a slot onto itself
-        for layer in self.cache.kv_layers():
-            for buf in layer.kv():
-                rows = buf[:n]
-                heads, dim = rows.shape[1], rows.shape[3]
-                moved = rows.gather(2, src[:, None, :, None].expand(n, heads, width, dim))
-                rows.scatter_(2, dst[:, None, :, None].expand(n, heads, width, dim), moved)
+        for buf in self.buffers():
+            rows = buf[:n]
+            heads, dim = rows.shape[1], rows.shape[3]
+            moved = rows.gather(2, src[:, None, :, None].expand(n, heads, width, dim))
+            rows.scatter_(2, dst[:, None, :, None].expand(n, heads, width, dim), moved)
         self._lengths[:n] += used.sum(1)
 
 

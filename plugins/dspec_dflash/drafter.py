@@ -253,7 +253,7 @@ class DFlashDrafter(TrainableDrafter):
         return state.cache.fix_window(bucket), state.cache.generation
 
     def settle(self, state: BlockDraftState, lengths: list[int]) -> None:
-        state.cache.settle(max(lengths, default=0))
+        state.cache.settle(lengths)
 
     @torch.no_grad()
     def block_logits(self, state: BlockDraftState, anchors: torch.Tensor) -> torch.Tensor:
