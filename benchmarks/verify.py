@@ -1,6 +1,6 @@
 """Verifier micro-benchmark (not a test).
 
-    python -m benchmarks.verify [--json PATH] [--backends torch,triton] [--quick]
+    python -m benchmarks.verify [--json PATH] [--backends torch,triton] [--quick | --dry-run]
     python -m benchmarks.verify --kernels [--json PATH] [--dtype bfloat16] [--dry-run]
 
 Times verify_chain (token verification with draft probabilities and one-hot, block verification)
@@ -13,8 +13,8 @@ and 64, γ = 7, V = 151,936 against the time to read the logits it is given once
 over them): chain, chain with one-hot drafts, chain from logits at T = 1, greedy, and the
 target's draw at T = 0 and T = 1, beside the torch reference (and torch's argmax). On CUDA each
 call is also captured in a CUDA graph and replayed (which fails if the call reads anything back
-to the host); the ratio uses the replay. ``--dry-run`` runs the same code on tiny sizes, on a CPU
-under ``TRITON_INTERPRET=1`` (set before Python starts).
+to the host); the ratio uses the replay. ``--dry-run`` runs the same code on tiny sizes (with
+``--kernels`` on a CPU: under ``TRITON_INTERPRET=1``, set before Python starts).
 """
 
 from __future__ import annotations
@@ -297,7 +297,8 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--kernels", action="store_true", help="each Triton call against one read of its logits")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="--kernels: logits dtype")
-    parser.add_argument("--dry-run", action="store_true", help="--kernels on tiny sizes (CPU: TRITON_INTERPRET=1)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="tiny sizes (with --kernels on a CPU: TRITON_INTERPRET=1 set before Python starts)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -326,7 +327,8 @@ def main(argv=None) -> None:
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     repeats = args.repeats if args.repeats is not None else (3 if args.quick else 10)
     max_gib = args.max_gib if args.max_gib is not None else (40.0 if on_cuda else 6.0)
-    report = run(backends, QUICK_GRID if args.quick else FULL_GRID, device, warmup, repeats, args.validate, max_gib)
+    grid = DRY_GRID if args.dry_run else QUICK_GRID if args.quick else FULL_GRID
+    report = run(backends, grid, device, warmup, repeats, args.validate, max_gib)
     _print(report)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

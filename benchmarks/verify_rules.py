@@ -4,9 +4,9 @@
         [--num-prompts N] [--max-new-tokens N] [--block-size γ] [--temperature T] [--top-p P]
         [--dtype float32|bfloat16|auto] [--samples K] [--seed S] [--json PATH]
 
-Each drafter generates at R = 1 with the engine's default rules. At every verification, the
-same inputs (target and draft probabilities, the drafts or the tree) are verified K more times
-by each rule with fresh coins: token and block verification for chains with draft
+Each drafter generates at R = 1 with the engine's default rules. At every verification (the
+engine's ``observe`` callback), the same inputs (target and draft probabilities, the drafts or
+the tree) are verified K more times by each rule with fresh coins: token and block verification for chains with draft
 probabilities, "sampled" (recursive rejection) and "traversal" for trees of sampled siblings.
 Every rule sees exactly the drafts the run produced, so the difference of their mean accepted
 drafts carries no drafting noise (a paired estimate; `dspec bench` runs each rule on its own
@@ -20,54 +20,49 @@ import argparse
 import json
 import math
 import statistics
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from dspec_cli.checkpoints import load_drafter
 from dspec_cli.core.data import BUILTIN, dataset_name, load_prompts
-from dspec_cli.runtime import engine as engine_module
-from dspec_cli.runtime.engine import GenerationConfig, SpeculativeEngine
+from dspec_cli.core.sampling import torch_uniform
+from dspec_cli.runtime.engine import GenerationConfig, SpeculativeEngine, VerifyStep
 from dspec_cli.runtime.target import Target
-from dspec_cli.runtime.verify import verify_chain, verify_tree
+from dspec_cli.runtime.verify import verify_chain_grid, verify_tree_grid
 from dspec_cli.workflows.bench import environment
 
 CHAIN_RULES = ("token", "block")
 TREE_RULES = ("sampled", "traversal")
 
 
-@contextmanager
-def paired(samples: int, seed: int):
-    """Patch the engine's verifiers to record, per round, each rule's expected accepted drafts
-    (mean over ``samples`` coin sets) on the round's own inputs: yields {rule: [per round]}."""
+def paired(samples: int, seed: int) -> tuple[dict[str, list[float]], Callable[[VerifyStep], None]]:
+    """({rule: [per round and row]}, the engine's ``observe`` callback recording, per round, each
+    rule's expected accepted drafts (mean over ``samples`` coin sets) on the round's own inputs)."""
     record: dict[str, list[float]] = {}
     gen = torch.Generator().manual_seed(seed)
-    chain, tree = engine_module.verify_chain, engine_module.verify_tree
 
-    def on_chain(probs, drafts, q, ell, **kw):
-        if q is not None:
+    def observe(step: VerifyStep) -> None:
+        probs, drafts, q = (t.repeat(samples, *[1] * (t.dim() - 1)) for t in (step.target_probs, step.drafts, step.draft_probs))
+        n = drafts.shape[0]
+        if step.parents is None:  # a chain
+            assert step.num_draft is not None  # chains carry their lengths
+            ell = step.num_draft.repeat(samples)
             for rule in CHAIN_RULES:
-                res = verify_chain(probs.repeat(samples, 1), drafts.repeat(samples), q.repeat(samples, 1),
-                                   ell.repeat(samples), method=rule, generator=gen, backend="torch", validate=False)
+                coins = torch_uniform(tuple(drafts.shape), generator=gen)
+                res = verify_chain_grid(probs, drafts, q, ell, method=rule, uniforms=coins,
+                                        final_uniforms=torch_uniform((n,), generator=gen), backend="torch")
                 record.setdefault(rule, []).extend(res.accepted.view(samples, -1).double().mean(0).tolist())
-        return chain(probs, drafts, q, ell, **kw)
+            return
+        parents = step.parents.repeat(samples, 1)
+        for rule in TREE_RULES:
+            seeds = torch.randint(1 << 62, (n,), generator=gen)
+            res = verify_tree_grid(probs, drafts, parents, depth=step.depth, fanout=step.fanout, method=rule,
+                                   draft_probs=q, seeds=seeds, offsets=torch.zeros_like(seeds))
+            record.setdefault(rule, []).extend(res.accepted.view(samples, -1).double().mean(0).tolist())
 
-    def on_tree(probs, tokens, parents, nodes, **kw):
-        q = kw.get("draft_probs")
-        if q is not None:
-            for rule in TREE_RULES:
-                res = verify_tree(probs.repeat(samples, 1), tokens.repeat(samples), parents.repeat(samples),
-                                  nodes.repeat(samples), method=rule, draft_probs=q.repeat(samples, 1), generator=gen,
-                                  validate=False)
-                record.setdefault(rule, []).extend(res.accepted.view(samples, -1).double().mean(0).tolist())
-        return tree(probs, tokens, parents, nodes, **kw)
-
-    engine_module.verify_chain, engine_module.verify_tree = on_chain, on_tree
-    try:
-        yield record
-    finally:
-        engine_module.verify_chain, engine_module.verify_tree = chain, tree
+    return record, observe
 
 
 def summary(record: dict[str, list[float]]) -> dict:
@@ -107,8 +102,8 @@ def main(argv=None) -> None:
         drafter = load_drafter(spec, target, None, args.block_size)
         for dset in args.dataset or [BUILTIN]:
             prompts = [target.render_prompt(p.text) for p in load_prompts(dset, args.num_prompts)]
-            with paired(args.samples, args.seed) as record:
-                SpeculativeEngine(target, drafter, cfg).generate(prompts)
+            record, observe = paired(args.samples, args.seed)
+            SpeculativeEngine(target, drafter, cfg, observe=observe).generate(prompts)
             runs.append({"drafter": spec, "dataset": dataset_name(dset), **summary(record)})
             r = runs[-1]
             taus = ", ".join(f"{k} {v:.3f}" for k, v in r["tau"].items())

@@ -203,7 +203,7 @@ def test_server_regeneration_sends_and_checks_the_kwargs(target_dir, tmp_path):
                                 transport=httpx.MockTransport(serve))
     # the probe's token count (checked against --target's template) passes only under the same kwargs
     tok.chat_template = TEMPLATE.replace("{% if enable_thinking is false %}", "{% if enable_thinking %}")
-    opts.output = tmp_path / "other.jsonl"
+    opts = dataclasses.replace(opts, output=tmp_path / "other.jsonl")
     with pytest.raises(DspecError, match="serves another tokenizer or chat template"):
         regenerate_with_servers(opts, ServerOptions(["http://fake"]), transport=httpx.MockTransport(serve))
 

@@ -48,43 +48,17 @@ def regenerate_command(
     """Regenerate every assistant turn with the target (self-distillation data for dspec train)."""
     from transformers.utils import logging as hf_logging
 
-    from dspec_cli.core.chat_template import describe
-    from dspec_cli.core.files import EMBEDDED
-    from dspec_cli.training.recipes import RegenerateSpec, load_recipe
-    from dspec_cli.training.regenerate import RegenerateOptions, regenerate
+    from dspec_cli.training.regenerate import command_options, regenerate
 
     hf_logging.disable_progress_bar()
-    spec, target_name, out = RegenerateSpec(), target, output
-    template_kwargs = opt.template_kwargs(chat_template_kwargs)
-    if recipe is not None:
-        rec = load_recipe(recipe)
-        spec = rec.regenerate
-        if target is not None and target != rec.target.name:
-            raise DspecError(f"recipe {recipe} is for target {rec.target.name!r}, not {target!r}")
-        if chat_template_kwargs is not None and template_kwargs != rec.chat_template:
-            raise DspecError(f"recipe {recipe} trains with chat-template kwargs {describe(rec.chat_template)}, not "
-                             f"{describe(template_kwargs)}: set them in its [chat_template] table")
-        template_kwargs = rec.chat_template
-        target_name = None if rec.target.name == EMBEDDED else rec.target.name
-        out = output or (Path(rec.data.paths[0]) if rec.data.paths else None)
-    elif checkpoint and target is None:  # the target the drafter was trained for
-        from dspec_cli.checkpoints.hub import resolve_checkpoint
-        from dspec_cli.checkpoints.native import choose_target
-
-        target_name = choose_target(None, [resolve_checkpoint(checkpoint)])
-    prompts = prompts or ([spec.prompts] if spec.prompts else [])
-    if not prompts or out is None:
-        raise DspecError("give --dataset and --output (or a --recipe with regenerate.prompts and data.path)")
-    check_output_file(out, "--output")  # appended to, never replaced
-    check_output_file(json_path, "--json")
-    pick = lambda flag, value: value if flag is None else flag  # noqa: E731
-    opts = RegenerateOptions(
-        prompts=prompts, output=out, target=target_name, drafter=drafter, checkpoint=checkpoint,
-        max_new_tokens=pick(max_new_tokens, spec.max_new_tokens), temperature=pick(temperature, spec.temperature),
-        top_p=pick(top_p, spec.top_p), top_k=pick(top_k, spec.top_k), concurrency=pick(concurrency, spec.concurrency),
-        limit=pick(limit, spec.limit or None), seed=pick(seed, spec.seed), block_size=block_size, device=device,
-        dtype=dtype, chat_template_kwargs=template_kwargs,
+    opts = command_options(
+        recipe=recipe, prompts=prompts, output=output, target=target, checkpoint=checkpoint,
+        chat_template_kwargs=None if chat_template_kwargs is None else opt.template_kwargs(chat_template_kwargs),
+        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, concurrency=concurrency,
+        limit=limit, seed=seed, drafter=drafter, block_size=block_size, device=device, dtype=dtype,
     )
+    check_output_file(json_path, "--json")
+    out = opts.output
     err = Console(stderr=True)
     if server:
         from dspec_cli.cli.regenerate_server import run_with_servers

@@ -16,15 +16,19 @@ drafters' sequential loops), :func:`sample_inverse_cdf` takes one uniform per ro
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from dspec_cli.core.errors import DspecError
 from dspec_cli.core.host import reads_free
 
 __all__ = [
     "CounterNoise",
+    "SamplingConfig",
     "exponential",
     "logits_to_probs",
     "sample_from_probs",
@@ -34,6 +38,34 @@ __all__ = [
     "torch_uniform",
     "uniform",
 ]
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How a run draws the target's tokens: the one set of sampling fields that every run's
+    settings inherit (the engine's ``GenerationConfig``, the options of bench, calibrate and
+    regenerate, a recipe's ``[regenerate]``, the toy models of ``dspec_cli.testing``)."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    seed: int = 0  # of the counter-based randomness: the same seed gives the same tokens
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise DspecError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise DspecError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise DspecError(f"--top-k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def sampling(self) -> dict[str, Any]:
+        """The sampling fields of these settings, as keyword arguments of another settings type."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingConfig)}
+
 
 # -- the random streams: every draw is keyed by (request seed, offset, salt) -------------
 # Verification (runtime/verify): chain acceptance coin of draft k at (seed, offset + k); the

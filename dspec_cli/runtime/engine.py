@@ -30,6 +30,7 @@ from dspec_cli.core.sampling import (
     ROUND_STRIDE,
     TREE_DRAFT_SALT,
     CounterNoise,
+    SamplingConfig,
 )
 from dspec_cli.core.specs import check_block_size
 from dspec_cli.core.types import DraftTree, Proposal, VerifyResult
@@ -49,15 +50,14 @@ from dspec_cli.runtime.verify import (
 from dspec_cli.runtime.verify.tree import SAMPLED_METHODS
 
 
-@dataclass
-class GenerationConfig:
+@dataclass(frozen=True)
+class GenerationConfig(SamplingConfig):
+    """A run's settings: sampling (:class:`~dspec_cli.core.sampling.SamplingConfig`), budget,
+    block size, batching, verification rules and how rounds run."""
+
     max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
     block_size: int = 7  # γ: most draft tokens verified per round
     max_batch: int = 1  # concurrent requests (continuous batching)
-    seed: int = 0
     chain_verify: str = "block"  # chains with draft probabilities: "token" or "block" (docs/verification.md)
     tree_verify: str = "sampled"  # trees of sampled siblings: "sampled" (recursive rejection) or "traversal"
     # how rounds run: "auto" (CUDA graphs on a CUDA device, else eagerly), "cuda", "eager", or
@@ -65,15 +65,10 @@ class GenerationConfig:
     graphs: str = "auto"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_block_size(self.block_size)
         if self.max_new_tokens < 1:
             raise DspecError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise DspecError(f"--temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise DspecError(f"--top-p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise DspecError(f"--top-k must be >= 0, got {self.top_k}")
         if self.max_batch < 1:
             raise DspecError(f"concurrency must be >= 1, got {self.max_batch}")
         if self.chain_verify not in CHAIN_METHODS:
@@ -90,10 +85,6 @@ class GenerationConfig:
         if self.graphs == "cuda" and device.type != "cuda":
             raise DspecError(f"CUDA graphs need a CUDA device, not {device}")
         return GraphSettings(self.graphs)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
 
 @dataclass
@@ -125,6 +116,22 @@ class RunStats:
     drafted_rounds: int = 0  # rounds with a proposal (the rest were plain steps: no drafter, gate closed, budget 0)
     verify_tokens: int = 0  # tokens sent to the target in verify passes
     verify_rules: dict[str, int] = field(default_factory=dict)  # drafted rounds by verification rule
+
+
+@dataclass
+class VerifyStep:
+    """What a drafted round verifies with probabilities, as its acceptance sees it: given to an
+    engine's ``observe`` callback (e.g. to verify the same drafts by other rules). Rows are the
+    step's padded rows (rows past R verify nothing)."""
+
+    rule: str  # the rule the engine applies: "token" / "block" (chains), "sampled" / "traversal" (trees)
+    target_probs: torch.Tensor  # [n, W+1, V] chains; [n, N+1, V] trees (the root's row first)
+    drafts: torch.Tensor  # [n, W] chain drafts; [n, N] tree tokens
+    draft_probs: torch.Tensor  # [n, W, V] chains; [n, N+1, V] trees (q of each node's children)
+    num_draft: torch.Tensor | None = None  # chains: ℓ [n]
+    parents: torch.Tensor | None = None  # trees: [n, N] local parents (0 = root, -1: no node)
+    depth: int = 0  # trees: >= the deepest node
+    fanout: int = 0  # trees: >= the most children of a node
 
 
 class RoundSampler:
@@ -182,7 +189,8 @@ class SpeculativeEngine:
     rounded up) through a :class:`~dspec_cli.runtime.graphs.GraphRunner`: CUDA graphs on a GPU,
     eagerly elsewhere. The round reads the device once, at its end: the accepted tokens, which
     decide what each request outputs and when it finishes. The KV caches, graphs and drafter
-    state persist across :meth:`generate` calls of one engine.
+    state persist across :meth:`generate` calls of one engine. ``observe`` (eager rounds only)
+    is called with a :class:`VerifyStep` in every round that verifies with draft probabilities.
     """
 
     def __init__(
@@ -192,6 +200,7 @@ class SpeculativeEngine:
         config: GenerationConfig | None = None,
         scheduler: Scheduler | None = None,
         stop_ids: Sequence[int] | None = None,
+        observe: Callable[[VerifyStep], None] | None = None,
     ):
         self.target = target
         self.drafter = drafter
@@ -200,6 +209,9 @@ class SpeculativeEngine:
         self.stop_ids = set(target.eos_token_ids if stop_ids is None else stop_ids)
         self.stats = RunStats()
         self.graphs = self.config.graph_settings(target.device)
+        if observe is not None and self.graphs.mode != "eager":
+            raise DspecError(f"observe: needs eager rounds (graphs='eager'), not {self.graphs.mode!r}")
+        self.observe = observe  # called inside every verify step with probabilities (eager rounds only)
         # CPU: target tokens by inverse CDF with one uniform per row (a vocabulary-wide noise
         # vector costs ~0.5 ms per step there); elsewhere the exponential race (the Triton verifier's)
         self._inverse_cdf = target.device.type == "cpu"
@@ -402,6 +414,8 @@ class SpeculativeEngine:
         col = torch.arange(width + 1, device=base.device)
         salts = torch.where(col == 0, NOISE_SALT, ENGINE_COIN_SALT)  # final draw at base, draft k's coin at base + k
         u = sampling.uniform(seeds[:, None], base[:, None] + col, salt=salts)  # [n, 1 + W]
+        if self.observe is not None and q is not None:
+            self.observe(VerifyStep(method, probs, drafts, q, num_draft=ell))
         if self._inverse_cdf:
             return verify_chain_grid(probs, drafts, q, ell, method=method, uniforms=u[:, 1:], final_uniforms=u[:, 0])
         noise = CounterNoise(seeds, base, NOISE_SALT)  # exponential(seeds, base, V, NOISE_SALT), made where it is used
@@ -436,6 +450,9 @@ class SpeculativeEngine:
             self._mark()
             n, width, vocab = logits.shape
             probs = sampling.logits_to_probs(logits.flatten(0, 1), cfg.temperature, cfg.top_k, cfg.top_p)
+            if self.observe is not None and q is not None:
+                self.observe(VerifyStep(method, probs.view(n, width, vocab), ids[:, 1:], q,
+                                        parents=grid_parents[:, 1:], depth=depth, fanout=fanout))
             res = verify_tree_grid(
                 probs.view(n, width, vocab), ids[:, 1:], grid_parents[:, 1:], depth=depth, fanout=fanout,
                 method=method, draft_probs=q, seeds=seeds, offsets=rounds * ROUND_STRIDE,

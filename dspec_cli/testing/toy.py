@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspec_cli.core.sampling import logits_to_probs
+from dspec_cli.core.sampling import SamplingConfig, logits_to_probs
 from dspec_cli.core.types import Proposal
 from dspec_cli.runtime.drafter import heuristic_confidence
 
@@ -25,20 +25,18 @@ def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None) -
     return (cdf < u * cdf[:, -1:]).sum(-1)
 
 
-@dataclass(frozen=True)
-class ToyLM:
+@dataclass(frozen=True, kw_only=True)
+class ToyLM(SamplingConfig):
     """First-order Markov chain LM: next-token logits depend only on the previous token.
 
-    The sampling settings are part of the model: ``probs`` is the distribution a lossless
-    decoder must reproduce.
+    The sampling settings (the inherited fields) are part of the model: ``probs`` is the
+    distribution a lossless decoder must reproduce.
     """
 
     transition_logits: torch.Tensor  # [V, V]; row = previous token
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         t = self.transition_logits
         if t.dim() != 2 or t.shape[0] != t.shape[1]:
             raise ValueError(f"transition_logits must be [V, V], got shape {tuple(t.shape)}")
@@ -46,18 +44,18 @@ class ToyLM:
     @classmethod
     def random(cls, vocab_size: int, *, scale: float = 2.0, generator: torch.Generator, **sampling) -> ToyLM:
         """Gaussian logits with standard deviation ``scale`` (larger = more peaked)."""
-        return cls(scale * torch.randn(vocab_size, vocab_size, generator=generator), **sampling)
+        return cls(transition_logits=scale * torch.randn(vocab_size, vocab_size, generator=generator), **sampling)
 
     @classmethod
     def iid(cls, logits: torch.Tensor, **sampling) -> ToyLM:
         """Every position has the same next-token logits [V] (an i.i.d. source)."""
-        return cls(logits.float().expand(logits.shape[-1], -1).clone(), **sampling)
+        return cls(transition_logits=logits.float().expand(logits.shape[-1], -1).clone(), **sampling)
 
     @classmethod
     def from_probs(cls, probs: torch.Tensor, **sampling) -> ToyLM:
         """i.i.d. source ([V]) or chain ([V, V]) with the given probabilities (zeros stay zero)."""
         logits = probs.double().log().float()
-        return cls.iid(logits, **sampling) if logits.dim() == 1 else cls(logits, **sampling)
+        return cls.iid(logits, **sampling) if logits.dim() == 1 else cls(transition_logits=logits, **sampling)
 
     @property
     def vocab_size(self) -> int:

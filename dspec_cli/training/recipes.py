@@ -26,6 +26,7 @@ from typing import Any
 from dspec_cli.core.chat_template import check_kwargs, default_kwargs
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import EMBEDDED, read_text
+from dspec_cli.core.sampling import SamplingConfig
 
 try:
     import tomllib
@@ -57,16 +58,21 @@ class DataSpec:
         return [self.path] if isinstance(self.path, str) and self.path else list(self.path or [])
 
 
-@dataclass
-class RegenerateSpec:
+@dataclass(frozen=True)
+class ChatSampling(SamplingConfig):
+    """Sampling for regenerated chat answers: Qwen3's non-thinking recommendations."""
+
+    temperature: float = 0.7
+    top_k: int = 20
+    top_p: float = 0.8
+
+
+@dataclass(frozen=True)
+class RegenerateSpec(ChatSampling):
     prompts: str = ""  # prompt file that `dspec data regenerate --recipe` turns into data.path (its first file)
     max_new_tokens: int = 4096
-    temperature: float = 0.7  # Qwen3 non-thinking recommendations
-    top_p: float = 0.8
-    top_k: int = 20
     concurrency: int = 32
     limit: int = 0
-    seed: int = 0
 
 
 @dataclass

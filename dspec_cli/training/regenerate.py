@@ -32,34 +32,71 @@ from pathlib import Path
 from typing import Any
 
 from dspec_cli.checkpoints import load_drafter
+from dspec_cli.checkpoints.hub import resolve_checkpoint
+from dspec_cli.checkpoints.native import choose_target
 from dspec_cli.core.chat_template import OPTION, check_kwargs, default_kwargs, describe
 from dspec_cli.core.data import Conversation, load_conversations
 from dspec_cli.core.errors import DspecError
+from dspec_cli.core.files import EMBEDDED
 from dspec_cli.core.jsonl import decode, parse_lines, write_line
+from dspec_cli.core.outputs import check_output_file
 from dspec_cli.runtime.engine import GenerationConfig, RequestResult, SpeculativeEngine
 from dspec_cli.runtime.target import Target
+from dspec_cli.training.recipes import ChatSampling, RegenerateSpec, load_recipe
 
 _CHUNK_PER_SLOT = 4  # conversations in flight per concurrent request slot
 
 
-@dataclass
-class RegenerateOptions:
+@dataclass(frozen=True, kw_only=True)
+class RegenerateOptions(ChatSampling):
+    """What ``dspec data regenerate`` was asked for: sampling (the inherited fields) and the rest."""
+
     prompts: str | Sequence[str]  # conversation file(s), read in order
     output: str | Path
     target: str | None = None  # Hub id or local path (None = the embedded tiny target)
     drafter: str | None = None  # speeds generation up; output is lossless anyway
     checkpoint: str | None = None
     max_new_tokens: int = 4096
-    temperature: float = 0.7  # Qwen3 non-thinking recommendations
-    top_p: float = 0.8
-    top_k: int = 20
     concurrency: int = 32
     limit: int | None = None
-    seed: int = 0
     block_size: int = 7
     device: str = "auto"
     dtype: str = "auto"
     chat_template_kwargs: dict = field(default_factory=default_kwargs)  # also sent to servers
+
+
+RECIPE_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "concurrency", "limit", "seed")  # [regenerate] keys a flag overrides
+
+
+def command_options(*, recipe: Path | None, prompts: Sequence[str], output: Path | None, target: str | None,
+                    checkpoint: str | None, chat_template_kwargs: dict[str, Any] | None, **flags: Any) -> RegenerateOptions:
+    """``dspec data regenerate``'s options: its flags over a training recipe's target, prompts,
+    data path, chat template and ``[regenerate]`` settings. ``flags``: the RECIPE_FIELDS (None when
+    not given: the recipe's, else the defaults) and the other options. Without a recipe, the
+    target defaults to the one ``checkpoint`` was trained for. Flags that contradict the recipe
+    (target, chat-template kwargs) and a missing or unwritable output are one-line errors."""
+    spec, template, out = RegenerateSpec(), chat_template_kwargs, output
+    if recipe is not None:
+        rec = load_recipe(recipe)
+        spec = rec.regenerate
+        if target is not None and target != rec.target.name:
+            raise DspecError(f"recipe {recipe} is for target {rec.target.name!r}, not {target!r}")
+        if template is not None and template != rec.chat_template:
+            raise DspecError(f"recipe {recipe} trains with chat-template kwargs {describe(rec.chat_template)}, not "
+                             f"{describe(template)}: set them in its [chat_template] table")
+        template, target = rec.chat_template, None if rec.target.name == EMBEDDED else rec.target.name
+        out = output or (Path(rec.data.paths[0]) if rec.data.paths else None)
+    elif checkpoint and target is None:  # the target the drafter was trained for
+        target = choose_target(None, [resolve_checkpoint(checkpoint)])
+    prompts = list(prompts) or ([spec.prompts] if spec.prompts else [])
+    if not prompts or out is None:
+        raise DspecError("give --dataset and --output (or a --recipe with regenerate.prompts and data.path)")
+    check_output_file(out, "--output")  # appended to, never replaced
+    given = {k: flags.pop(k, None) for k in RECIPE_FIELDS}
+    values = {k: getattr(spec, k) if v is None else v for k, v in given.items()}
+    values["limit"] = values["limit"] or None  # a recipe's 0: no limit
+    return RegenerateOptions(prompts=prompts, output=out, target=target, checkpoint=checkpoint,
+                             chat_template_kwargs=default_kwargs() if template is None else template, **values, **flags)
 
 
 @dataclass
@@ -168,10 +205,8 @@ def regenerate(
     """
     if opts.concurrency < 1:
         raise DspecError(f"--concurrency must be >= 1, got {opts.concurrency}")
-    cfg = GenerationConfig(
-        max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p,
-        block_size=opts.block_size, max_batch=opts.concurrency, seed=opts.seed,
-    )
+    cfg = GenerationConfig(**opts.sampling(), max_new_tokens=opts.max_new_tokens, block_size=opts.block_size,
+                           max_batch=opts.concurrency)
     out, stats, todo = plan(opts)
     if not todo:
         return stats

@@ -23,6 +23,7 @@ from dspec_cli.core.data import BUILTIN, Prompt, dataset_name, load_prompts
 from dspec_cli.core.devices import parse_dtype, resolve_device
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.hardware import CostTable, device_name
+from dspec_cli.core.sampling import SamplingConfig
 from dspec_cli.core.specs import (
     check_block_size,
     parse_drafter_spec,
@@ -41,19 +42,17 @@ from dspec_cli.runtime.target import Target
 from dspec_cli.workflows.metrics import acceptance, generated_tokens, median_ci95
 
 
-@dataclass
-class BenchOptions:
+@dataclass(frozen=True, kw_only=True)
+class BenchOptions(SamplingConfig):
+    """What ``dspec bench`` was asked for (docs/bench.md): sampling (the inherited fields) and the rest."""
+
     drafters: Sequence[str]
     target: str | None = None
     checkpoints: Sequence[str] = ()
     datasets: Sequence[str] = ()
     num_prompts: int | None = None
     max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
     block_size: int = 7
-    seed: int = 0
     concurrency: Sequence[int] = (1,)
     schedulers: Sequence[str] = ("fixed",)
     cost_table: str | None = None
@@ -429,8 +428,8 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
     if opts.cost_table:
         CostTable.load(opts.cost_table, block_size=opts.block_size)  # a missing or malformed table fails before any model loads
     rules = verify_config(opts.verify)
-    GenerationConfig(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, top_k=opts.top_k,
-                     top_p=opts.top_p, block_size=opts.block_size, **rules)  # sampling options checked up front
+    GenerationConfig(**opts.sampling(), max_new_tokens=opts.max_new_tokens, block_size=opts.block_size,
+                     **rules)  # the other run options checked up front
     resolve_device(opts.device)
     parse_dtype(opts.dtype)
     datasets = list(opts.datasets) or [BUILTIN]
@@ -451,8 +450,7 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
                                        where=f"--dataset {dset}")
         for conc in opts.concurrency:
             cfg = GenerationConfig(
-                max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, top_k=opts.top_k,
-                top_p=opts.top_p, block_size=opts.block_size, max_batch=conc, seed=opts.seed,
+                **opts.sampling(), max_new_tokens=opts.max_new_tokens, block_size=opts.block_size, max_batch=conc,
                 graphs="auto" if opts.cuda_graphs else "eager", **rules,
             )
             engines = [("baseline", "-", SpeculativeEngine(target, None, cfg))]

@@ -20,6 +20,7 @@ from dspec_cli.core.devices import parse_dtype, resolve_device
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import CALIBRATION_FILE, embedded_path
 from dspec_cli.core.outputs import check_output_dir, check_output_file, write_json
+from dspec_cli.core.sampling import SamplingConfig
 from dspec_cli.core.specs import check_block_size, parse_drafter_spec
 from dspec_cli.runtime.drafter import Drafter
 from dspec_cli.runtime.engine import GenerationConfig
@@ -40,8 +41,8 @@ FEW_ROUNDS = 200  # fewer than this: a warning (the fitted temperature is noisy)
 REPORT_METRICS = ("count", "ece", "auroc", "brier", "mean_pred", "mean_label")
 
 
-@dataclass
-class CalibrateOptions:
+@dataclass(frozen=True, kw_only=True)
+class CalibrateOptions(SamplingConfig):
     """What ``dspec calibrate`` was asked for (docs/calibration.md); paths as given."""
 
     drafter: str  # NAME[,KEY=VALUE...] (parse_drafter_spec)
@@ -53,11 +54,7 @@ class CalibrateOptions:
     max_new_tokens: int = 128
     target: str | None = None
     block_size: int | None = None  # None: the checkpoint's
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
     concurrency: int = 8
-    seed: int = 0
     device: str = "auto"
     dtype: str = "auto"
     output: Path | None = None  # a complete calibrated copy of the checkpoint
@@ -169,8 +166,7 @@ def _check(opts: CalibrateOptions) -> type[Drafter]:
                          "probabilities): its confidences are constant, so there is nothing to calibrate")
     if opts.traces is not None and opts.datasets:
         raise DspecError("give --dataset (run the drafter) or --traces (recorded rounds), not both")
-    GenerationConfig(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, top_p=opts.top_p,
-                     top_k=opts.top_k, max_batch=opts.concurrency)  # sampling options checked up front
+    GenerationConfig(max_new_tokens=opts.max_new_tokens, max_batch=opts.concurrency)  # the run options checked up front
     resolve_device(opts.device)
     parse_dtype(opts.dtype)
     return cls
@@ -183,9 +179,8 @@ def _record(opts: CalibrateOptions, checkpoint: Path | None,
     target_name = choose_target(opts.target, [checkpoint])  # no --target: the one the checkpoint was trained for
     target = Target.load(target_name, dtype=opts.dtype, device=opts.device)
     model = load_drafter(opts.drafter, target, checkpoint, opts.block_size)
-    config = GenerationConfig(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, top_p=opts.top_p,
-                              top_k=opts.top_k, block_size=model.config.block_size, max_batch=opts.concurrency,
-                              seed=opts.seed)
+    config = GenerationConfig(**opts.sampling(), max_new_tokens=opts.max_new_tokens, block_size=model.config.block_size,
+                              max_batch=opts.concurrency)
     per_total = (lambda total: progress(f"collecting rounds · {model.name}", total)) if progress else None
     rounds, used, skipped = record_rounds(target, model, [p.text for p in prompts], config, strict=opts.strict,
                                           progress=per_total, chat_template_kwargs=opts.chat_template_kwargs)

@@ -1,0 +1,66 @@
+"""Every script under benchmarks/ runs, at tiny sizes on the embedded target, so a benchmark that
+breaks fails here (their numbers are the scripts' business; trace_load: tests/test_trace_load.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import drafter_latency, hf_assisted, table, verify, verify_rules
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} - {"__init__"}
+SMOKED = {"drafter_latency", "hf_assisted", "table", "verify", "verify_rules", "trace_load", "gpu"}
+
+
+def test_every_benchmark_has_a_smoke_test():
+    assert SCRIPTS == SMOKED, "a new script under benchmarks/ needs a smoke test here"
+
+
+def test_drafter_latency(tmp_path):
+    out = tmp_path / "latency.json"
+    drafter_latency.main(["--shape", "tiny", "--blocks", "2", "--context", "16", "--device", "cpu", "--warmup", "0",
+                          "--repeats", "1", "--json", str(out)])
+    assert json.loads(out.read_text())
+
+
+def test_hf_assisted(tmp_path):
+    out = tmp_path / "hf.json"
+    hf_assisted.main(["--num-prompts", "1", "--max-new-tokens", "4", "--block-size", "2", "--json", str(out)])
+    assert json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("report,flags", [("bench-default-quiet-epyc512.json", []),
+                                          ("bench-load-cpu-epyc-zen4.json", ["--load"])])
+def test_table(report, flags, capsys):
+    table.main([str(ROOT / "docs" / "results" / report), *flags])
+    assert capsys.readouterr().out.startswith("|")
+
+
+def test_verify(tmp_path):
+    out = tmp_path / "verify.json"
+    verify.main(["--dry-run", "--backends", "torch", "--device", "cpu", "--warmup", "0", "--repeats", "1",
+                 "--json", str(out)])
+    assert json.loads(out.read_text())
+
+
+def test_verify_rules_observes_the_engine(tmp_path):
+    """Chains (dspark: token and block) and sampled trees (ddtree: sampled and traversal), each
+    rule re-verifying the round's own drafts through the engine's ``observe`` hook."""
+    out = tmp_path / "rules.json"
+    verify_rules.main(["--drafter", "dspark", "--drafter", "ddtree:dspark", "--num-prompts", "1",
+                       "--max-new-tokens", "6", "--samples", "2", "--json", str(out)])
+    chain, tree = json.loads(out.read_text())["runs"]
+    assert chain["rounds"] > 0 and set(chain["tau"]) == {"token", "block"}
+    assert tree["rounds"] > 0 and set(tree["tau"]) == {"sampled", "traversal"}
+
+
+def test_gpu_dry_run(tmp_path):
+    """benchmarks/gpu.py on its CPU dry run (a two-layer toy target)."""
+    from benchmarks import gpu
+
+    out = tmp_path / "gpu.json"
+    gpu.main(["--small", "--device", "cpu", "--parts", "syncs", "--json", str(out)])
+    assert "syncs" in json.loads(out.read_text())
