@@ -96,13 +96,13 @@ def test_kernels_split_the_vocabulary_in_grid_layout(block_v):
     cu = triton_backend.grid_ends(x["ell"], W)
     for q in (flat[2], None):
         args = (*flat[:2], q, *flat[3:])
-        want = reference.chain(*args, grid=True)
+        want = reference.chain(*args)
         got = triton_backend.chain(*args, cu=cu, block_v=block_v)
         assert torch.equal(got.tokens, want.tokens) and torch.equal(got.accepted, want.accepted)
     g_args = (x["p"].log().flatten(0, 1), flat[1], x["ell"], R * W, W)
-    want = reference.greedy(*g_args, grid=True)
+    want = reference.greedy(*g_args)
     assert torch.equal(triton_backend.greedy(*g_args, cu=cu, block_v=block_v).tokens, want.tokens)
-    want = block_reference.block(*flat, grid=True)
+    want = block_reference.block(*flat)
     got = triton_block.block(*flat, cu=cu, block_v=block_v)
     assert torch.equal(got.tokens, want.tokens) and torch.equal(got.accepted, want.accepted)
 

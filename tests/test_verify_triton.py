@@ -18,6 +18,7 @@ import torch
 pytest.importorskip("triton")
 
 from dspec_cli import testing as T  # noqa: E402
+from dspec_cli.core.ragged import to_grid  # noqa: E402
 from dspec_cli.core.sampling import (  # noqa: E402
     CounterNoise,
     logits_to_probs,
@@ -73,6 +74,22 @@ def chain_args(x, drafts=None, q="draft", noise=None):
     return (x["target_probs"], drafts, q, x["num_draft"], x["uniforms"], noise, x["total"], x["width"])
 
 
+def on_grid(verify, target, drafts, q, num_draft, uniforms, noise, total, width, **kw) -> VerifyResult:
+    """A torch reference (which takes padded rows only) on ragged chain inputs, their rows padded:
+    a row's outcome is the same in either layout."""
+    n = num_draft.long()
+    rows = (to_grid(target, n + 1, width + 1).flatten(0, 1), to_grid(drafts, n, width).flatten())
+    q = None if q is None else to_grid(q, n, width).flatten(0, 1)
+    return verify(*rows, q, n, to_grid(uniforms, n, width, 0.5).flatten(), noise, n.numel() * width, width, **kw)
+
+
+def greedy_on_grid(logits, drafts, num_draft, total, width) -> VerifyResult:
+    """reference.greedy on ragged inputs (see :func:`on_grid`)."""
+    n = num_draft.long()
+    grid = to_grid(logits, n + 1, width + 1).flatten(0, 1)
+    return reference.greedy(grid, to_grid(drafts, n, width).flatten(), n, n.numel() * width, width)
+
+
 def counter_noise(x) -> CounterNoise:
     return CounterNoise(x["seeds"], x["offsets"], 2)
 
@@ -101,7 +118,7 @@ def test_chain_kernel_matches_reference(R, V, gamma, block, one_hot):
         args = chain_args(x, drafts=x["draft_probs"].argmax(-1), q=None)
     else:
         args = chain_args(x)
-    ref = reference.chain(*args)
+    ref = on_grid(reference.chain, *args)
     assert one_hot or R == 1 or 0 < ref.accepted.sum() < x["total"]  # accepts and rejects both happen
     assert_same(triton_backend.chain(*args, block_v=block), ref)
 
@@ -110,7 +127,7 @@ def test_chain_kernel_matches_reference(R, V, gamma, block, one_hot):
 def test_counter_noise_in_the_kernel_is_the_reference_noise(R, V, gamma, block):
     x = make_inputs(R, V, gamma, seed=R + 3 * V + gamma)
     noise = counter_noise(x)
-    ref = reference.chain(*chain_args(x, noise=noise.tensor(V)))
+    ref = on_grid(reference.chain, *chain_args(x, noise=noise.tensor(V)))
     assert_same(triton_backend.chain(*chain_args(x, noise=noise), block_v=block), ref)
     # flat logits: the draw is the argmin of the noise itself
     flat = torch.zeros(R, V, device=DEVICE)
@@ -126,7 +143,7 @@ def test_chain_from_logits_matches_reference_on_probs(R, V, gamma, block, temper
     x = make_inputs(R, V, gamma, seed=R * 7 + V + gamma)
     drafts, q = (x["draft_probs"].argmax(-1), None) if one_hot else (x["draft_tokens"], x["draft_probs"])
     rest = (drafts, q, x["num_draft"], x["uniforms"], counter_noise(x), x["total"], x["width"])
-    ref = reference.chain(logits_to_probs(x["target_logits"], temperature), *rest)
+    ref = on_grid(reference.chain, logits_to_probs(x["target_logits"], temperature), *rest)
     assert_same(triton_backend.chain_logits(x["target_logits"], temperature, *rest, block_v=block), ref)
 
 
@@ -140,7 +157,7 @@ def test_greedy_kernel_matches_reference(R, V, gamma, block):
     follow = (torch.rand(x["total"], generator=torch.Generator().manual_seed(R)) < 0.8).to(DEVICE)
     drafts = torch.where(follow, best[is_draft_row], x["draft_tokens"])
     args = (x["target_logits"], drafts, x["num_draft"], x["total"], x["width"])
-    assert_same(triton_backend.greedy(*args, block_v=block), reference.greedy(*args))
+    assert_same(triton_backend.greedy(*args, block_v=block), greedy_on_grid(*args))
 
 
 def test_greedy_ties_take_the_first_index_across_blocks():
@@ -170,9 +187,9 @@ def test_draw_matches_reference(N, V, block, temperature):
 def test_strided_and_half_precision_rows():
     x = make_inputs(5, 200, 4, seed=7, dtype=torch.bfloat16)
     args = chain_args(x)
-    assert_same(triton_backend.chain(*args, block_v=64), reference.chain(*args))
+    assert_same(triton_backend.chain(*args, block_v=64), on_grid(reference.chain, *args))
     g_args = (x["target_logits"], x["draft_tokens"], x["num_draft"], x["total"], x["width"])
-    assert_same(triton_backend.greedy(*g_args, block_v=64), reference.greedy(*g_args))
+    assert_same(triton_backend.greedy(*g_args, block_v=64), greedy_on_grid(*g_args))
     wide = torch.randn(4, 3, 150, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     rows = wide[:, 1]  # [4, 150] with row stride 450: read in place
     noise = CounterNoise(torch.arange(4, device=DEVICE), torch.arange(4, device=DEVICE), 3)
@@ -183,7 +200,7 @@ def test_strided_and_half_precision_rows():
 def test_all_zero_drafts_and_empty_batch():
     x = make_inputs(3, 50, 0, seed=8)
     args = chain_args(x)
-    assert_same(triton_backend.chain(*args), reference.chain(*args))
+    assert_same(triton_backend.chain(*args), on_grid(reference.chain, *args))
     none = torch.zeros(0, dtype=torch.long, device=DEVICE)
     empty = triton_backend.chain(torch.zeros(0, 5, device=DEVICE), none, None, none,
                                  torch.zeros(0, dtype=torch.float64, device=DEVICE), torch.ones(0, 5, device=DEVICE), 0, 0)
@@ -196,13 +213,13 @@ def test_all_zero_drafts_and_empty_batch():
 def test_block_kernels_match_reference(R, V, gamma, block, closeness):
     x = make_inputs(R, V, gamma, seed=R * 100 + V + gamma, closeness=closeness)
     args = chain_args(x)
-    assert_same(triton_block.block(*args, block_v=block), block_reference.block(*args))
+    assert_same(triton_block.block(*args, block_v=block), on_grid(block_reference.block, *args))
 
 
 def test_block_half_precision_and_counter_randomness():
     x = make_inputs(5, 200, 4, seed=9, dtype=torch.bfloat16, closeness=0.3)
     args = chain_args(x)
-    assert_same(triton_block.block(*args, block_v=64), block_reference.block(*args))
+    assert_same(triton_block.block(*args, block_v=64), on_grid(block_reference.block, *args))
     x = make_inputs(6, 64, 5, seed=10, closeness=0.3)
     kw = dict(seeds=torch.arange(6, device=DEVICE) + 40, offsets=torch.arange(6, device=DEVICE) * 9, method="block")
     out = [verify_chain(x["target_probs"], x["draft_tokens"], x["draft_probs"], x["num_draft"], backend=b, **kw)

@@ -38,17 +38,20 @@ def _root(
 
 
 def _register_commands() -> None:
-    from dspec_cli.cli import drafters  # noqa: F401  (one module per command)
-
-    for module in _OPTIONAL_COMMANDS:
-        try:
-            __import__(f"dspec_cli.cli.{module}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"dspec_cli.cli.{module}":
-                raise
-
-
-_OPTIONAL_COMMANDS = ("bench", "train", "data", "datasets", "calibrate", "profile", "schedule", "push", "export")
+    """Each command module registers its command on import (one module per command; they import
+    their workflow inside the command, so this loads neither torch nor transformers)."""
+    from dspec_cli.cli import (  # noqa: F401
+        bench,
+        calibrate,
+        data,
+        datasets,
+        drafters,
+        export,
+        profile,
+        push,
+        schedule,
+        train,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -95,7 +95,7 @@ def bench_command(
     plots: Optional[Path] = opt.plots("acceptance.png; with several concurrencies also load.png"),
     chat_template_kwargs: Optional[str] = opt.chat_template_kwargs(),
     suite: Optional[str] = typer.Option(None, "--suite", help="paper = the paper's nine evaluation sets with their caps (see `dspec datasets`); prints τ per domain."),
-    verify: list[str] = typer.Option([], "--verify", help="Verification rule (repeatable): token or block for chains with draft probabilities (default block), sampled or traversal for trees of sampled siblings (default traversal). See docs/verification.md."),
+    verify: list[str] = typer.Option([], "--verify", help="Verification rule (repeatable): token or block for chains with draft probabilities (default block), sampled or traversal for trees of sampled siblings (default sampled). See docs/verification.md."),
 ) -> None:
     """Measure τ, acceptance by position and speedup over plain decoding of the same target."""
     from dspec_cli.workflows.bench import BenchOptions, run_bench

@@ -50,6 +50,7 @@ __all__ = [
     "ParallelBackbone",
     "build_blocks",
     "build_target_layer_ids",
+    "max_context",
     "resolve_backbone_config",
     "sample_anchors",
     "training_mask",
@@ -109,6 +110,13 @@ def _rope_parameters(tc) -> dict:
     if params.get("rope_type", "default") != "proportional":
         params.pop("partial_rotary_factor", None)
     return params
+
+
+def max_context(config) -> int | None:
+    """A transformers text config's context length (``max_position_embeddings``), as the target
+    reports it (``Target.max_context``); None when it states none (the config classes of some
+    architectures lack the field)."""
+    return getattr(config, "max_position_embeddings", None) or None
 
 
 def _attr(tc, name: str, default=None):
@@ -176,7 +184,7 @@ def resolve_backbone_config(cfg: BackboneConfig, text_config) -> dict[str, Any]:
         hidden_act=act,
         rms_norm_eps=cfg.rms_norm_eps or float(getattr(tc, "rms_norm_eps", 1e-6)),
         rope_parameters=dict(cfg.rope_parameters) if cfg.rope_parameters else _rope_parameters(tc),
-        max_position_embeddings=cfg.max_position_embeddings or int(getattr(tc, "max_position_embeddings", 32768)),
+        max_position_embeddings=cfg.max_position_embeddings or max_context(tc) or 32768,
         attention_bias=bias,
         initializer_range=cfg.initializer_range or float(getattr(tc, "initializer_range", 0.02)),
     )

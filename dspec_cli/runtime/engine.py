@@ -60,8 +60,9 @@ class GenerationConfig(SamplingConfig):
     max_batch: int = 1  # concurrent requests (continuous batching)
     chain_verify: str = "block"  # chains with draft probabilities: "token" or "block" (docs/verification.md)
     tree_verify: str = "sampled"  # trees of sampled siblings: "sampled" (recursive rejection) or "traversal"
-    # how rounds run: "auto" (CUDA graphs on a CUDA device, else eagerly), "cuda", "eager", or
-    # "check" (eagerly, checking what capture needs; runtime/graphs.py)
+    # how rounds run: "auto" (CUDA graphs on a CUDA device, else eagerly), "cuda", "eager",
+    # "compile" (torch.compile(fullgraph=True), reduce-overhead on CUDA) or "check" (eagerly,
+    # checking what capture needs); runtime/graphs.py
     graphs: str = "auto"
 
     def __post_init__(self) -> None:

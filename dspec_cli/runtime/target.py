@@ -39,6 +39,7 @@ from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import ASSETS_DIR, DEFAULT_TARGET_PATH, embedded_path
 from dspec_cli.core.hardware import warn_if_slow_half
 from dspec_cli.core.types import PrefillOutput
+from dspec_cli.nn.backbone import max_context
 from dspec_cli.runtime import attention
 from dspec_cli.runtime.kv_cache import (
     ForwardIO,
@@ -417,12 +418,6 @@ def _check_positions(model, params: Mapping) -> None:
     if "position_ids" not in params or getattr(model.config, "alibi", False):
         raise ValueError(f"{name} is not a decoder dspec can run: its positions come from the attention mask "
                          f"(ALiBi), not from position_ids (tested: {TESTED})")
-
-
-def max_context(config) -> int | None:
-    """A transformers text config's context length (``max_position_embeddings``); None when it
-    states none (the config classes of some architectures lack the field)."""
-    return getattr(config, "max_position_embeddings", None) or None
 
 
 def _length_groups(lens: list[int]) -> list[list[int]]:

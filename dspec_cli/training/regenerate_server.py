@@ -41,7 +41,7 @@ from dspec_cli.core.data import Conversation
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import DEFAULT_TARGET_PATH
 from dspec_cli.core.jsonl import split_lines, write_line
-from dspec_cli.runtime.target import max_context
+from dspec_cli.nn.backbone import max_context
 from dspec_cli.training.regenerate import (
     Dialogue,
     RegenerateOptions,

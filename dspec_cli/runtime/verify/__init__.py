@@ -403,8 +403,9 @@ def sample_logits(
         checks.positive("temperature", float(temperature))
         return impl.draw(logits, float(temperature), noise)
     probs = logits_to_probs(logits, temperature, top_k, top_p)[:, None]  # [N, 1, V]: no drafts, each row races over p
-    none = torch.zeros(N, 0, dtype=torch.long, device=device)
-    return _chain_grid(probs, None, none, None, none[:, 0], "token", none.double(), noise, None, impl).tokens[:, 0]
+    ell = torch.zeros(N, dtype=torch.long, device=device)
+    none = ell[:, None][:, :0]  # [N, 0]
+    return _chain_grid(probs, None, none, None, ell, "token", none.double(), noise, None, impl).tokens[:, 0]
 
 
 def _grid_shapes(target: torch.Tensor, name: str, draft_tokens: torch.Tensor, num_draft: torch.Tensor) -> tuple[int, int]:
