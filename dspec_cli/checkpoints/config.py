@@ -94,6 +94,10 @@ class TargetRecord(BaseModel):
     tokenizer_sha256: str | None = None
 
 
+class BlockSizeError(DspecError):
+    """A block size beyond the one a checkpoint was trained with (the message says what to use)."""
+
+
 class CheckpointConfig(BaseModel):
     """config.json of a dspec drafter checkpoint (see the module docstring)."""
 
@@ -130,7 +134,7 @@ class CheckpointConfig(BaseModel):
         """The block size to load with: ``wanted`` (None: the trained one), at most the trained one."""
         trained = self.drafter_config["block_size"]
         if wanted is not None and wanted > trained:
-            raise DspecError(f"--block-size {wanted} exceeds the {trained} positions drafter {self.drafter!r} was "
+            raise BlockSizeError(f"--block-size {wanted} exceeds the {trained} positions drafter {self.drafter!r} was "
                              f"trained for ({folder}); use --block-size {trained} or less")
         return trained if wanted is None else wanted
 

@@ -16,7 +16,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from dspec_cli.checkpoints.config import CheckpointConfig, Checkpointed, Trained
+from dspec_cli.checkpoints.config import (
+    BlockSizeError,
+    CheckpointConfig,
+    Checkpointed,
+    Trained,
+)
 from dspec_cli.checkpoints.layouts import load_foreign
 from dspec_cli.checkpoints.native import check_fits, checkpoint_config
 from dspec_cli.core.calibration import Calibration
@@ -96,9 +101,10 @@ def load_embedded(cls: type[D], target: Target, overrides: dict[str, Any]) -> D:
     path = embedded_path("drafters") / cls.name
     if not (path / CONFIG_FILE).is_file():
         raise DspecError(f"no trained {cls.name} drafter is embedded; {_train_hint(cls)}")
-    CheckpointConfig.read(path).block_size(overrides.get("block_size"), path)
     try:
         return cls.from_pretrained(path, target, **overrides)
+    except BlockSizeError:
+        raise  # it fits; the block size asked for does not
     except DspecError as exc:
         raise DspecError(f"the embedded {cls.name} drafter does not fit this target ({exc}); {_train_hint(cls)}") from None
 
