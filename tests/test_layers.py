@@ -13,7 +13,8 @@
   ``dspec_cli.checkpoints.layouts``, their own package and other plugins' package roots.
 * At most 12 modules directly in ``dspec_cli/``.
 * A checkpoint's config.json is read in ``checkpoints/`` only (``read_config`` is imported nowhere
-  else), into its typed record.
+  else), into its typed record, and ``runtime/`` reads no weights file (no safetensors).
+* The target has one level, the static one: the ragged level's names stay gone.
 * Drafters come from checkpoints through ``load_drafter`` only: outside ``checkpoints/`` no call
   of a ``from_pretrained`` / ``load_default`` except a drafter class's own delegation (inside a
   method of that name) and transformers' classes.
@@ -259,6 +260,23 @@ def stray_checkpoint_reads(folder: Path) -> list[str]:
 
 def test_checkpoint_files_are_read_in_checkpoints():
     assert stray_checkpoint_reads(PACKAGE) == []
+    assert [e for e in edges(ROOT, PACKAGE / "runtime", ("safetensors",), KNOWN)] == []
+
+
+REMOVED = {  # module -> names it no longer defines (the ragged level of Target and its types)
+    "runtime/target.py": ("verify", "verify_tree", "commit", "commit_path", "remove", "forward_full"),
+    "runtime/kv_cache.py": ("PendingStep", "require_idle"),
+    "core/types.py": ("StepOutput",),
+}
+
+
+def test_removed_names_stay_removed():
+    back = []
+    for rel, names in REMOVED.items():
+        tree = ast.parse((PACKAGE / rel).read_text())
+        defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        back += [f"{rel}: {name}" for name in names if name in defined]
+    assert back == []
 
 
 def test_drafters_load_through_load_drafter():
