@@ -53,14 +53,10 @@ class DrafterConfig:
         self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
 
     @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
-
-    @classmethod
     def from_dict(cls, values: dict[str, Any], *, where: str = "config") -> Self:
         """Build from a dict of JSON values, each checked against its field's type; unknown keys
         are an error that lists the valid ones."""
-        valid = cls.field_names()
+        valid = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(values) - set(valid))
         if unknown:
             raise DspecError(f"{where}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(valid)}")
@@ -130,13 +126,12 @@ class CheckpointConfig(BaseModel):
             raise DspecError(f"{where}: {exc}") from None
         return config
 
-    def block_size(self, wanted: int | None, folder: str | Path) -> int:
-        """The block size to load with: ``wanted`` (None: the trained one), at most the trained one."""
+    def check_trained_block_size(self, wanted: int | None, folder: str | Path) -> None:
+        """A block size to load with (None: the trained one) is at most the trained one."""
         trained = self.drafter_config["block_size"]
         if wanted is not None and wanted > trained:
             raise BlockSizeError(f"--block-size {wanted} exceeds the {trained} positions drafter {self.drafter!r} was "
-                             f"trained for ({folder}); use --block-size {trained} or less")
-        return trained if wanted is None else wanted
+                                 f"trained for ({folder}); use --block-size {trained} or less")
 
     @classmethod
     def read(cls, folder: str | Path) -> CheckpointConfig:

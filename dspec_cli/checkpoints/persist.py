@@ -77,7 +77,7 @@ def load_trained(cls: type[T], path: str | Path, target: Target, overrides: dict
         return foreign  # another project's layout (DeepSpec, z-lab DFlash, EAGLE-3)
     config = CheckpointConfig.parse(raw, path)
     check_fits(config, cls.name, path, target)
-    config.block_size(overrides.get("block_size"), path)
+    config.check_trained_block_size(overrides.get("block_size"), path)
     values = {**config.drafter_config, **overrides}
     drafter = cls.build(cls.config_class.from_dict(values, where=str(path / CONFIG_FILE)), target)
     weights = path / WEIGHTS_FILE

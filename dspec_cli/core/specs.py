@@ -77,7 +77,8 @@ def _option_value(flag: str, spec: str, key: str, value: str, default: Any) -> A
 
 def check_block_size(value: Any, what: str = "--block-size") -> int:
     """The one rule for a block size γ (draft tokens per round), wherever one is given: an integer
-    >= 1. (A checkpoint also bounds it by the γ it was trained for: ``CheckpointConfig.block_size``.)"""
+    >= 1 (and, for a checkpoint, at most the γ it was trained with:
+    ``CheckpointConfig.check_trained_block_size``)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise DspecError(f"{what} must be >= 1 (an integer), got {value!r}")
     return value
