@@ -45,9 +45,9 @@ PROMPTS = [[5, 17, 33, 2, 90, 41], [7, 8, 9], [100, 3, 64, 64, 12, 1, 5, 77, 2]]
 
 
 def _run(target, drafter, *, temperature: float, max_batch: int, graphs: str = "eager", engine=None,
-         prompts=PROMPTS, max_new_tokens: int = 10):
+         prompts=PROMPTS, max_new_tokens: int = 10, **sampling):
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, block_size=4, max_batch=max_batch,
-                           seed=3, graphs=graphs)
+                           seed=3, graphs=graphs, **sampling)
     engine = engine or SpeculativeEngine(target, drafter, cfg, stop_ids=[])
     return [r.output_ids for r in engine.generate(prompts)], engine
 
@@ -57,13 +57,17 @@ DEFAULT_RULES = {"plain": {0.0: set(), 1.0: set()}, "dspark-markov": {0.0: {"gre
                  "ddtree": {0.0: {"match"}, 1.0: {"sampled"}}}
 
 
+TOP_K_P = {"top_k": 8, "top_p": 0.9}
+
+
 @pytest.mark.parametrize("name", ["plain", "dspark-markov", "ddtree"])
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_one_host_read_per_round(target, drafters, name, temperature, monkeypatch):
+@pytest.mark.parametrize("temperature,sampling", [(0.0, {}), (1.0, {}), (1.0, TOP_K_P)], ids=["T0", "T1", "top-k-p"])
+def test_one_host_read_per_round(target, drafters, name, temperature, sampling, monkeypatch):
     """On the code paths a GPU runs, a round reads the device once (the accepted tokens), at
     R = 1 and with continuous batching (rows joining, leaving, padded to a bucket); no host data
-    is copied to the device inside a round. The rounds verify by the default rules: block
-    verification of dspark's chains, recursive rejection over ddtree's sampled trees (T = 1)."""
+    is copied to the device inside a round (top-k and top-p included: a copy would break CUDA
+    graph capture). The rounds verify by the default rules: block verification of dspark's
+    chains, recursive rejection over ddtree's sampled trees (T = 1)."""
     reads: list[int] = []
     live: list = []  # the running counter, read by the patched round
     real = SpeculativeEngine._round
@@ -76,11 +80,11 @@ def test_one_host_read_per_round(target, drafters, name, temperature, monkeypatc
     monkeypatch.setattr(SpeculativeEngine, "_round", counted)
     for max_batch in (1, 3):
         with device_path():
-            _, engine = _run(target, drafters[name], temperature=temperature, max_batch=max_batch)  # warm
+            _, engine = _run(target, drafters[name], temperature=temperature, max_batch=max_batch, **sampling)  # warm
         reads.clear()
         with count_host_reads() as counter:
             live.append(counter)
-            _run(target, drafters[name], temperature=temperature, max_batch=max_batch, engine=engine)
+            _run(target, drafters[name], temperature=temperature, max_batch=max_batch, engine=engine, **sampling)
         live.clear()
         assert reads and max(reads) == 1, (max_batch, reads, counter.sites.most_common(5))
         assert set(engine.stats.verify_rules) == DEFAULT_RULES[name][temperature]
