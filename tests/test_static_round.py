@@ -4,11 +4,13 @@ buckets, and the same tokens as before the rounds became static."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
 
 from dspec_cli.core.host import device_path, reads_free
 from dspec_cli.core.plugins import get_drafter_class
@@ -122,6 +124,62 @@ def test_every_round_compiles_without_graph_breaks(target, drafters, name):
     _same_tokens(target, drafters[name], "compile")
 
 
+@pytest.mark.parametrize("name", ["plain", "dspark-markov", "ddtree"])
+def test_a_run_reserves_its_windows_and_captures_each_shape_once(target, drafters, name, monkeypatch):
+    """A run's caches are reserved for its widest attention window (the longest prompt + the new
+    tokens + the widest verify, rounded up to the window bucket; here the last rounds' windows
+    pass the first 64-slot bucket), so no round reallocates a cache (which would re-key, and
+    recapture, every graph); a second run of the same shapes captures nothing; a run that needs
+    more room frees the graphs captured over the old buffers."""
+    seen: list[tuple] = []
+    real = SpeculativeEngine._round
+
+    def watched(self, rows, results):
+        real(self, rows, results)
+        seen.append((rows.batch.generation, None if rows.dstate is None else rows.dstate.cache.generation))
+
+    monkeypatch.setattr(SpeculativeEngine, "_round", watched)
+    prompts = [list(range(3, 3 + n)) for n in (50, 31, 44)]
+    run = dict(temperature=1.0, max_batch=3, max_new_tokens=12, prompts=prompts)
+    with device_path():
+        want, _ = _run(target, drafters[name], **run)
+        got, engine = _run(target, drafters[name], graphs="check", **run)
+        assert got == want and len(set(seen)) == 1, sorted(set(seen))
+        runner = engine._session.runner
+        captured = runner.captures
+        _run(target, drafters[name], graphs="check", engine=engine, **run)
+        assert runner.captures == captured and runner._entries
+        engine._rows(longest_prompt=200)  # the next run needs more room: the caches grow
+        assert not runner._entries
+
+
+@pytest.mark.parametrize("name", ["plain", "dspark-markov", "ddtree"])
+def test_cuda_mode_gives_the_eager_tokens_with_outputs_outside_the_graph_pool(target, drafters, name, monkeypatch):
+    """"cuda" mode's capture and replay on a CPU emulation of CUDA graphs (tests/graph_emulation.py:
+    a replay runs the captured ops only, no Python) give the eager tokens, T = 0 and 1, rows
+    padded to a bucket; and no tensor the runner returns lives in the graphs' shared memory pool,
+    so no graph's replay, in whatever order, writes another graph's outputs."""
+    from dspec_cli.runtime import engine as engine_mod
+    from dspec_cli.runtime.graphs import GraphSettings
+    from tests.graph_emulation import EmulatedGraphs
+
+    emulated = EmulatedGraphs()
+    monkeypatch.setattr(engine_mod, "GraphRunner", functools.partial(GraphRunner, graph_api=emulated))
+    with device_path():
+        for temperature in (0.0, 1.0):
+            want, _ = _run(target, drafters[name], temperature=temperature, max_batch=3)
+            engine = SpeculativeEngine(target, drafters[name], GenerationConfig(
+                max_new_tokens=10, temperature=temperature, block_size=4, max_batch=3, seed=3), stop_ids=[])
+            engine.graphs = GraphSettings("cuda")  # the CUDA path, on the emulation
+            assert [r.output_ids for r in engine.generate(PROMPTS)] == want, temperature
+            runner = engine._session.runner
+            assert runner.captures == emulated.captured > 0
+            owned = {x.untyped_storage().data_ptr() for entry in runner._entries.values()
+                     for x in pytree.tree_leaves(entry.outputs) if isinstance(x, torch.Tensor) and x.numel()}
+            assert owned and not owned & emulated.pool
+            emulated.captured = 0
+
+
 def test_check_mode_catches_state_made_anew_each_round(target, drafters, monkeypatch):
     """A drafter whose propose reads state reallocated between rounds could not be replayed as a
     graph: "check" mode says so."""
@@ -173,8 +231,8 @@ def test_row_buckets_and_hole_filling():
 
 
 def test_graph_runner_pads_rows_and_checks_replays():
-    """Inputs are zero-padded to the bucket; "check" replays reuse the static buffers and the
-    same outputs, and notice state reallocated between calls."""
+    """Inputs are zero-padded to the bucket; "check" calls reuse the input and output buffers (the
+    keys of one role share them) and notice state reallocated between calls."""
     state = {"w": torch.ones(4)}
 
     def fn(x):
@@ -184,13 +242,15 @@ def test_graph_runner_pads_rows_and_checks_replays():
     assert eager("k", fn, [torch.ones(3)], 4) == (torch.tensor([3.0]), 4)
     check = GraphRunner("check")
     first = check("k", fn, [torch.ones(3)], 4)[0]
+    assert first.item() == 3.0
     second = check("k", fn, [torch.full((2,), 2.0)], 4)[0]  # records what a capture would see
-    third = check("k", fn, [torch.full((1,), 5.0)], 4)[0]
-    assert first.item() == 3.0 and third is second and third.item() == 5.0
+    assert second is first and second.item() == 4.0
+    assert check("k", fn, [torch.full((1,), 5.0)], 4)[0] is first and first.item() == 5.0
+    other = check("k2", fn, [torch.ones(2)], 4, role="k")[0]  # another key of the role: the same buffers
+    assert other is first and first.item() == 2.0 and check.captures == 2
     state["w"] = torch.ones(4)  # reallocated: a graph would read the old one
     with pytest.raises(RuntimeError, match="reallocated"):
         check("k", fn, [torch.ones(1)], 4)
-    assert check.captures == 1
 
 
 def test_reads_free_only_on_a_cpu_outside_device_path():

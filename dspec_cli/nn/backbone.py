@@ -427,11 +427,11 @@ class ContextCache:
     def capacity(self) -> int:
         return self._keys[0].shape[2]
 
-    def reserve(self, rows: int, slots: int) -> None:
-        """Room for ``rows`` rows of ``slots`` slots (grows by copying: a new generation)."""
+    def reserve(self, rows: int, slots: int) -> bool:
+        """Room for ``rows`` rows of ``slots`` slots; True when it grew (by copying: a new generation)."""
         have_rows, have_slots = self._keys[0].shape[0], self.capacity
         if rows <= have_rows and slots <= have_slots:
-            return
+            return False
         rows, slots = max(rows, have_rows), max(slots, have_slots)
 
         def grow(t):
@@ -445,6 +445,7 @@ class ContextCache:
         lengths[: self._lengths.shape[0]] = self._lengths
         self._lengths = lengths
         self.generation += 1
+        return True
 
     def add_rows(self, n: int) -> None:
         """n empty rows join at the end."""

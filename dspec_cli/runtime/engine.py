@@ -233,7 +233,10 @@ class SpeculativeEngine:
 
     def _rows(self, longest_prompt: int) -> _Rows:
         """The running batch of one generate call, on this engine's persistent session (KV
-        caches with room for the run, graphs)."""
+        caches with room for the run, graphs). The room is what the run's widest attention window
+        needs (the longest prompt, every new token and the widest verify, rounded up to the window
+        bucket), so no round reallocates a cache; when this reservation reallocates one, the graphs
+        captured over the old buffers are freed."""
         cfg, dev = self.config, self.target.device
         layer_ids = self.drafter.target_layer_ids if self.drafter is not None else ()
         if self._session is None:
@@ -241,10 +244,14 @@ class SpeculativeEngine:
                                      GraphRunner(self.graphs.mode))
         session = self._session
         rows = self.graphs.rows(cfg.max_batch)
-        slots = longest_prompt + cfg.max_new_tokens + 2 * (cfg.block_size + 1)  # + the widest verify
-        session.batch.reserve(rows, slots)
+        widest = self.drafter.verify_tokens(cfg.block_size) if self.drafter is not None else 1
+        bucket = self.graphs.window()
+        slots = -(-(longest_prompt + cfg.max_new_tokens + widest) // bucket) * bucket
+        grew = session.batch.reserve(rows, slots)
         if self.drafter is not None:
-            self.drafter.reserve(session.dstate, rows, slots)
+            grew = self.drafter.reserve(session.dstate, rows, slots) or grew
+        if grew:
+            session.runner.clear()
         return _Rows(session.batch, session.dstate, dev, runner=session.runner)
 
     # -- the cycle -----------------------------------------------------------------------
@@ -314,7 +321,7 @@ class SpeculativeEngine:
         if key is None:  # not capturable: eagerly, unpadded
             fields = self._propose(*inputs)
         else:
-            fields = rows.runner(("propose", padded, key), self._propose, inputs, padded)
+            fields = rows.runner(("propose", padded, self._sampling(), key), self._propose, inputs, padded, role="propose")
         proposal = _proposal(fields, R)
         budget_now = (cfg.max_new_tokens - rows.produced - 1).clamp(0, cfg.block_size)  # = budget, on the device
         ell = sched(proposal, torch.minimum(proposal.lengths, budget_now))
@@ -376,8 +383,8 @@ class SpeculativeEngine:
             self.target.keep(batch, keep)
             return res.accepted, res.tokens, keep, taps
 
-        key = ("chain", padded, width, window, dense, q is not None, method, batch.generation)
-        accepted, tokens, keep, taps = rows.runner(key, step, inputs, padded)
+        key = ("chain", padded, width, window, dense, q is not None, method, self._sampling(), batch.generation)
+        accepted, tokens, keep, taps = rows.runner(key, step, inputs, padded, role="verify")
         batch.bound(width + 1)
         res = VerifyResult(accepted=accepted, tokens=tokens, num_tokens=accepted + 1)
         hidden = taps if batch.layer_ids else None
@@ -451,8 +458,8 @@ class SpeculativeEngine:
             hidden = taps.gather(1, on_path[..., None].expand(n, on_path.shape[1], taps.shape[2]))
             return res.accepted, res.tokens, keep, committed, hidden
 
-        key = ("tree", padded, ids.shape[1], window, method, fanout, batch.generation)
-        accepted, tokens, keep, committed, hidden = rows.runner(key, step, inputs, padded)
+        key = ("tree", padded, ids.shape[1], window, method, fanout, self._sampling(), batch.generation)
+        accepted, tokens, keep, committed, hidden = rows.runner(key, step, inputs, padded, role="verify")
         batch.bound(depth + 1)
         res = VerifyResult(accepted=accepted, tokens=tokens, num_tokens=accepted + 1)
         return res, committed, keep, hidden if batch.layer_ids else None, nodes.sum(1)
@@ -471,7 +478,7 @@ class SpeculativeEngine:
         def step(committed, keep, hidden=None):
             drafter.advance_grid(rows.dstate, committed, keep, hidden)
 
-        rows.runner(("advance", padded, committed.shape[1], key), step, inputs, padded)
+        rows.runner(("advance", padded, committed.shape[1], key), step, inputs, padded, role="advance")
 
     def _mark(self) -> None:
         """A phase boundary inside a verify step (recorded when the step runs eagerly)."""
@@ -559,6 +566,11 @@ class SpeculativeEngine:
                 on_finish(results[i])
 
     # -- helpers -------------------------------------------------------------------------
+    def _sampling(self) -> tuple:
+        """What a captured propose or verify step bakes in besides shapes: the sampling settings."""
+        c = self.config
+        return c.temperature, c.top_k, c.top_p, c.block_size
+
     def _count_rule(self, rule: str) -> None:
         self.stats.verify_rules[rule] = self.stats.verify_rules.get(rule, 0) + 1
 

@@ -199,12 +199,12 @@ class TargetBatch:
 
     # -- capacity ------------------------------------------------------------------------------
 
-    def reserve(self, rows: int, slots: int) -> None:
-        """Make room for ``rows`` rows of ``slots`` slots (buffers grow by copying: a new
-        ``generation``)."""
+    def reserve(self, rows: int, slots: int) -> bool:
+        """Make room for ``rows`` rows of ``slots`` slots; True when the buffers grew (by copying:
+        a new ``generation``)."""
         have_rows, have_slots = self.cache.capacity
         if rows <= have_rows and slots <= have_slots:
-            return
+            return False
         rows = max(rows, have_rows)
         slots = max(slots, int(have_slots * GROWTH), MIN_SLOTS) if slots > have_slots else have_slots
         self.cache.resize(rows, slots)
@@ -212,6 +212,7 @@ class TargetBatch:
         committed[: self._committed.shape[0]] = self._committed
         self._committed = committed
         self.generation += 1
+        return True
 
     def window(self, q: int, bucket: int = 1) -> int:
         """Slots a forward of q new tokens per row attends over: the longest row (host bound) + q,
