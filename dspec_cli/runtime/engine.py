@@ -42,6 +42,7 @@ from dspec_cli.runtime.verify import (
     CHAIN_METHODS,
     sample_logits,
     verify_chain_grid,
+    verify_chain_logits_grid,
     verify_greedy_grid,
     verify_tree_grid,
 )
@@ -201,7 +202,8 @@ class SpeculativeEngine:
         self.stats = RunStats()
         self.graphs = self.config.graph_settings(target.device)
         # CPU: target tokens by inverse CDF with one uniform per row (a vocabulary-wide noise
-        # vector costs ~0.5 ms per step there); elsewhere the exponential race (the Triton verifier's)
+        # vector costs ~0.5 ms per step there), from float logits; elsewhere the exponential race
+        # (the Triton verifier's), from logits in the model's dtype (the kernels upcast as they read)
         self._inverse_cdf = target.device.type == "cpu"
         self._session: _Session | None = None
         self._marks: list[float] = []  # phase boundaries inside an eager verify step
@@ -375,7 +377,7 @@ class SpeculativeEngine:
         inputs = [grid, ell, rows.seeds, rows.rounds, live] + ([q] if q is not None else [])
 
         def step(grid, ell, seeds, rounds, live, q=None):
-            logits, taps = self.target.score(batch, grid, None, window, dense)
+            logits, taps = self.target.score(batch, grid, None, window, dense, upcast=self._inverse_cdf)
             self._mark()
             res = self._accept(logits, grid, ell, q, seeds, rounds, method)
             self._mark()
@@ -392,10 +394,11 @@ class SpeculativeEngine:
 
     def _accept(self, logits, grid, ell, q, seeds, rounds, method: str) -> VerifyResult:
         """Accept a prefix of each row's drafts by ``method`` ("token" or "block"): logits
-        [n, 1 + W, V] float of grid [n, 1 + W] (anchor, drafts), ℓ [n]; q [n, W, V] or None
-        (one-hot drafts). The grid verifiers' "auto" backend: the Triton kernels on CUDA (final
-        token by the exponential race), the torch reference on a CPU (final token by the inverse
-        CDF)."""
+        [n, 1 + W, V] (float; on CUDA the model's dtype) of grid [n, 1 + W] (anchor, drafts),
+        ℓ [n]; q [n, W, V] or None (one-hot drafts). The grid verifiers' "auto" backend: the
+        Triton kernels on CUDA (final token by the exponential race; with temperature alone they
+        read the logits, no probabilities written), the torch reference on a CPU (final token by
+        the inverse CDF)."""
         cfg = self.config
         width = grid.shape[1] - 1
         base = rounds * ROUND_STRIDE  # [n]
@@ -405,13 +408,16 @@ class SpeculativeEngine:
         if cfg.greedy:
             return verify_greedy_grid(logits, drafts, ell)
         n, _, vocab = logits.shape
-        probs = sampling.logits_to_probs(logits.flatten(0, 1), cfg.temperature, cfg.top_k, cfg.top_p).view(n, -1, vocab)
         col = torch.arange(width + 1, device=base.device)
         salts = torch.where(col == 0, NOISE_SALT, ENGINE_COIN_SALT)  # final draw at base, draft k's coin at base + k
         u = sampling.uniform(seeds[:, None], base[:, None] + col, salt=salts)  # [n, 1 + W]
+        noise = CounterNoise(seeds, base, NOISE_SALT)  # exponential(seeds, base, V, NOISE_SALT), made where it is used
+        if not self._inverse_cdf and cfg.top_k == 0 and cfg.top_p == 1:
+            return verify_chain_logits_grid(logits, drafts, q, ell, temperature=cfg.temperature, method=method,
+                                            uniforms=u[:, 1:], noise=noise)
+        probs = sampling.logits_to_probs(logits.flatten(0, 1), cfg.temperature, cfg.top_k, cfg.top_p).view(n, -1, vocab)
         if self._inverse_cdf:
             return verify_chain_grid(probs, drafts, q, ell, method=method, uniforms=u[:, 1:], final_uniforms=u[:, 0])
-        noise = CounterNoise(seeds, base, NOISE_SALT)  # exponential(seeds, base, V, NOISE_SALT), made where it is used
         return verify_chain_grid(probs, drafts, q, ell, method=method, uniforms=u[:, 1:], noise=noise)
 
     def _verify_tree(self, rows: _Rows, proposal: Proposal, ell: torch.Tensor, padded: int):
@@ -439,7 +445,7 @@ class SpeculativeEngine:
         inputs = [ids, grid_parents, rows.seeds, rows.rounds, live] + ([q] if q is not None else [])
 
         def step(ids, grid_parents, seeds, rounds, live, q=None):
-            logits, taps = self.target.score(batch, ids, grid_parents, window)
+            logits, taps = self.target.score(batch, ids, grid_parents, window, upcast=self._inverse_cdf)
             self._mark()
             n, width, vocab = logits.shape
             probs = sampling.logits_to_probs(logits.flatten(0, 1), cfg.temperature, cfg.top_k, cfg.top_p)
