@@ -11,6 +11,14 @@ versions and not under ``torch.compile``). Reshaping query [B, H, q, d] to [B, H
 reads KV head h // n, the grouping of transformers and of ``enable_gqa``) gives the same
 attention with equal head counts, so the memory-efficient kernel (or cuDNN's) takes it and K/V
 are read in place; the mask's rows repeat to match (a view when the mask has one query row).
+
+No split-KV (flash-decoding) kernel: at B = 1 a one-token step gives SDPA H_kv (batch, head)
+pairs of one query block each, a few programs per layer reading the whole context. For a
+Qwen3-4B shape (36 layers, 8 KV heads of 128, bf16; 8.0 GB of weights) that context is 75 MB at
+512 tokens, 0.9 % of the step's bytes: even read at a tenth of the bandwidth it adds 8 % to the
+step. At 4,096 tokens it is 604 MB, 7 %, and the same tenth would add 63 %. ``benchmarks.gpu``'s
+``attention`` part times one layer at both contexts against reading its K/V: a split-KV kernel is
+worth its code where that ratio is far above 1 at long contexts.
 """
 
 from __future__ import annotations
