@@ -30,8 +30,10 @@ import torch.nn.functional as F
 
 __all__ = ["sdpa_stacked"]
 
-# the last stacked mask: every layer of a forward passes the same mask, so it is stacked once
-_LAST: list = [None, 0, None]  # [weakref to the mask, groups, stacked mask]
+# the last stacked masks: every layer of a forward passes the same mask (one per layer type), so
+# each is stacked once
+_RECENT: list[tuple[weakref.ref, int, torch.Tensor]] = []  # (the mask, groups, stacked), newest first
+_KEEP = 4
 
 
 def sdpa_stacked(
@@ -57,15 +59,17 @@ def sdpa_stacked(
 
 def stacked_mask(mask: torch.Tensor | None, groups: int) -> torch.Tensor | None:
     """mask [B, 1, q, S] with each query row repeated for the ``groups`` stacked heads:
-    [B, 1, groups·q, S] (made once per mask: the forward's layers share it; outside
+    [B, 1, groups·q, S] (made once per mask: the layers of a forward share it; outside
     ``torch.compile``, whose graph computes it once anyway), or the mask itself when it has one
     query row (broadcast)."""
     if mask is None or mask.shape[2] == 1 or groups == 1:
         return mask
-    if not torch.compiler.is_compiling() and _LAST[0] is not None and _LAST[0]() is mask and _LAST[1] == groups:
-        return _LAST[2]
+    memo = not torch.compiler.is_compiling()
+    for ref, n, stacked in _RECENT if memo else ():
+        if ref() is mask and n == groups:
+            return stacked
     batch, _, q_len, slots = mask.shape
     stacked = mask[:, :, None].expand(batch, 1, groups, q_len, slots).reshape(batch, 1, groups * q_len, slots)
-    if not torch.compiler.is_compiling():
-        _LAST[:] = [weakref.ref(mask), groups, stacked]
+    if memo:
+        _RECENT[:] = [(weakref.ref(mask), groups, stacked), *_RECENT[: _KEEP - 1]]
     return stacked
