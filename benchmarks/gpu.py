@@ -14,7 +14,9 @@ keeps the tail of its output (its traceback) under ``errors``.
   against the torch reference at R = 64, V = 151,936 (from probabilities; from bf16 logits);
 * ``plain``: a plain decode step through dspec's engine at B = 1, 16, 64 and T = 0, 1 (context
   512), against the bound = (weight bytes + KV bytes read per step) / read bandwidth, with and
-  without CUDA graphs at B = 1; then B = 64 at context 4,096 (the KV reserve, peak memory);
+  without CUDA graphs at B = 1; one verify forward of 1, 8, 16, 32 tokens per row at B = 1 (the
+  engine's captured step) against a one-token one; then B = 64 at context 4,096 (the KV
+  reserve, peak memory);
 * ``syncs``: host synchronisations per round of the engine (CUDA sync-debug mode; on a CPU the
   host reads :func:`dspec_cli.testing.host_reads.count_host_reads` counts), plain, dspark and
   ddtree at T = 0 and 1, on the embedded target;
@@ -24,8 +26,6 @@ keeps the tail of its output (its traceback) under ``errors``.
   probabilities; token and block rules from the bf16 logits (what the engine's verify runs on
   CUDA) against the path they replace (fp32 copy, softmax, verification of the probabilities);
 * ``embedded``: the embedded target, dspark and ddtree against plain decoding at R = 1 and 64;
-* ``widths``: one verify forward of 1, 8, 16, 32 tokens per row at B = 1 (the engine's captured
-  step) against a plain step;
 * ``attention``: one layer's masked attention of one query token at B = 1, contexts 512 and
   4,096 (the target's stacked grouped-query layout), against reading its K/V; and the drafter's
   block attention, stacked against ``enable_gqa`` under a mask;
@@ -61,9 +61,9 @@ from benchmarks.budget import (
 )
 
 CONTEXT = 512
-PARTS = (  # most valuable first; caps fit a 300 s budget with the parts' start-up (~10 s each on a GPU)
-    Part("correct", 60), Part("plain", 70), Part("syncs", 40), Part("kernels", 45), Part("embedded", 70),
-    Part("widths", 30), Part("attention", 30), Part("profile", 40), Part("bandwidth", 20),
+PARTS = (  # most valuable first; caps fit a 300 s budget with each part's start-up (~10 s on a GPU, the 4B model ~5 s)
+    Part("correct", 60), Part("plain", 90, least=30), Part("syncs", 40), Part("kernels", 45), Part("embedded", 70),
+    Part("attention", 25), Part("profile", 50, least=30), Part("bandwidth", 20),
 )
 SMALL = dict(hidden_size=128, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
              vocab_size=8192, max_position_embeddings=8192, num_hidden_layers=2, tie_word_embeddings=True)
@@ -245,16 +245,24 @@ def _verify_inputs(rows: int, gamma: int, vocab: int, dev: torch.device) -> dict
 
 
 def part_plain(args, progress: Progress) -> dict:
+    """The target's decode step through the engine against its bound, and (after B = 1) one
+    verify forward of 1, 8, 16, 32 tokens per row against a one-token one."""
     target = build_target(args)
     dev = target.device
     bw = read_bandwidth(dev)
-    out: dict = {"context": CONTEXT, "bandwidth": bw, "steps": []}
-    cases = [(1, 0.0, "auto"), (1, 1.0, "auto"), (64, 0.0, "auto"), (64, 1.0, "auto"), (1, 0.0, "eager"),
+    out: dict = {"context": CONTEXT, "bandwidth": bw, "steps": [], "widths": []}
+    cases = [(1, 0.0, "auto"), (1, 1.0, "auto"), "widths", (64, 0.0, "auto"), (64, 1.0, "auto"), (1, 0.0, "eager"),
              (16, 0.0, "auto"), (16, 1.0, "auto"), (64, 0.0, "auto", 1024 if args.small else 4096)]
-    for rows, temperature, graphs, *ctx in cases:
-        context = ctx[0] if ctx else CONTEXT
+    for case in cases:
+        if isinstance(case, str):
+            if progress.left() < 25:
+                break
+            _widths(target, out, progress)
+            continue
+        rows, temperature, graphs, *ctx = case
         if progress.left() < (25 if rows > 1 else 10):
             break
+        context = ctx[0] if ctx else CONTEXT
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         prompts = random_prompts(rows, context, target.vocab_size, seed=rows)
@@ -266,6 +274,15 @@ def part_plain(args, progress: Progress) -> dict:
               f"({run['ms_per_round'] / bound:.1f}x bound {bound:.2f} ms)", flush=True)
         progress.save(out)
     return out
+
+
+def _widths(target, out: dict, progress: Progress) -> None:
+    rows = out["widths"]
+    for q in (1, 8, 16, 32):
+        rows.append({"B": 1, "tokens": q, "ms": _score_ms(target, 1, q, CONTEXT)})
+        rows[-1]["x_plain"] = rows[-1]["ms"] / rows[0]["ms"]
+        print(f"verify width {q}: {rows[-1]['ms']:.2f} ms ({rows[-1]['x_plain']:.2f}x one token)", flush=True)
+        progress.save(out)
 
 
 def part_syncs(args, progress: Progress) -> dict:
@@ -437,20 +454,6 @@ def _score_ms(target, rows: int, q: int, context: int) -> float:
     return median_ms(lambda: runner("score", step, [ids], padded), target.device)
 
 
-def part_widths(args, progress: Progress) -> dict:
-    target = build_target(args)
-    out: dict = {"context": CONTEXT, "widths": []}
-    for q in (1, 8, 16, 32):
-        if progress.left() < 5:
-            break
-        out["widths"].append({"B": 1, "tokens": q, "ms": _score_ms(target, 1, q, CONTEXT)})
-        out["widths"][-1]["x_plain"] = out["widths"][-1]["ms"] / out["widths"][0]["ms"]
-        print(f"verify width {q}: {out['widths'][-1]['ms']:.2f} ms ({out['widths'][-1]['x_plain']:.2f}x one token)",
-              flush=True)
-        progress.save(out)
-    return out
-
-
 def part_attention(args, progress: Progress) -> dict:
     """Masked attention at B = 1 (one layer): is the single query's K/V read near the bandwidth
     (no split-KV kernel: a few programs per layer), and the drafter's layout choice."""
@@ -525,7 +528,7 @@ def goals(report: dict) -> dict:
     t0, t1 = steps.get((1, 0.0, "auto", CONTEXT)), steps.get((1, 1.0, "auto", CONTEXT))
     goal("plain step T=1 vs T=0 (B=1)", t0 and t1 and t1["ms_per_round"] / t0["ms_per_round"], "<= 1.05",
          lambda v: v <= 1.05)
-    widths = {w["tokens"]: w for w in report.get("widths", {}).get("widths", [])}
+    widths = {w["tokens"]: w for w in report.get("plain", {}).get("widths", [])}
     goal("verify 8 tokens vs plain step (B=1)", widths.get(8, {}).get("x_plain"), "<= 1.15", lambda v: v <= 1.15)
     syncs = report.get("syncs", {}).get("runs", [])
     goal("host syncs per round (max over runs)", max((r["per_round_max"] for r in syncs), default=None), "<= 1",
