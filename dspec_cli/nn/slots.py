@@ -76,12 +76,13 @@ class SlotRows:
 
     # -- rows and capacity ------------------------------------------------------------------
 
-    def reserve(self, rows: int, slots: int) -> None:
+    def reserve(self, rows: int, slots: int) -> bool:
         """Room for ``rows`` rows of ``slots`` slots: the buffers grow by copying (slots at least
-        by ``GROWTH``, to ``MIN_SLOTS``), a new ``generation``."""
+        by ``GROWTH``, to ``MIN_SLOTS``), a new ``generation``; True when they grew (graphs
+        captured over the old buffers are then stale)."""
         have_rows, have_slots = self.capacity
         if rows <= have_rows and slots <= have_slots:
-            return
+            return False
         rows = max(rows, have_rows)
         slots = max(slots, int(have_slots * GROWTH), MIN_SLOTS) if slots > have_slots else have_slots
         self._resize(rows, slots)
@@ -91,6 +92,7 @@ class SlotRows:
         self._lengths = lengths
         self.generation += 1
         self._changed()
+        return True
 
     def add_rows(self, count: int, slots: int = 0) -> int:
         """``count`` empty rows join at the end (room for ``slots`` slots); returns the first."""

@@ -25,6 +25,7 @@ or an upper bound after a commit made without reading the device (the engine's r
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -55,14 +56,22 @@ class ForwardIO:
 
 class SlotLayer(CacheLayerMixin):
     """One decoder layer's keys and values [row capacity, H, slot capacity, D]; see the module
-    docstring. Full history is kept for sliding-window layers too (their window is a mask)."""
+    docstring. Full history is kept for sliding-window layers too (their window is a mask). It
+    refers to its cache weakly: no reference cycle, so a dropped cache's buffers are freed at once,
+    not by the cycle collector."""
 
     is_sliding = False
     is_compileable = True
 
     def __init__(self, cache: SlotCache):
         super().__init__()
-        self.cache = cache
+        self._cache = weakref.ref(cache)
+
+    @property
+    def cache(self) -> SlotCache:
+        cache = self._cache()
+        assert cache is not None, "SlotLayer used after its SlotCache was dropped"
+        return cache
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate the buffers from the first forward's key_states, value_states [n, H, q, D]

@@ -25,8 +25,9 @@ TRITON_INTERPRET=1), ``"auto"`` (Triton on CUDA tensors when it imports, else to
 chain and greedy calls synchronise with the host once (lengths and, with ``validate=True``, the
 value checks); ``validate=False`` skips the value checks on hot paths, and the logits-level calls
 (:func:`verify_chain_logits`, :func:`sample_logits`) given ``max_draft`` never synchronise. On
-CUDA the engine's chains and greedy rounds run the Triton kernels; trees, and every round on a
-CPU, the torch reference.
+CUDA the engine's chains and greedy rounds run the Triton kernels (at temperature alone on the
+target's logits: :func:`verify_chain_logits_grid`); trees, and every round on a CPU, the torch
+reference.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ __all__ = [
     "verify_chain",
     "verify_chain_grid",
     "verify_chain_logits",
+    "verify_chain_logits_grid",
     "verify_greedy",
     "verify_greedy_grid",
     "verify_tree",
@@ -212,14 +214,14 @@ def verify_chain_logits(
     ``method`` as in :func:`verify_chain`.
 
     On the Triton backend with temperature alone (scalar top_k = 0, top_p = 1) the target
-    probabilities are never written: the kernels reduce softmax statistics per row and read the
-    logits of the few entries and the one row each request needs. Otherwise the probabilities
-    come from ``logits_to_probs`` (the torch reference, and top-k / top-p everywhere).
+    probabilities are never written: the kernels reduce softmax statistics per row and compute
+    the probabilities they read from the logits (the token rule reads the drafts' entries and one
+    row per request, the block rule every draft row). Otherwise the probabilities come from
+    ``logits_to_probs`` (the torch reference, and top-k / top-p everywhere).
     """
     if _scalar(temperature) and float(temperature) == 0:
         return _greedy(target_logits, draft_tokens, num_draft, backend, validate, max_draft)
     fused = _scalar(temperature) and _scalar(top_k) and _scalar(top_p) and int(top_k) == 0 and float(top_p) == 1
-    fused = fused and (method == "token" or draft_probs is None)  # the block kernels read probabilities
     if fused and final_uniforms is None and _backend(backend, target_logits.device) is not reference:
         checks.positive("temperature", float(temperature))
         target, temp = target_logits, float(temperature)
@@ -329,11 +331,11 @@ def _chain_grid(
     assert noise is not None  # final_uniforms takes the reference (checked by the callers)
     cu = impl.grid_ends(num_draft, W)
     if block_q is not None:
-        if isinstance(noise, CounterNoise):
-            noise = noise.tensor(rows.shape[1])
-        return _block_backend(impl).block(rows, drafts, block_q, num_draft, args[1], noise, R * W, W, cu=cu)
-    if temperature is not None:  # the Triton backend (verify_chain_logits chose it)
-        return impl.chain_logits(rows, temperature, drafts, q, num_draft, args[1], noise, R * W, W, cu=cu)
+        if temperature is not None:  # the Triton backend (a logits caller chose it)
+            return _block_backend(impl).block_logits(rows, temperature, drafts, block_q, *args, cu=cu)
+        return _block_backend(impl).block(rows, drafts, block_q, *args, cu=cu)
+    if temperature is not None:  # the Triton backend (a logits caller chose it)
+        return impl.chain_logits(rows, temperature, drafts, q, *args, cu=cu)
     return impl.chain(rows, drafts, q, *args, cu=cu)
 
 
@@ -457,6 +459,41 @@ def verify_chain_grid(
         raise ValueError("final_uniforms: the Triton backend draws the final token with noise; pass noise")
     return _chain_grid(target_probs, None, draft_tokens.long(), draft_probs, num_draft.long(), method, uniforms, noise,
                        final_uniforms, impl)
+
+
+def verify_chain_logits_grid(
+    target_logits: torch.Tensor,  # [R, W+1, V], any float dtype
+    draft_tokens: torch.Tensor,  # [R, W]
+    draft_probs: torch.Tensor | None,  # [R, W, V] or None (one-hot drafts)
+    num_draft: torch.Tensor,  # [R], each <= W
+    *,
+    temperature: float,  # > 0
+    method: str = "token",
+    uniforms: torch.Tensor,  # [R, W] float64 in (0, 1): draft k's coin
+    noise: torch.Tensor | CounterNoise,  # [R, V] Exp(1) (or its keys): final token by the race
+    backend: str = "auto",
+) -> VerifyResult:
+    """:func:`verify_chain_grid` against ``logits_to_probs(target_logits, temperature)``. On the
+    Triton backend the probabilities are never written (nor an fp32 copy of the logits): the
+    kernels read the logits as they are and compute the probabilities where they use them, which
+    saves a few vocabulary-wide passes per target row (the engine's verify step on CUDA; tokens
+    equal the reference's except where two candidates are within rounding). The torch reference
+    computes the probabilities first. No host reads."""
+    R, W = _grid_shapes(target_logits, "target_logits", draft_tokens, num_draft)
+    vocab = target_logits.shape[2]
+    impl = _backend(backend, target_logits.device)
+    if impl is reference:
+        probs = logits_to_probs(target_logits.flatten(0, 1), temperature).view(R, W + 1, vocab)
+        return verify_chain_grid(probs, draft_tokens, draft_probs, num_draft, method=method, uniforms=uniforms,
+                                 noise=noise, backend="torch")
+    if method not in CHAIN_METHODS:
+        raise ValueError(f"method: expected one of {CHAIN_METHODS}, got {method!r}")
+    checks.positive("temperature", float(temperature))
+    if draft_probs is not None:
+        checks.shape("draft_probs", draft_probs, (R, W, vocab))
+    checks.shape("uniforms", uniforms, (R, W))
+    return _chain_grid(target_logits, float(temperature), draft_tokens.long(), draft_probs, num_draft.long(), method,
+                       uniforms, noise, None, impl)
 
 
 def verify_greedy_grid(
