@@ -1,5 +1,6 @@
 """Every script under benchmarks/ runs, at tiny sizes on the embedded target, so a benchmark that
-breaks fails here (their numbers are the scripts' business; trace_load: tests/test_trace_load.py)."""
+breaks fails here (their numbers are the scripts' business; trace_load: tests/test_trace_load.py;
+budget, gpu.py's budgeted driver: tests/test_gpu_benchmark.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from benchmarks import drafter_latency, hf_assisted, table, verify, verify_rules
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} - {"__init__"}
-SMOKED = {"drafter_latency", "hf_assisted", "table", "verify", "verify_rules", "trace_load", "gpu"}
+SMOKED = {"drafter_latency", "hf_assisted", "table", "verify", "verify_rules", "trace_load", "gpu", "budget"}
 
 
 def test_every_benchmark_has_a_smoke_test():
