@@ -153,7 +153,7 @@ def test_calibration_file_roundtrip_and_checks(tmp_path):
     conf = torch.tensor([[0.9, 0.8, 0.7]])
     assert torch.allclose(legacy.apply(conf), apply_temperatures(conf, [1.5, 2.0, 1.0]))
     (tmp_path / "bad.json").write_text('{"drafter": "x", "block_size": 2, "temperatures": [1.0, -1]}')
-    with pytest.raises(DspecError, match="temperatures must be a list of positive numbers"):
+    with pytest.raises(DspecError, match=r"temperatures\[1\]: should be greater than 0 \(got -1\)"):
         Calibration.load(tmp_path / "bad.json")
     with pytest.raises(DspecError, match="not found"):
         Calibration.load(tmp_path / "missing.json")

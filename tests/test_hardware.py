@@ -91,7 +91,7 @@ def test_save_load_and_validation(tmp_path):
         CostTable.load(path)
     raw["sps"]["128"] = [1.0, 2.0, 0.0, 1.0]
     path.write_text(json.dumps(raw))
-    with pytest.raises(DspecError, match="must hold positive numbers"):
+    with pytest.raises(DspecError, match=r"sps.128\[2\]: should be greater than 0"):
         CostTable.load(path)
     path.write_text("{")
     with pytest.raises(DspecError, match="not valid JSON"):

@@ -47,6 +47,7 @@ from dspec_cli.core.files import (
     embedded_path,
     read_config,
 )
+from dspec_cli.core.outputs import write_atomic
 from dspec_cli.core.ragged import prefix_mask, ragged
 from dspec_cli.core.types import Capability, Proposal, Sampler
 
@@ -319,7 +320,7 @@ class TrainableDrafter(Drafter):
 
         super().save_pretrained(path)
         state = {k: v.detach().contiguous().cpu() for k, v in self.net.state_dict().items()}
-        save_file(state, str(Path(path) / WEIGHTS_FILE))
+        write_atomic(Path(path) / WEIGHTS_FILE, lambda p: save_file(state, str(p)))  # the mode of every other file
 
     @classmethod
     def load_default(cls, target: Target, **overrides: Any) -> Self:

@@ -36,6 +36,7 @@ from dspec_cli.core.chat_template import OPTION, check_kwargs, default_kwargs, d
 from dspec_cli.core.data import Conversation, load_conversations
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.jsonl import decode, parse_lines, write_line
+from dspec_cli.core.outputs import is_special, is_stdout, open_append
 from dspec_cli.runtime.engine import GenerationConfig, RequestResult, SpeculativeEngine
 from dspec_cli.runtime.target import Target
 
@@ -87,7 +88,7 @@ def done_ids(path: Path, chat_template_kwargs: Mapping[str, Any]) -> tuple[set[s
     """Ids already in the output; drops a partial last line. Returns (ids, whether it repaired).
     A line recording other chat-template kwargs than ``chat_template_kwargs`` is a DspecError
     (the file is left as it was); lines that record none are accepted."""
-    if not path.exists():
+    if is_stdout(path) or is_special(path) or not path.is_file():  # stdout, a FIFO, a device: written, never read
         return set(), False
     raw = path.read_bytes()
     repaired = bool(raw) and not raw.endswith(b"\n")
@@ -115,7 +116,7 @@ def plan(opts: RegenerateOptions) -> tuple[Path, RegenerateStats, list[Conversat
     if opts.limit is not None and opts.limit < 1:
         raise DspecError(f"--limit must be >= 1, got {opts.limit}")
     sources = [opts.prompts] if isinstance(opts.prompts, str | Path) else list(opts.prompts)
-    if any(Path(p).resolve() == out.resolve() for p in sources):
+    if not is_stdout(out) and any(Path(p).resolve() == out.resolve() for p in sources):
         raise DspecError("--output must differ from --dataset")
     convs = _conversations(sources, opts.limit)
     stats = RegenerateStats(conversations=len(convs))
@@ -186,9 +187,8 @@ def regenerate(
     total_turns = sum(sum(m["role"] == "user" for m in c.messages) for c in todo)
     tick = progress("regenerate", total_turns) if progress else (lambda _res: None)
     t0 = time.perf_counter()
-    out.parent.mkdir(parents=True, exist_ok=True)
     chunk = opts.concurrency * _CHUNK_PER_SLOT
-    with open(out, "a", encoding="utf-8") as f:
+    with open_append(out) as f:
         for start in range(0, len(todo), chunk):
             dialogues = [Dialogue(c) for c in todo[start : start + chunk]]
             active = [d for d in dialogues if d.next_turn()]
