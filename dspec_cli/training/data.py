@@ -33,7 +33,7 @@ import torch
 from dspec_cli.core.chat_template import DEFAULT_KWARGS, describe
 from dspec_cli.core.data import Conversation, load_conversations
 from dspec_cli.core.errors import DspecError
-from dspec_cli.core.outputs import atomic_write_text, write_atomic
+from dspec_cli.core.outputs import atomic_write_text, ensure_folder, write_atomic
 
 _PROBE = "\u2063dspec-probe\u2063"
 _TOKENIZE_CHUNK = 512  # conversations per batched tokenizer call
@@ -271,7 +271,7 @@ class FeatureCache:
                     f"({', '.join(f'{k}={found.get(k)!r}' for k in diff)}); use another --feature-cache directory"
                 )
         else:
-            self.root.mkdir(parents=True, exist_ok=True)
+            ensure_folder(self.root)  # a link to a folder to be made is followed
             atomic_write_text(manifest, json.dumps({"version": 1, **meta}, indent=2) + "\n")
 
     def _file(self, index: int) -> Path:

@@ -233,20 +233,23 @@ def _prepare(opts: TrainOptions) -> tuple[Recipe, type, Path, Path | None, RunPa
         stem = Path(recipe.source).parent.name if recipe.source.endswith(".toml") else "run"
         out = Path("runs") / f"{stem}-{cls.name}"
     out_option = "--output" if opts.output is not None else "the run folder (--output's default)"
-    if not opts.resume and out.is_dir() and any(out.iterdir()):
-        raise DspecError(f"{out_option} {out}: folder is not empty; use --resume to continue that run, or another folder")
-    if not opts.resume and opts.json_log is not None and Path(opts.json_log).is_file() and not is_special(opts.json_log):
-        raise DspecError(f"--json-log {opts.json_log} already exists; remove it or choose another path")
     default_log = opts.json_log is not None and os.path.realpath(opts.json_log) == os.path.realpath(out / LOG_NAME)
     paths = RunPaths().read("--recipe", opts.recipe).read("--init-from", opts.init_from, names=CHECKPOINT_READS) \
         .read("data.path of the recipe", *recipe.data.paths).read("--target", opts.target) \
         .write_folder(out_option, out).write("--json-log", None if default_log else opts.json_log, stream=True) \
         .write_folder("--feature-cache", opts.feature_cache).check()
-    missing = [(i, p) for i, p in enumerate(recipe.data.paths or [""]) if not Path(p).is_file()]
-    if missing:
+    try:
+        if not opts.resume and out.is_dir() and any(out.iterdir()):
+            raise DspecError(f"{out_option} {out}: folder is not empty; use --resume to continue that run, or "
+                             "another folder")
+        if not opts.resume and opts.json_log is not None and Path(opts.json_log).is_file() and not is_special(opts.json_log):
+            raise DspecError(f"--json-log {opts.json_log} already exists; remove it or choose another path")
+        for i, path in enumerate(recipe.data.paths or [""]):
+            if not Path(path).is_file():
+                raise DspecError(f"training data {path!r} (data.path) not found{_data_hint(recipe, i, path)}")
+    except DspecError:
         paths.release()
-        i, path = missing[0]
-        raise DspecError(f"training data {path!r} (data.path) not found{_data_hint(recipe, i, path)}")
+        raise
     return recipe, cls, out, resume_from, paths
 
 
