@@ -54,6 +54,7 @@ def render_sweep(sweep: list[dict], console: Console) -> None:
 
 @app.command("calibrate")
 def calibrate_command(
+    ctx: typer.Context,
     drafter: str = typer.Option(..., "--drafter", "-d", help="Drafter: NAME[,KEY=VALUE...] with config options (see `dspec drafters`); it needs a confidence signal (a confidence head or draft probabilities)."),
     checkpoint: Optional[str] = typer.Option(None, "--checkpoint", metavar="PATH|HUB_ID", help="Drafter checkpoint: folder or Hub id (default: the drafter's default)."),
     dataset: list[str] = opt.dataset(),
@@ -84,6 +85,10 @@ def calibrate_command(
     """Record confidences and outcomes on held-out prompts (or read recorded ones), fit STS, write calibration.json."""
     from dspec_cli.workflows.calibrate_run import CalibrateOptions, run_calibrate
 
+    if traces is not None:  # recorded rounds: nothing runs
+        opt.refuse(ctx, ("num_prompts", "max_new_tokens", "temperature", "top_p", "top_k", "concurrency", "seed", "target",
+                         "device", "dtype", "strict", "chat_template_kwargs"), "with --traces (recorded rounds)",
+                   "when the drafter runs")
     paths = RunPaths().read("--dataset", *dataset).read("--traces", *opt.trace_files(traces)).read("--target", target)
     if in_place and checkpoint:  # its calibration.json is the output
         paths.read("--checkpoint", checkpoint, names=[n for n in CHECKPOINT_READS if n != CALIBRATION_FILE])

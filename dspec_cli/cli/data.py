@@ -24,6 +24,7 @@ app.add_typer(data_app, name="data")
 
 @data_app.command("regenerate")
 def regenerate_command(
+    ctx: typer.Context,
     recipe: Optional[Path] = typer.Option(None, "--recipe", "-r", help="Take target, prompts, output and sampling from a training recipe."),
     target: Optional[str] = opt.target(default="the recipe's, else the one --checkpoint was trained for, else the embedded tiny target"),
     prompts: list[str] = opt.dataset("--prompts"),
@@ -57,6 +58,12 @@ def regenerate_command(
     from dspec_cli.training.regenerate import RegenerateOptions, regenerate
 
     hf_logging.disable_progress_bar()
+    if server:
+        opt.refuse(ctx, ("drafter", "checkpoint", "concurrency", "block_size", "device", "dtype"), "with --server",
+                   "to the built-in engine (with --server use --server-concurrency)")
+    else:
+        opt.refuse(ctx, ("server_concurrency", "model", "max_retries", "request_timeout"), "without --server",
+                   "with --server")
     spec, target_name, out = RegenerateSpec(), target, output
     template_kwargs = opt.template_kwargs(chat_template_kwargs)
     if recipe is not None:
@@ -95,8 +102,7 @@ def regenerate_command(
     if server:
         from dspec_cli.cli.regenerate_server import run_with_servers
 
-        stats = run_with_servers(opts, server, server_concurrency, model, max_retries, request_timeout, explicit={"--drafter": drafter, "--checkpoint": checkpoint,
-                                                            "--concurrency": concurrency}, console=err)
+        stats = run_with_servers(opts, server, server_concurrency, model, max_retries, request_timeout, console=err)
     else:
         with CommandProgress(err, MofNCompleteColumn(), TextColumn("turns"), TimeRemainingColumn(), unit="turns") as bar:
 

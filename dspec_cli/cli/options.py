@@ -158,6 +158,28 @@ def trace_files(path: Path | None) -> list[Path]:
     return [path, *sorted(path.parent.glob(f"{path.name}.*.pt"))]
 
 
+def typed(ctx: typer.Context, *names: str) -> list[str]:
+    """The options among parameters ``names`` that the user gave (on the command line or in the
+    environment), by their long names: an option given where it cannot apply is an error, never
+    silently ignored."""
+    given = []
+    for param in ctx.command.params:
+        source = ctx.get_parameter_source(param.name) if param.name in names else None
+        if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT"):
+            given.append(next((o for o in param.opts if o.startswith("--")), param.opts[0]))
+    return given
+
+
+def refuse(ctx: typer.Context, names: tuple[str, ...], here: str, applies: str) -> None:
+    """DspecError when the user gave any option of ``names`` (parameter names), which have no
+    effect ``here`` (e.g. "without --drafter"); ``applies``: where they do (e.g. "with --drafter")."""
+    given = typed(ctx, *names)
+    if given:
+        one = len(given) == 1
+        raise DspecError(f"{', '.join(given)} {'has' if one else 'have'} no effect {here}: "
+                         f"{'it applies' if one else 'they apply'} {applies}")
+
+
 def wrote(console, path: str | Path | None) -> None:
     """Say on stderr that ``path`` was written (nothing for stdout)."""
     if path is not None:

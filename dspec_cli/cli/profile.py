@@ -107,6 +107,7 @@ def _profile_steps(name, checkpoint, block_size, requests, verify_tokens, fmt, t
 
 @app.command("profile-hardware")
 def profile_command(
+    ctx: typer.Context,
     target: Optional[str] = opt.target(),
     max_batch_tokens: int = opt.int_option(256, "--max-batch-tokens", minimum=1, maximum=MAX_TOKENS, help="Largest B (tokens per forward) profiled, >= 1."),
     grid: Optional[str] = typer.Option(None, "--grid", metavar="B[,B...]", help="Explicit B values, e.g. 1,2,4,8 (default: dense 1..16, sparser up to --max-batch-tokens)."),
@@ -140,6 +141,11 @@ def profile_command(
                          "verification, host work); target forwards alone overstate what trimming saves")
     if drafter is not None and grid is not None:
         raise DspecError("--grid sets target-forward batch sizes; with --drafter give --requests and --verify-tokens")
+    if drafter is None:
+        opt.refuse(ctx, ("checkpoint", "block_size", "requests", "verify_tokens"), "without --drafter", "with --drafter")
+    else:
+        opt.refuse(ctx, ("max_batch_tokens", "row_tokens"), "with --drafter",
+                   "to target forwards (with --drafter give --requests and --verify-tokens)")
     RunPaths().read("--target", target).read("--checkpoint", checkpoint, names=CHECKPOINT_READS) \
         .write("--json", json_path, stream=True).write_folder("--plots", plots, files=("sps.png",)).check()
     if drafter is not None:

@@ -21,6 +21,7 @@ from dspec_cli.core.run_paths import RunPaths
 
 @app.command("schedule")
 def schedule_command(
+    ctx: typer.Context,
     cost_table: Path = typer.Option(..., "--cost-table", help="Cost table JSON from `dspec profile-hardware`, or an SGLang DSpark SPS table."),
     traces: Path = typer.Option(..., "--traces", help="Round traces: jsonl from `dspec calibrate --save-traces`, or SGLang STS shards (<stem>.N.pt: give the stem)."),
     scheduler: list[str] = typer.Option(["hardware"], "--scheduler", "-s", help="Scheduler (repeatable): NAME[,KEY=VALUE...]: fixed, threshold, hardware, async, or a plugin's (e.g. hardware,gate=false)."),
@@ -49,6 +50,8 @@ def schedule_command(
     from dspec_cli.workflows.sglang_sts import load_rounds
     from dspec_cli.workflows.simulate import simulate_load
 
+    if not any(parse_scheduler_spec(spec)[0] == "threshold" for spec in scheduler):
+        opt.refuse(ctx, ("threshold",), "without --scheduler threshold", "to the threshold scheduler")
     levels = int_list(concurrency, "--concurrency", maximum=opt.MAX_CONCURRENCY)
     if layout not in ("packed", "padded"):
         raise DspecError(f"--layout must be packed or padded, got {layout!r}")

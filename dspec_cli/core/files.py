@@ -45,6 +45,19 @@ CHECKPOINT_READS = (CONFIG_FILE, "*.safetensors", "*.safetensors.index.json", "*
                     "chat_template.*")
 
 
+def expect_folder(path: str | Path, what: str, noun: str = "folder") -> Path:
+    """``path`` when it is a folder; else a one-line error starting with ``what`` and the path that
+    says what is there instead: nothing ("not found"), a file, or something else."""
+    p = Path(path)
+    if p.is_dir():
+        return p
+    if not os.path.lexists(p):
+        raise DspecError(f"{what} {path}: not found")
+    if not p.exists():
+        raise DspecError(f"{what} {path}: a symbolic link to nothing")
+    raise DspecError(f"{what} {path}: is a file, not a {noun}")
+
+
 def read_bytes(path: str | Path, what: str, noun: str = "file") -> bytes:
     """The bytes of an input file (a regular file, or a FIFO such as a shell's ``<(...)``); a
     folder, a missing file, a link to nothing, a device or socket, or an unreadable file is a
@@ -86,7 +99,7 @@ def read_json(path: str | Path, what: str) -> Any:
 
 def read_config(path: Path) -> dict[str, Any]:
     """A checkpoint folder's config.json as a dict; one-line errors when missing or malformed."""
-    file = Path(path) / CONFIG_FILE
+    file = expect_folder(path, "checkpoint", "checkpoint folder") / CONFIG_FILE
     if not file.is_file():
         raise DspecError(f"checkpoint {path}: {CONFIG_FILE} is missing")
     raw = read_json(file, "checkpoint config")

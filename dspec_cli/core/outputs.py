@@ -107,6 +107,8 @@ def check_output_file(path: str | Path | None, option: str, *, overwrite: bool =
         if not stream:
             raise DspecError(f"{option} {path}: this output cannot go to stdout; give a file path")
         return
+    if str(path).endswith(("/", os.sep)):
+        raise DspecError(f"{option} {path}: ends with '/', which names a folder; give a file path")
     st = _stat(path, option)
     if st is not None:
         if stat.S_ISDIR(st.st_mode):

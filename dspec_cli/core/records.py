@@ -67,8 +67,8 @@ def parse_json(text: str, where: str, *, one_line: bool = False) -> Any:
         raise DspecError(f"{where}: not valid JSON ({exc.msg}, {at})") from None
     except RecursionError:
         raise DspecError(f"{where}: nested deeper than {MAX_DEPTH} levels") from None
-    except ValueError as exc:  # an integer of more digits than Python converts
-        raise DspecError(f"{where}: {str(exc).splitlines()[0]}") from None
+    except ValueError:  # an integer of more digits than Python converts
+        raise DspecError(f"{where}: holds a number of more digits than any JSON reader takes") from None
     check_tree(value, where)
     return value
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
 import math
 import re
 from typing import Any
 
 from dspec_cli.core import plugins
 from dspec_cli.core.errors import DspecError
+from dspec_cli.core.records import parse_json
 
 
 def _split_spec(spec: str) -> tuple[str, dict[str, str]]:
@@ -40,7 +40,14 @@ def parse_drafter_spec(spec: str) -> tuple[type, dict[str, Any]]:
     if colon:
         raw = {"base": base.strip(), **raw}
     defaults = {f.name: f.default for f in dataclasses.fields(cls.config_class) if f.name != "block_size"}
-    return cls, _typed_options("--drafter", spec, raw, defaults, " (the block size is --block-size)")
+    options = _typed_options("--drafter", spec, raw, defaults, " (the block size is --block-size)")
+    try:  # the config's own checks (ranges) before any model loads
+        cls.config_class(**options)
+    except DspecError as exc:
+        raise DspecError(f"--drafter {spec!r}: {exc}") from None
+    except TypeError:
+        pass  # a config with required fields: checked when the drafter is built
+    return cls, options
 
 
 def parse_scheduler_spec(spec: str) -> tuple[str, dict[str, Any]]:
@@ -68,7 +75,7 @@ def _option_value(flag: str, spec: str, key: str, value: str, default: Any) -> A
             raise DspecError(f"{flag} {spec!r}: {key} must be a finite number, got {value!r}")
         if isinstance(default, (int, float, str)):
             return type(default)(value)
-        return json.loads(value)
+        return parse_json(value, f"{flag} {spec!r}: {key}")
     except (KeyError, ValueError):
         kind = type(default).__name__ if default not in (dataclasses.MISSING, None) else "JSON"
         raise DspecError(f"{flag} {spec!r}: {key} expects {kind}, got {value!r}") from None

@@ -37,7 +37,7 @@ from dspec_cli.core import plugins
 from dspec_cli.core.chat_template import warn_if_other
 from dspec_cli.core.devices import resolve_device
 from dspec_cli.core.errors import DspecError
-from dspec_cli.core.files import CHECKPOINT_READS, EMBEDDED, WEIGHTS_FILE
+from dspec_cli.core.files import CHECKPOINT_READS, EMBEDDED, WEIGHTS_FILE, expect_folder
 from dspec_cli.core.jsonl import write_line
 from dspec_cli.core.outputs import ensure_folder, is_special, open_append
 from dspec_cli.core.process_exit import request_exit_without_finalization
@@ -169,12 +169,14 @@ def _prepare(opts: TrainOptions) -> tuple[Recipe, type, Path, Path | None, RunPa
         raise DspecError(f"--stop-after must be >= 1, got {opts.stop_after}")
     if opts.resume and opts.init_from is not None:
         raise DspecError("--init-from starts a new run from a drafter's weights; --resume continues a run: use one")
-    if opts.init_from is not None and not Path(opts.init_from).is_dir():
-        raise DspecError(f"--init-from {opts.init_from}: no such checkpoint folder")
+    if opts.init_from is not None:
+        expect_folder(opts.init_from, "--init-from", "checkpoint folder")
     resume_from = None
     if opts.resume:
         if out is None:
             raise DspecError("--resume needs --output (the folder of the run to continue)")
+        if out.exists():
+            expect_folder(out, "--resume --output", "run folder")
         resume_from = latest_checkpoint(out)
         if resume_from is None and out.is_dir() and any(out.iterdir()):
             raise DspecError(f"--resume: {out} holds no checkpoint (checkpoints/latest) to continue from")
