@@ -266,7 +266,7 @@ def test_calibrate_cli_errors(models, tmp_path, capsys):
     _bad(args[:-2] + ["--output", str(ckpt)], capsys, "pass --in-place to calibrate it in place")
     _bad(["calibrate", "--drafter", "prompt-lookup", "--output", str(tmp_path / "o")], capsys,
          "drafter 'prompt-lookup' has no confidence signal")
-    _bad(args[:-2] + ["--num-prompts", "0"], capsys, "--num-prompts must be >= 1")
+    _bad(args[:-2] + ["--num-prompts", "0"], capsys, "Invalid value for '--num-prompts'")
 
 
 def test_calibrate_default_drafter_output_is_a_complete_checkpoint(tmp_path, capsys):

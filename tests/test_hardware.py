@@ -158,10 +158,10 @@ def test_profile_default_contexts_are_clipped_to_the_target(model_dir, tmp_path,
 
 def test_profile_cli_bad_input(model_dir, capsys):
     base = ["profile-hardware", "--target", str(model_dir)]
-    _bad(base + ["--max-batch-tokens", "0"], capsys, "--max-batch-tokens must be >= 1")
+    _bad(base + ["--max-batch-tokens", "0"], capsys, "Invalid value for '--max-batch-tokens'")
     _bad(base + ["--contexts", "0,8"], capsys, "--contexts values must be >= 1")
     _bad(base + ["--contexts", "8,abc"], capsys, "--contexts must be a comma-separated list")
-    _bad(base + ["--repeats", "0"], capsys, "--repeats must be >= 1")
+    _bad(base + ["--repeats", "0"], capsys, "Invalid value for '--repeats'")
     _bad(base + ["--contexts", "4096", "--grid", "1"], capsys, "exceeds the model's context of 256")
 
 

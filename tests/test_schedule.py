@@ -542,4 +542,4 @@ def test_schedule_cli_bad_input(files, tmp_path, capsys):
          "bad.jsonl:1: confidence values must lie in (0, 1)")
     broken = tmp_path / "broken.json"
     broken.write_text('{"device": "cpu"}')
-    _bad(["schedule", "--cost-table", str(broken), "--traces", str(tr)], capsys, "missing key(s)")
+    _bad(["schedule", "--cost-table", str(broken), "--traces", str(tr)], capsys, "broken.json: device_name: missing")
