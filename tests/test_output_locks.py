@@ -1,17 +1,17 @@
 """Two runs that write the same path at once: the second is refused in one line naming the first
 (its pid and command line), before it loads anything, and changes nothing.
 
-Per command, a first run starts in its own process and stops right after its output paths are
-checked and locked (``RunPaths.check``), standing for a run at work; the same command line then
-runs here. The first runs start together (one process each) so the table takes one start-up.
+Per command, a first run starts in its own process (forked from this one, so it starts at once)
+and stops right after its output paths are checked and locked (``RunPaths.check``), standing for a
+run at work; the same command line then runs here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +21,6 @@ from test_output_rule import CKPT, TINY_RECIPE
 
 from dspec_cli.core.hardware import CostTable
 
-REPO = Path(__file__).resolve().parents[1]
 # command line ({d}: inputs, {t}: the shared outputs) and the output the second run is refused for
 COMMANDS = {
     "bench": ("bench -d prompt-lookup --num-prompts 1 --dataset {d}/good.jsonl --json {t}/b.json", "--json"),
@@ -35,19 +34,50 @@ COMMANDS = {
     "drafters": ("drafters --json {t}/d.json", "--json"),
     "datasets": ("datasets --json {t}/s.json", "--json"),
 }
-HOLD = """
-import sys
-from dspec_cli.core import run_paths
-check = run_paths.RunPaths.check
-def held(self):
-    check(self)
-    print("locked", flush=True)
-    sys.stdin.readline()  # until the test has run the second one
-    raise SystemExit(0)
-run_paths.RunPaths.check = held
-from dspec_cli.cli import main
-main(sys.argv[1:])
-"""
+
+
+class FirstRun:
+    """``dspec ARGS`` in a forked process that holds its locks until :meth:`finish`."""
+
+    def __init__(self, args: list[str]):
+        ready_r, ready_w = os.pipe()
+        go_r, go_w = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # the first run
+            os.close(ready_r)
+            os.close(go_w)
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, 1)
+            os.dup2(null, 2)
+            from dspec_cli.cli import main
+            from dspec_cli.core import run_paths
+
+            check = run_paths.RunPaths.check
+
+            def held(self):
+                check(self)
+                os.write(ready_w, b"locked")
+                os.read(go_r, 1)  # until the test has run the second one
+                os._exit(0)
+
+            run_paths.RunPaths.check = held
+            sys.argv = ["dspec", *args]
+            try:
+                main(args)
+            finally:
+                os._exit(3)  # never got to the check
+        os.close(ready_w)
+        os.close(go_r)
+        self.ready, self.go = ready_r, go_w
+
+    def locked(self) -> bool:
+        return os.read(self.ready, 16) == b"locked"
+
+    def finish(self) -> int:
+        os.write(self.go, b"x")
+        os.close(self.go)
+        os.close(self.ready)
+        return os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
 
 
 @pytest.fixture(scope="module")
@@ -63,16 +93,23 @@ def first_runs(tmp_path_factory):
     (d / "tiny.toml").write_text(TINY_RECIPE.format(d=d))
     (d / "train.jsonl").write_text(json.dumps({"id": "0", "conversations": [
         {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello to you too, friend."}]}) + "\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "plugins"), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    procs = {name: subprocess.Popen([sys.executable, "-c", HOLD, *args.format(d=d, t=t).split()], cwd=t, env=env,
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for name, (args, _) in COMMANDS.items()}
-    yield d, t, procs
-    for proc in procs.values():
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
+    import dspec_cli.training.loop  # noqa: F401  (the commands' modules, imported before the forks)
+    import dspec_cli.training.regenerate  # noqa: F401
+    import dspec_cli.workflows.bench  # noqa: F401
+    import dspec_cli.workflows.calibrate_run  # noqa: F401
+    import dspec_cli.workflows.export  # noqa: F401
+    import dspec_cli.workflows.validate  # noqa: F401
+
+    cwd = os.getcwd()
+    os.chdir(t)
+    try:
+        runs = {name: FirstRun(args.format(d=d, t=t).split()) for name, (args, _) in COMMANDS.items()}
+    finally:
+        os.chdir(cwd)
+    yield d, t, runs
+    for run in runs.values():
+        with contextlib.suppress(OSError, ChildProcessError):
+            run.finish()
 
 
 def _snapshot(root: Path) -> dict[str, float]:
@@ -85,10 +122,9 @@ def test_a_second_run_writing_the_same_path_is_refused(name, first_runs, capsys,
 
     from dspec_cli.runtime.target import Target
 
-    d, t, procs = first_runs
-    first = procs[name]
-    line = first.stdout.readline()  # type: ignore[union-attr]
-    assert line.strip() == "locked", first.stderr.read() if first.poll() is not None else line  # type: ignore[union-attr]
+    d, t, runs = first_runs
+    first = runs[name]
+    assert first.locked(), "the first run did not reach its output check"
     monkeypatch.setattr(Target, "load", lambda *a, **k: pytest.fail("the second run loaded a model"))
     monkeypatch.chdir(t)
     before = _snapshot(t)
@@ -96,11 +132,9 @@ def test_a_second_run_writing_the_same_path_is_refused(name, first_runs, capsys,
     code, _, err = run_cli(args.format(d=d, t=t).split(), capsys)
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert code == 1 and len(lines) == 1, err
-    assert f"Error: {option} " in lines[0] and f"another dspec run is writing it (pid {first.pid}: " in lines[0], lines[0]
-    assert name.split()[0] in lines[0]  # the first run's command line
+    assert f"Error: {option} " in lines[0] and f"another dspec run is writing it (pid {first.pid}: dspec {name}" in lines[0]
     assert _snapshot(t) == before  # the second run changed nothing
-    first.communicate("\n", timeout=60)
-    assert first.returncode == 0
+    assert first.finish() == 0
 
 
 def test_a_lock_ends_with_its_run(tmp_path, capsys):

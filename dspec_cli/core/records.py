@@ -2,7 +2,8 @@
 pydantic model, every failure one line naming the file or option and the field.
 
 :func:`parse_json` reads JSON text as the JSON standard has it and nothing more: no ``NaN`` or
-``Infinity`` (which Python's :mod:`json` accepts, and which no other JSON reader does), no number
+``Infinity`` (which Python's :mod:`json` accepts, and which no other JSON reader does), no key twice
+in one object (readers disagree on which counts), no number
 that overflows to infinity, no integer outside the signed 64-bit range, no string holding a lone
 UTF-16 surrogate (``"\\ud800"``: not text, no tokenizer or UTF-8 file takes it) and no nesting
 deeper than :data:`MAX_DEPTH` levels. :func:`check_tree` applies the same rules to values that
@@ -51,17 +52,31 @@ class _Constant(ValueError):
     pass
 
 
+class _Duplicate(ValueError):
+    pass
+
+
 def _refuse_constant(name: str) -> Any:
     raise _Constant(name)
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        raise _Duplicate(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return out
 
 
 def parse_json(text: str, where: str, *, one_line: bool = False) -> Any:
     """The JSON value of ``text``; a DspecError starting with ``where`` (the option or file) that
     names the line (``one_line``: the column), or the field, of the first problem."""
     try:
-        value = json.loads(text, parse_constant=_refuse_constant)
+        value = json.loads(text, parse_constant=_refuse_constant, object_pairs_hook=_unique)
     except _Constant as exc:
         raise DspecError(f"{where}: {exc} is not a JSON number (NaN and infinities are not JSON)") from None
+    except _Duplicate as exc:
+        raise DspecError(f"{where}: key {str(exc)!r} appears twice in one object (which one counts is not defined)") from None
     except json.JSONDecodeError as exc:
         at = f"column {exc.colno}" if one_line else f"line {exc.lineno}"
         raise DspecError(f"{where}: not valid JSON ({exc.msg}, {at})") from None

@@ -149,7 +149,8 @@ class Recipe:
             elif key == "drafter":
                 if not isinstance(value, dict):
                     raise DspecError(f"{source}: [drafter] must be a table, got {type(value).__name__}")
-                check_tree(value, f"{source}: [drafter]")  # plain values: no NaN, no dates, bounded depth
+                for k, v in value.items():  # plain values: no NaN, no dates, bounded depth
+                    check_tree(v, labels.get(f"drafter.{k}") or f"{source}: drafter.{k}")
                 table = dict(value)
                 out["drafter"] = check_type(table.pop("name", ""), str, f"{source}: drafter.name")
                 out["drafter_section"] = table
