@@ -272,3 +272,28 @@ def test_every_output_option_is_in_the_table():
     covered = {(_command(o), o.option) for o in OUTPUTS}
     assert declared == covered
     assert len(ROWS) >= 180
+
+
+def test_an_export_folder_holds_one_format_with_one_mode(inputs, tmp_path, capsys):
+    """``export --overwrite`` in another format leaves nothing of the earlier one (the folder is
+    built beside and swapped in), and every file, weights included, has a new file's mode."""
+    from tiny_models import run_cli
+
+    old = os.umask(0o022)
+    try:
+        out = tmp_path / "e"
+        base = ["export", str(inputs / "ckpt"), "--output", str(out), "--cost-table", str(inputs / "cost.json")]
+        code, _, err = run_cli([*base, "--format", "sglang"], capsys)
+        assert code == 0 and (out / "sglang" / "dspark_sts.json").is_file(), err
+        code, _, err = run_cli([*base[:-2], "--format", "vllm", "--overwrite"], capsys)
+        assert code == 0, err
+        assert sorted(p.name for p in out.iterdir()) == ["SERVE.md", "config.json", "model.safetensors"]
+        files = [p for p in out.rglob("*") if p.is_file()]
+        assert {oct(p.stat().st_mode & 0o777) for p in files} == {"0o644"}
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging folder left
+        code, _, err = run_cli(["calibrate", "-d", "dspark", "--traces", str(inputs / "traces.jsonl"), "--force",
+                                "-o", str(tmp_path / "c")], capsys)
+        assert code == 0, err
+        assert {oct(p.stat().st_mode & 0o777) for p in (tmp_path / "c").iterdir()} == {"0o644"}
+    finally:
+        os.umask(old)

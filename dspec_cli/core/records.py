@@ -92,8 +92,8 @@ def check_tree(value: Any, where: str) -> None:
     """DspecError unless ``value`` is plain JSON data within the rules above (see module docstring)."""
     stack: list[tuple[Any, str, int]] = [(value, "", 0)]
     while stack:
-        node, path, depth = stack.pop()
-        if depth > MAX_DEPTH:
+        node, path, depth = stack.pop()  # depth: the objects and lists around this node
+        if isinstance(node, dict | list | tuple) and depth >= MAX_DEPTH:
             raise DspecError(f"{where}: nested deeper than {MAX_DEPTH} levels (at {path})")
         if isinstance(node, dict):
             for key, item in node.items():
