@@ -297,3 +297,17 @@ def test_an_export_folder_holds_one_format_with_one_mode(inputs, tmp_path, capsy
         assert {oct(p.stat().st_mode & 0o777) for p in (tmp_path / "c").iterdir()} == {"0o644"}
     finally:
         os.umask(old)
+
+
+def test_in_place_calibration_writes_into_the_checkpoint_it_reads(inputs, tmp_path, capsys):
+    """``calibrate --in-place`` rewrites the calibration.json of the checkpoint it reads (how the
+    embedded drafters are calibrated), and a report may go beside the checkpoint's files."""
+    from tiny_models import run_cli
+
+    ck = tmp_path / "ck"
+    shutil.copytree(inputs / "ckpt", ck)
+    code, _, err = run_cli(["calibrate", "-d", "dspark", "--traces", str(inputs / "traces.jsonl"), "--force",
+                            "--in-place", "--checkpoint", str(ck), "--json", str(ck / "calibrate.json")], capsys)
+    assert code == 0, err
+    assert json.loads((ck / "calibration.json").read_text())["drafter"] == "dspark-markov"
+    assert json.loads((ck / "calibrate.json").read_text())["num_rounds"] > 0

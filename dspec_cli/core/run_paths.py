@@ -24,13 +24,16 @@ from pathlib import Path
 
 from dspec_cli.core import locks
 from dspec_cli.core.errors import DspecError
-from dspec_cli.core.files import ASSETS_DIR
+from dspec_cli.core.files import DEFAULT_TARGET_PATH, embedded_path
 from dspec_cli.core.outputs import (
     check_output_dir,
     check_output_file,
     is_special,
     is_stdout,
 )
+
+
+BUILTIN_PROMPTS = embedded_path("prompts.jsonl")
 
 
 class PathConflict(DspecError):
@@ -82,7 +85,9 @@ class RunPaths:
     def __init__(self) -> None:
         self._paths: list[_Path] = []
         self._locks: list = []
-        self.read("dspec's embedded assets", ASSETS_DIR)  # every run may read them (the default target)
+        # what any run may read without naming it (writing into the rest of the package, e.g. calibrating
+        # an embedded drafter --in-place, is a maintainer's step)
+        self.read("the embedded target", DEFAULT_TARGET_PATH).read("the built-in prompts", BUILTIN_PROMPTS)
 
     def read(self, option: str, *paths: str | Path | None, names: Sequence[str] | None = None,
              hint: str = "") -> RunPaths:
