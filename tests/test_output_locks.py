@@ -144,3 +144,21 @@ def test_a_lock_ends_with_its_run(tmp_path, capsys):
     for _ in range(2):
         code, _, err = run_cli(["drafters", "--json", str(tmp_path / "d.json")], capsys)
         assert code == 0, err
+
+
+def test_a_hard_link_is_the_same_file(tmp_path, capsys):
+    """Locks key outputs by real path and by inode: a run writing through a hard link is refused
+    while another writes the file itself."""
+    from tiny_models import run_cli
+
+    from dspec_cli.core.run_paths import RunPaths
+
+    (tmp_path / "a.json").write_text("{}")
+    os.link(tmp_path / "a.json", tmp_path / "b.json")
+    held = RunPaths().write("--json", tmp_path / "a.json").check()
+    try:
+        code, _, err = run_cli(["drafters", "--json", str(tmp_path / "b.json")], capsys)
+        assert code == 1 and "another dspec run is writing it" in err, err
+    finally:
+        held.release()
+    assert run_cli(["drafters", "--json", str(tmp_path / "b.json")], capsys)[0] == 0

@@ -18,7 +18,7 @@ from dspec_cli.core.files import CHECKPOINT_READS
 from dspec_cli.core.outputs import is_stdout, write_json
 from dspec_cli.core.run_paths import RunPaths
 
-PLOTS = ("acceptance.png", "load.png")
+PLOTS = ("acceptance.png", "load.png", "load-*.png")
 
 
 def _fmt(x, spec=".2f") -> str:

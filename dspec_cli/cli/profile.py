@@ -155,20 +155,20 @@ def profile_command(
                               repeats, warmup, device, dtype, seed, json_path, plots, cuda_graphs)
 
     points = int_list(grid, "--grid", maximum=MAX_TOKENS) if grid else default_grid(max_batch_tokens)
-    ctx: list[int] = int_list(contexts, "--contexts", maximum=MAX_TOKENS) if contexts else list(DEFAULT_CONTEXTS)
+    lengths: list[int] = int_list(contexts, "--contexts", maximum=MAX_TOKENS) if contexts else list(DEFAULT_CONTEXTS)
     resolve_device(device)
     parse_dtype(dtype)
     tgt = Target.load(target, dtype=dtype, device=device)
     err = Console(stderr=True)
     if contexts is None:
-        ctx = _default_contexts(ctx, tgt, row_tokens)
+        lengths = _default_contexts(lengths, tgt, row_tokens)
     with CommandProgress(err, unit="points") as bar:
-        task = bar.add_task("profiling SPS(B)", total=len(set(points)) * len(set(ctx)))
+        task = bar.add_task("profiling SPS(B)", total=len(set(points)) * len(set(lengths)))
 
         def advance(c: int, b: int) -> None:
             bar.update(task, advance=1, description=f"profiling SPS(B) · context {c} · B={b}")
 
-        table = profile_target(tgt, grid=points, contexts=ctx, repeats=repeats, warmup=warmup,
+        table = profile_target(tgt, grid=points, contexts=lengths, repeats=repeats, warmup=warmup,
                                row_tokens=row_tokens, model_name=target or "embedded:tiny-target", seed=seed,
                                cuda_graphs=cuda_graphs, progress=advance)
     if not is_stdout(json_path):

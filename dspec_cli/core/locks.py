@@ -41,7 +41,7 @@ def lock_dir() -> Path | None:
 
 
 def hold(real: str, option: str, shown: str | Path) -> FileLock | None:
-    """Lock the output at real path ``real`` (``option`` ``shown``: as the user typed it) until
+    """Lock the output known as ``real`` (its real path, or its inode) (``option`` ``shown``: as the user typed it) until
     :func:`release` (or :func:`release_all`); DspecError naming the other run when one holds it.
     None where no lock is taken (a rank other than 0, no lock folder)."""
     if os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 holds the group's locks

@@ -32,7 +32,6 @@ from dspec_cli.core.outputs import (
     is_stdout,
 )
 
-
 BUILTIN_PROMPTS = embedded_path("prompts.jsonl")
 
 
@@ -136,11 +135,16 @@ class RunPaths:
         for out in outputs:  # then each on its own
             if out.folder:
                 check_output_dir(out.shown, out.option, overwrite=out.overwrite)
+                for name in out.names or ():  # the files it will write there must be files too
+                    if "*" not in name:
+                        check_output_file(os.path.join(out.shown, name), out.option)
             else:
                 check_output_file(out.shown, out.option, overwrite=out.overwrite, stream=out.stream)
         for out in sorted(live, key=lambda p: p.real):
             if out.real != "<stdout>" and (out.folder or not is_special(out.shown)):
-                self._locks.append(locks.hold(out.real, out.option, out.shown))
+                # by real path, and by inode where it exists (a hard link is the same file)
+                for key in (out.real, *([f"inode {out.key[0]}:{out.key[1]}"] if out.key else [])):
+                    self._locks.append(locks.hold(key, out.option, out.shown))
         return self
 
     def release(self) -> None:
