@@ -444,3 +444,14 @@ def test_every_float_option_refuses_nan_in_the_table():
     covered = {(c, n) for c, n in floats if any(
         c.split()[0] in case.args.split()[0] and n in case.args and "finite" in case.match for case in CASES)}
     assert len(floats) >= 8 and floats == covered
+
+
+def test_every_integer_option_has_a_range():
+    """Integer options are ``options.int_option``s: out of range is a usage error before anything
+    loads, naming the option (an overflow inside torch after the model loaded named nothing)."""
+    from test_cli_conventions import _commands, _options
+
+    ints = {(c, n): p for c, cmd in _commands().items() for n, p in _options(cmd).items()
+            if "int" in str(p.type_descriptor.annotation) and not p.is_flag}
+    assert len(ints) >= 25
+    assert [k for k, p in ints.items() if p.min is None or p.max is None] == []

@@ -90,7 +90,7 @@ def calibrate_command(
                          "device", "dtype", "strict", "chat_template_kwargs"), "with --traces (recorded rounds)",
                    "when the drafter runs")
     paths = RunPaths().read("--dataset", *dataset).read("--traces", *opt.trace_files(traces)).read("--target", target)
-    if in_place and checkpoint:  # its calibration.json is the output
+    if in_place and checkpoint and Path(checkpoint).is_dir():  # its calibration.json is the output
         paths.read("--checkpoint", checkpoint, names=[n for n in CHECKPOINT_READS if n != CALIBRATION_FILE])
         paths.write("--in-place", Path(checkpoint) / CALIBRATION_FILE)
     else:
