@@ -274,6 +274,12 @@ CASES += [
     Case("int-warmup-negative", "profile-hardware --warmup -1", "Invalid value for '--warmup'", usage=True),
     Case("int-drafter-option-range", "bench -d ddtree:dspark,tree_budget=-5",
          "--drafter 'ddtree:dspark,tree_budget=-5': tree_budget must be an integer >= 1"),
+    Case("int-scheduler-option-range", BENCH + " -s async,delay=-5 --cost-table {d}/cost.json",
+         "--scheduler 'async,delay=-5': delay must be >= 1"),
+    Case("int-scheduler-option-huge", SCHED + " -s async,delay=99999999999999999999", "delay is out of range"),
+    Case("msg-scheduler-option-names-the-spec", BENCH + " -s threshold,threshold=7",
+         "--scheduler 'threshold,threshold=7': threshold must be in [0, 1]"),
+    Case("int-drafter-option-huge", "bench -d ddtree:dspark,tree_budget=99999999999999999999", "tree_budget is out of range"),
     # -- options that cannot apply are errors; messages name what the user typed
     Case("na-profile-block-size-without-drafter", "profile-hardware --block-size 5", "--block-size has no effect without --drafter"),
     Case("na-profile-row-tokens-with-drafter", "profile-hardware -d dspark --row-tokens 4", "--row-tokens has no effect with --drafter"),

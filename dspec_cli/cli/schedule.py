@@ -50,6 +50,8 @@ def schedule_command(
     from dspec_cli.workflows.sglang_sts import load_rounds
     from dspec_cli.workflows.simulate import simulate_load
 
+    if not 0 <= threshold <= 1:
+        raise DspecError(f"--threshold must be in [0, 1], got {threshold}")
     if not any(parse_scheduler_spec(spec)[0] == "threshold" for spec in scheduler):
         opt.refuse(ctx, ("threshold",), "without --scheduler threshold", "to the threshold scheduler")
     levels = int_list(concurrency, "--concurrency", maximum=opt.MAX_CONCURRENCY)
