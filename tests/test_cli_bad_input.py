@@ -461,3 +461,13 @@ def test_every_integer_option_has_a_range():
             if "int" in str(p.type_descriptor.annotation) and not p.is_flag}
     assert len(ints) >= 25
     assert [k for k, p in ints.items() if p.min is None or p.max is None] == []
+
+
+def test_a_verify_rule_no_round_used_is_a_warning_in_the_json(capsys):
+    """Whether a --verify rule fits shows only in the run: one that no round used is a warning,
+    on stderr and in the run's JSON, never silence."""
+    code, out, err = run_cli([*BENCH.split(), "--verify", "traversal", "--json", "-"], capsys)
+    assert code == 0, err
+    (run,) = json.loads(out)["runs"]
+    expected = "--verify traversal: no round of prompt-lookup used it"
+    assert any(w.startswith(expected) for w in run["warnings"]) and f"Warning: {expected}" in err
