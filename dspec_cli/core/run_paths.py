@@ -54,13 +54,9 @@ class _Path:
     key: tuple | None = None  # (device, inode) of what exists there
     hint: str = ""  # said when an output is this very input
 
-    @property
-    def whole(self) -> bool:
-        """A folder read (or written) as a whole, not only some named files in it."""
-        return self.folder and self.names is None
-
 
 def _place(path: str) -> tuple[str, tuple | None]:
+    """(real path, (device, inode) or None) of ``path``; stdout is ``<stdout>``."""
     if is_stdout(path):
         try:
             st = os.fstat(1)
