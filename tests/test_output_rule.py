@@ -262,15 +262,21 @@ def test_output_rule(out, kind, inputs, tmp_path, capsys, monkeypatch):
     assert leftovers == [], leftovers  # no temporary file or staging folder
 
 
-def test_every_output_option_is_in_the_table():
-    """Each command's options that name a file or folder it writes appear above (a new output
-    option needs its rows, and its declaration in the command's RunPaths)."""
+# the path options commands read (declared to RunPaths with .read): every other path option is an
+# output and has its rows above
+INPUT_OPTIONS = {"--cost-table", "--traces", "--calibration", "--recipe", "--init-from"}
+
+
+def test_every_path_option_is_classified_and_every_output_is_in_the_table():
+    """Each command's options that take a path are inputs (INPUT_OPTIONS) or outputs with rows in
+    OUTPUTS: a new path option (a new command, a new format) needs one or the other, and its
+    declaration in the command's RunPaths."""
     from test_cli_conventions import _commands, _options
 
-    outputs = {"--json", "--plots", "--output", "--save-traces", "--sglang-sts", "--json-log", "--feature-cache"}
-    declared = {(c, n) for c, cmd in _commands().items() for n in _options(cmd) if n in outputs}
+    paths = {(c, n) for c, cmd in _commands().items() for n, p in _options(cmd).items()
+             if "Path" in str(p.type_descriptor.annotation)}
     covered = {(_command(o), o.option) for o in OUTPUTS}
-    assert declared == covered
+    assert {(c, n) for c, n in paths if n not in INPUT_OPTIONS} == covered
     assert len(ROWS) >= 180
 
 
