@@ -156,7 +156,7 @@ def test_fixed_and_threshold():
     assert FixedScheduler()(Proposal(conf.long(), lmax), lmax).tolist() == [3, 1, 3]  # no confidence needed
     assert ThresholdScheduler()(proposal(conf), lmax).tolist() == [1, 1, 0]
     assert ThresholdScheduler(threshold=0.0)(proposal(conf), lmax).tolist() == [3, 1, 3]
-    with pytest.raises(DspecError, match="--threshold"):
+    with pytest.raises(DspecError, match=r"threshold must be in \[0, 1\]"):
         ThresholdScheduler(threshold=1.5)
     with pytest.raises(ValueError, match="needs proposal.confidence"):
         ThresholdScheduler()(Proposal(conf.long(), lmax), lmax)
