@@ -153,7 +153,7 @@ def test_calibration_file_roundtrip_and_checks(tmp_path):
     conf = torch.tensor([[0.9, 0.8, 0.7]])
     assert torch.allclose(legacy.apply(conf), apply_temperatures(conf, [1.5, 2.0, 1.0]))
     (tmp_path / "bad.json").write_text('{"drafter": "x", "block_size": 2, "temperatures": [1.0, -1]}')
-    with pytest.raises(DspecError, match="temperatures must be a list of positive numbers"):
+    with pytest.raises(DspecError, match=r"temperatures\[1\]: should be greater than 0 \(got -1\)"):
         Calibration.load(tmp_path / "bad.json")
     with pytest.raises(DspecError, match="not found"):
         Calibration.load(tmp_path / "missing.json")
@@ -266,7 +266,7 @@ def test_calibrate_cli_errors(models, tmp_path, capsys):
     _bad(args[:-2] + ["--output", str(ckpt)], capsys, "pass --in-place to calibrate it in place")
     _bad(["calibrate", "--drafter", "prompt-lookup", "--output", str(tmp_path / "o")], capsys,
          "drafter 'prompt-lookup' has no confidence signal")
-    _bad(args[:-2] + ["--num-prompts", "0"], capsys, "--num-prompts must be >= 1")
+    _bad(args[:-2] + ["--num-prompts", "0"], capsys, "Invalid value for '--num-prompts'")
 
 
 def test_calibrate_default_drafter_output_is_a_complete_checkpoint(tmp_path, capsys):

@@ -110,7 +110,7 @@ def test_kwargs_parse_as_one_json_object():
     ["data", "regenerate", "--prompts", "p.jsonl", "--output", "o.jsonl"],
 ])
 def test_bad_kwargs_are_one_line_errors(command, capsys):
-    assert_cli_error([*command, "--chat-template-kwargs", "{oops"], capsys, "--chat-template-kwargs is not valid JSON")
+    assert_cli_error([*command, "--chat-template-kwargs", "{oops"], capsys, "--chat-template-kwargs: not valid JSON")
 
 
 def test_recipe_table_is_the_whole_set_of_kwargs(tmp_path):
@@ -342,7 +342,7 @@ def test_recorded_kwargs_must_be_objects(tmp_path):
         load_conversations(data)
     cal = tmp_path / "calibration.json"
     cal.write_text(json.dumps({"temperatures": [1.0], "chat_template_kwargs": ["thinking"]}))
-    with pytest.raises(DspecError, match=r"calibration.json: chat_template_kwargs must be a JSON object"):
+    with pytest.raises(DspecError, match=r"calibration.json: chat_template_kwargs: should be an object"):
         Calibration.load(cal)
     cal.write_text(json.dumps({"temperatures": [1.0], "chat_template_kwargs": None}))
     assert Calibration.load(cal).chat_template_kwargs is None  # fitted on recorded traces: not known

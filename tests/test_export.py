@@ -97,6 +97,6 @@ def test_export_bad_input(target, model_dir, tmp_path, capsys):
     assert_cli_error(["export", str(ckpt), "--format", "tgi", "--output", str(tmp_path / "o"), *base], capsys,
                      "--format must be one of vllm, sglang")
     assert_cli_error(["export", str(ckpt), "--format", "vllm", "--output", str(ckpt), *base], capsys,
-                     "--output must differ from the checkpoint folder")
+                     "is CHECKPOINT")
     assert_cli_error(["export", str(tmp_path / "nowhere"), "--format", "vllm", "--output", str(tmp_path / "o"), *base],
                      capsys, "nowhere")

@@ -126,7 +126,7 @@ def test_bad_checkpoints_and_repo_ids(hub, ckpt, model_dir, tmp_path, capsys):
     assert_cli_error(["push", str(ckpt), "--repo-id", "alice/x@v1"], capsys, "give the branch with --revision")
     (tmp_path / "empty").mkdir()
     assert_cli_error(["push", str(tmp_path / "empty"), "--repo-id", REPO], capsys, "config.json is missing")
-    assert_cli_error(["push", str(tmp_path / "nope"), "--repo-id", REPO], capsys, "no such folder")
+    assert_cli_error(["push", str(tmp_path / "nope"), "--repo-id", REPO], capsys, "nope: not found")
     weights = (ckpt / "model.safetensors").read_bytes()
     (ckpt / "model.safetensors").write_bytes(weights[: len(weights) // 2])
     assert_cli_error(["push", str(ckpt), "--repo-id", REPO], capsys, "model.safetensors is corrupt")

@@ -101,3 +101,48 @@ def test_a_folder_with_files_needs_overwrite(tmp_path):
         check_output_dir(tmp_path, "--output", overwrite=False)
     check_output_dir(tmp_path, "--output")
     check_output_dir(tmp_path / "new", "--output", overwrite=False)
+
+
+def test_the_rule_compares_what_a_run_reads_and_writes(tmp_path):
+    """Identity by inode or real path; a checkpoint folder is read by name (a report beside its
+    files is fine); /dev/null takes any number of outputs; locks end with release()."""
+    from dspec_cli.core.files import CHECKPOINT_READS
+    from dspec_cli.core.run_paths import PathConflict, RunPaths
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "config.json").write_text("{}")
+    data = tmp_path / "data.jsonl"
+    data.write_text("{}\n")
+    os.link(data, tmp_path / "same.jsonl")
+    (tmp_path / "link").symlink_to(ck / "config.json")
+
+    def paths() -> RunPaths:
+        return RunPaths().read("--checkpoint", ck, names=CHECKPOINT_READS).read("--dataset", data)
+
+    paths().write("--json", ck / "bench.json").write_folder("--plots", ck, files=("a.png",)).check().release()
+    paths().write("--json", "/dev/null").write("--save-traces", "/dev/null").check().release()
+    for out, match in [(ck / "config.json", "is config.json of --checkpoint"), (tmp_path / "link", "config.json of"),
+                       (tmp_path / "same.jsonl", "is --dataset"), (ck / "model.safetensors", "model.safetensors of")]:
+        with pytest.raises(PathConflict, match=match):
+            paths().write("--json", out).check()
+    with pytest.raises(PathConflict, match="holds --checkpoint"):
+        paths().write_folder("--output", tmp_path).check()
+    with pytest.raises(PathConflict, match="both write to stdout"):
+        RunPaths().write("--json", "-", stream=True).write("--save-traces", "/dev/stdout", stream=True).check()
+
+
+def test_descriptor_paths_are_written_through(tmp_path):
+    from dspec_cli.core.outputs import is_special, is_stdout, through_descriptor
+
+    link = tmp_path / "out"
+    link.symlink_to("/dev/stdout")
+    assert through_descriptor("/dev/stdout") and through_descriptor(link) and through_descriptor("/proc/self/fd/1")
+    assert not through_descriptor(tmp_path / "plain.json") and not through_descriptor("/dev/null")
+    assert is_stdout("-") and not is_stdout(tmp_path / "plain.json")
+    r, w = os.pipe()
+    try:
+        assert is_special(f"/dev/fd/{w}") and not is_stdout(f"/dev/fd/{w}")
+    finally:
+        os.close(r)
+        os.close(w)

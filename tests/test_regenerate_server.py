@@ -133,7 +133,7 @@ def test_cli_against_the_server(server, tmp_path, capsys):
     assert_cli_error([*base, "--top-k", "0", "--target", str(other), "--output", str(tmp_path / "y.jsonl")],
                      capsys, "serves another tokenizer or chat template than --target")
     assert_cli_error([*base, "--top-k", "0", "--model", "nope", "--output", str(tmp_path / "z.jsonl")], capsys, "does not serve 'nope'")
-    assert_cli_error([*base, "--drafter", "prompt-lookup"], capsys, "--drafter apply to the built-in engine")
+    assert_cli_error([*base, "--drafter", "prompt-lookup"], capsys, "--drafter has no effect with --server")
 
 
 def test_cli_unreachable_server(tmp_path, capsys):

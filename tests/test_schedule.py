@@ -156,7 +156,7 @@ def test_fixed_and_threshold():
     assert FixedScheduler()(Proposal(conf.long(), lmax), lmax).tolist() == [3, 1, 3]  # no confidence needed
     assert ThresholdScheduler()(proposal(conf), lmax).tolist() == [1, 1, 0]
     assert ThresholdScheduler(threshold=0.0)(proposal(conf), lmax).tolist() == [3, 1, 3]
-    with pytest.raises(DspecError, match="--threshold"):
+    with pytest.raises(DspecError, match=r"threshold must be in \[0, 1\]"):
         ThresholdScheduler(threshold=1.5)
     with pytest.raises(ValueError, match="needs proposal.confidence"):
         ThresholdScheduler()(Proposal(conf.long(), lmax), lmax)
@@ -542,4 +542,4 @@ def test_schedule_cli_bad_input(files, tmp_path, capsys):
          "bad.jsonl:1: confidence values must lie in (0, 1)")
     broken = tmp_path / "broken.json"
     broken.write_text('{"device": "cpu"}')
-    _bad(["schedule", "--cost-table", str(broken), "--traces", str(tr)], capsys, "missing key(s)")
+    _bad(["schedule", "--cost-table", str(broken), "--traces", str(tr)], capsys, "broken.json: device_name: missing")

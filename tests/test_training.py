@@ -352,7 +352,7 @@ def test_failed_starts_overwrite_nothing(setup, tmp_path):
         train(TrainOptions(recipe=recipe, output=tmp / "new", target="Qwen/Qwen3-4B"))
     with pytest.raises(DspecError, match="expects 32"):
         train(TrainOptions(recipe=recipe, output=tmp / "new", overrides=["target.hidden_size=32"]))
-    with pytest.raises(DspecError, match="train.lr: expected a number"):
+    with pytest.raises(DspecError, match=r"override 'train.lr=fast': should be a valid number"):
         train(TrainOptions(recipe=recipe, output=tmp / "new", overrides=["train.lr=fast"]))
     with pytest.raises(DspecError, match=r"unknown key\(s\) layers; valid keys: block_size, target_layer_ids, keep"):
         train(TrainOptions(recipe=recipe, output=tmp / "new", overrides=["drafter.layers=3"]))
@@ -428,12 +428,12 @@ def test_cli_train_and_one_line_errors(setup, capsys):
         (["--output", str(tmp / "cli")], "not empty"),
         (["--output", str(tmp / "x"), "--drafter", "prompt-lookup"], "is for drafter"),
         (["--output", str(tmp / "x"), "train.nope=1"], "unknown key(s) train.nope; valid keys in [train]: epochs"),
-        (["--output", str(tmp / "x"), "--max-steps", "0"], "--max-steps must be >= 1"),
+        (["--output", str(tmp / "x"), "--max-steps", "0"], "Invalid value for '--max-steps'"),
     ]:
         with pytest.raises(SystemExit) as exc:
             main(["train", "--recipe", str(recipe), *args])
         err = capsys.readouterr().err
-        assert exc.value.code == 1 and err.count("\n") == 1 and message in err, err
+        assert exc.value.code in (1, 2) and err.count("\n") == 1 and message in err, err
 
 
 def test_torchrun_two_processes_match_one_process(setup):
@@ -519,7 +519,7 @@ def test_init_from_fine_tunes_a_checkpoint_and_refuses_misfits(setup):
     assert not torch.equal(_weights(base.output)["weight"], _weights(moved.output)["weight"])
     with pytest.raises(DspecError, match="use one"):
         train(TrainOptions(recipe=recipe, output=tmp / "base", resume=True, init_from=base.output))
-    with pytest.raises(DspecError, match="no such checkpoint folder"):
+    with pytest.raises(DspecError, match="nowhere: not found"):
         train(TrainOptions(recipe=recipe, output=tmp / "x", init_from=tmp / "nowhere"))
     config = base.output / "config.json"
     raw = json.loads(config.read_text())

@@ -3,8 +3,9 @@
 :class:`CheckpointConfig` is the file: the drafter's name, the dspec version and architecture it
 was written by, the target it was trained for (:class:`TargetRecord`), the chat-template kwargs
 of its training data and ``drafter_config``, the drafter's hyper-parameters, which each drafter
-types with its own :class:`DrafterConfig` subclass. Types are strict (no ``"7"`` for 7) and every
-number is finite; a file that does not fit is a one-line error naming the file and the field.
+types with its own :class:`DrafterConfig` subclass. The file is read as strict JSON and the
+records are :class:`~dspec_cli.core.records.Record` s (strict types: no ``"7"`` for 7; finite
+numbers); a file that does not fit is a one-line error naming the file and the field.
 Fields other than ``drafter`` and ``drafter_config`` are optional, so older checkpoints load.
 """
 
@@ -13,23 +14,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    PositiveInt,
-    TypeAdapter,
-    ValidationError,
-)
+from pydantic import ConfigDict, Field, PositiveInt, TypeAdapter, ValidationError
 
 from dspec_cli.core.chat_template import default_kwargs
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import CONFIG_FILE, read_config
+from dspec_cli.core.records import Record, describe_error, validate
 from dspec_cli.core.specs import check_block_size
 
 if TYPE_CHECKING:
@@ -63,7 +57,7 @@ class DrafterConfig:
         try:
             return _adapter(cls).validate_json(json.dumps(values))
         except ValidationError as exc:
-            raise invalid(where, exc) from None
+            raise DspecError(f"{where}: {describe_error(exc)}") from None
         except DspecError as exc:  # a rule of the drafter's own (__post_init__)
             raise DspecError(f"{where}: {exc}") from None
 
@@ -77,11 +71,11 @@ def _adapter(cls: type) -> TypeAdapter:
     return TypeAdapter(cls)
 
 
-class TargetRecord(BaseModel):
+class TargetRecord(Record):
     """config.json ``target``: the target a checkpoint was trained for ("embedded", a Hub id or an
     absolute local path; "" when unknown) and its sizes and tokenizer, checked when it loads."""
 
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow", frozen=True)
+    model_config = ConfigDict(extra="allow")  # Record's rules otherwise
 
     name_or_path: str = ""
     vocab_size: PositiveInt | None = None
@@ -94,10 +88,10 @@ class BlockSizeError(DspecError):
     """A block size beyond the one a checkpoint was trained with (the message says what to use)."""
 
 
-class CheckpointConfig(BaseModel):
+class CheckpointConfig(Record):
     """config.json of a dspec drafter checkpoint (see the module docstring)."""
 
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow", frozen=True)
+    model_config = ConfigDict(extra="allow")  # Record's rules otherwise
 
     drafter: str
     dspec_version: str = ""
@@ -110,16 +104,13 @@ class CheckpointConfig(BaseModel):
 
     @classmethod
     def parse(cls, raw: dict[str, Any], folder: str | Path) -> CheckpointConfig:
-        """The record of config.json ``raw`` (read from ``folder``); DspecError naming the file
-        and the field when it does not fit."""
+        """The record of config.json ``raw`` (read from ``folder`` as strict JSON by
+        :func:`~dspec_cli.core.files.read_config`); DspecError naming the file and the field when
+        it does not fit."""
         where = f"checkpoint {Path(folder) / CONFIG_FILE}"
-        _require_finite(raw, where, "")
-        try:
-            config = cls.model_validate(raw)
-        except ValidationError as exc:
-            raise invalid(where, exc) from None
+        config = validate(cls, raw, where)
         if "block_size" not in config.drafter_config:
-            raise DspecError(f"{where}: drafter_config.block_size: field required")
+            raise DspecError(f"{where}: drafter_config.block_size: missing")
         try:
             check_block_size(config.drafter_config["block_size"], "drafter_config.block_size")
         except DspecError as exc:
@@ -137,23 +128,6 @@ class CheckpointConfig(BaseModel):
     def read(cls, folder: str | Path) -> CheckpointConfig:
         """The record of ``folder``'s config.json (:meth:`parse`)."""
         return cls.parse(read_config(Path(folder)), folder)
-
-
-def invalid(where: str, exc: ValidationError) -> DspecError:
-    """A one-line error of pydantic's first complaint: ``where``, the field path, what is wrong."""
-    first = exc.errors()[0]
-    field = ".".join(str(part) for part in first["loc"]) or "(top level)"
-    got = f" (got {first['input']!r})" if first["type"] != "missing" else ""
-    return DspecError(f"{where}: {field}: {first['msg'][0].lower()}{first['msg'][1:]}{got}")
-
-
-def _require_finite(value: Any, where: str, field: str) -> None:
-    """NaN and ±Infinity (which Python's json reads) are no number a checkpoint may hold."""
-    if isinstance(value, float) and not math.isfinite(value):
-        raise DspecError(f"{where}: {field}: must be a finite number (got {value!r})")
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, item in items:
-        _require_finite(item, where, f"{field}.{key}" if field else str(key))
 
 
 class Checkpointed(Protocol):

@@ -33,6 +33,7 @@ from dspec_cli.core.files import (
     embedded_path,
     read_config,
 )
+from dspec_cli.core.outputs import atomic_write_text, write_atomic
 
 if TYPE_CHECKING:  # annotations only: checkpoints/ sits below runtime/
     from dspec_cli.runtime.target import Target
@@ -43,17 +44,18 @@ T = TypeVar("T", bound=Trained)
 
 def save_drafter(drafter, path: str | Path, net: torch.nn.Module | None = None) -> None:
     """Write config.json (:func:`~dspec_cli.checkpoints.native.checkpoint_config`), the drafter's
-    calibration.json if it has one and, given its trainable weights ``net``, model.safetensors."""
+    calibration.json if it has one and, given its trainable weights ``net``, model.safetensors; each
+    file atomically, with the mode of a new file."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / CONFIG_FILE).write_text(json.dumps(checkpoint_config(drafter), indent=2) + "\n")
+    atomic_write_text(path / CONFIG_FILE, json.dumps(checkpoint_config(drafter), indent=2) + "\n")
     if drafter.calibration is not None:
         drafter.calibration.save(path / CALIBRATION_FILE)
     if net is not None:
         state = {k: v.detach().contiguous().cpu() for k, v in net.state_dict().items()}
-        save_file(state, str(path / WEIGHTS_FILE))
+        write_atomic(path / WEIGHTS_FILE, lambda p: save_file(state, str(p)))
 
 
 def load_config_only(cls: type[D], path: str | Path, target: Target, overrides: dict[str, Any]) -> D:

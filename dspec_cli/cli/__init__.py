@@ -9,6 +9,7 @@ import warnings
 import typer
 
 from dspec_cli.core.errors import DspecError
+from dspec_cli.core.locks import release_all
 from dspec_cli.core.process_exit import exit_now, exit_without_finalization_requested
 
 app = typer.Typer(
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         code = _run(argv)
     finally:
         warnings.showwarning = shown
+        release_all()  # the output locks of core/run_paths.py
     if code == INTERRUPTED:
         print("Interrupted", file=sys.stderr)
     code = code if isinstance(code, int) else 0

@@ -14,12 +14,11 @@ from dspec_cli.cli import app
 from dspec_cli.cli import options as opt
 from dspec_cli.cli.progress import CommandProgress, results_console
 from dspec_cli.core.errors import DspecError
-from dspec_cli.core.outputs import (
-    check_output_dir,
-    check_output_file,
-    is_stdout,
-    write_json,
-)
+from dspec_cli.core.files import CHECKPOINT_READS
+from dspec_cli.core.outputs import is_stdout, write_json
+from dspec_cli.core.run_paths import RunPaths
+
+PLOTS = ("acceptance.png", "load.png", "load-*.png")
 
 
 def _fmt(x, spec=".2f") -> str:
@@ -81,9 +80,9 @@ def bench_command(
     temperature: float = opt.temperature(),
     top_p: float = opt.top_p(),
     top_k: int = opt.top_k(),
-    block_size: int = typer.Option(7, "--block-size", help="γ: most draft tokens verified per round (>= 1, at most the drafter's trained block)."),
+    block_size: int = opt.block_size(7, "γ: most draft tokens verified per round (>= 1, at most the drafter's trained block)."),
     seed: int = opt.seed(),
-    repeats: int = typer.Option(1, "--repeats", help="Passes over the prompts (>= 1); each prompt runs with plain decoding next to it, speedup is the median of the paired ratios with a 95 % interval."),
+    repeats: int = opt.int_option(1, "--repeats", minimum=1, help="Passes over the prompts (>= 1); each prompt runs with plain decoding next to it, speedup is the median of the paired ratios with a 95 % interval."),
     concurrency: str = opt.concurrency_list("1"),
     scheduler: list[str] = typer.Option(["fixed"], "--scheduler", "-s", help="Verification-length scheduler (repeatable): NAME[,KEY=VALUE...]: fixed, threshold[,threshold=0.6], hardware[,gate=false,layout=packed], async, or a plugin's."),
     cost_table: Optional[Path] = typer.Option(None, "--cost-table", metavar="FILE", help="Cost table from `dspec profile-hardware --json`, or an SGLang DSpark SPS table (needed by hardware/async)."),
@@ -100,20 +99,19 @@ def bench_command(
     """Measure τ, acceptance by position and speedup over plain decoding of the same target."""
     from dspec_cli.workflows.bench import BenchOptions, run_bench
 
-    if num_prompts is not None and num_prompts < 1:
-        raise DspecError(f"--num-prompts must be >= 1, got {num_prompts}")
     if suite is not None:
         from dspec_cli.core.datasets import PAPER_SUITE
 
         if suite != "paper":
             raise DspecError(f"--suite must be 'paper', got {suite!r}")
         dataset = [*PAPER_SUITE, *dataset]
-    check_output_file(json_path, "--json")
-    check_output_dir(plots, "--plots")
+    RunPaths().read("--dataset", *dataset).read("--checkpoint", *checkpoint, names=CHECKPOINT_READS) \
+        .read("--target", target).read("--cost-table", cost_table) \
+        .write("--json", json_path, stream=True).write_folder("--plots", plots, files=PLOTS).check()
     opts = BenchOptions(
         drafters=drafter, target=target, checkpoints=checkpoint, datasets=dataset, num_prompts=num_prompts,
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, block_size=block_size,
-        seed=seed, concurrency=opt.int_list(concurrency, "--concurrency"), device=device, dtype=dtype,
+        seed=seed, concurrency=opt.int_list(concurrency, "--concurrency", maximum=opt.MAX_CONCURRENCY), device=device, dtype=dtype,
         schedulers=scheduler, cost_table=str(cost_table) if cost_table else None, strict=strict, repeats=repeats,
         cuda_graphs=cuda_graphs,
         chat_template_kwargs=opt.template_kwargs(chat_template_kwargs),
@@ -146,7 +144,7 @@ def bench_command(
         from dspec_cli.workflows.plots import acceptance_plot, load_plots, report_title
 
         title = report_title(report)
-        written = [acceptance_plot(report["runs"], plots / "acceptance.png", title)]
+        written = [acceptance_plot(report["runs"], plots / PLOTS[0], title)]
         if len(opts.concurrency) > 1:
             written += load_plots(report["runs"], plots, title)
         err.print("wrote " + ", ".join(str(p) for p in written), highlight=False, soft_wrap=True)

@@ -12,7 +12,11 @@ from rich.table import Table
 from dspec_cli.cli import app
 from dspec_cli.cli import options as opt
 from dspec_cli.cli.progress import CommandProgress, results_console
-from dspec_cli.core.outputs import check_output_file, is_stdout, write_json
+from dspec_cli.core.files import CALIBRATION_FILE, CHECKPOINT_READS
+from dspec_cli.core.outputs import is_stdout, write_json
+from dspec_cli.core.run_paths import RunPaths
+
+PLOTS = ("reliability.png", "threshold_sweep.png")
 
 
 def _f(x, spec=".3f") -> str:
@@ -50,6 +54,7 @@ def render_sweep(sweep: list[dict], console: Console) -> None:
 
 @app.command("calibrate")
 def calibrate_command(
+    ctx: typer.Context,
     drafter: str = typer.Option(..., "--drafter", "-d", help="Drafter: NAME[,KEY=VALUE...] with config options (see `dspec drafters`); it needs a confidence signal (a confidence head or draft probabilities)."),
     checkpoint: Optional[str] = typer.Option(None, "--checkpoint", metavar="PATH|HUB_ID", help="Drafter checkpoint: folder or Hub id (default: the drafter's default)."),
     dataset: list[str] = opt.dataset(),
@@ -58,7 +63,7 @@ def calibrate_command(
     num_prompts: Optional[int] = opt.num_prompts(),
     max_new_tokens: int = opt.max_new_tokens(128),
     target: Optional[str] = opt.target(),
-    block_size: Optional[int] = typer.Option(None, "--block-size", help="γ, >= 1 and at most the trained block (default: the checkpoint's)."),
+    block_size: Optional[int] = opt.block_size(None, "γ, >= 1 and at most the trained block (default: the checkpoint's)."),
     temperature: float = opt.temperature(),
     top_p: float = opt.top_p(),
     top_k: int = opt.top_k(),
@@ -80,7 +85,19 @@ def calibrate_command(
     """Record confidences and outcomes on held-out prompts (or read recorded ones), fit STS, write calibration.json."""
     from dspec_cli.workflows.calibrate_run import CalibrateOptions, run_calibrate
 
-    check_output_file(json_path, "--json")
+    if traces is not None:  # recorded rounds: nothing runs
+        opt.refuse(ctx, ("num_prompts", "max_new_tokens", "temperature", "top_p", "top_k", "concurrency", "seed", "target",
+                         "device", "dtype", "strict", "chat_template_kwargs"), "with --traces (recorded rounds)",
+                   "when the drafter runs")
+    paths = RunPaths().read("--dataset", *dataset).read("--traces", *opt.trace_files(traces)).read("--target", target)
+    if in_place and checkpoint and Path(checkpoint).is_dir():  # its calibration.json is the output
+        paths.read("--checkpoint", checkpoint, names=[n for n in CHECKPOINT_READS if n != CALIBRATION_FILE])
+        paths.write("--in-place", Path(checkpoint) / CALIBRATION_FILE)
+    else:
+        paths.read("--checkpoint", checkpoint, names=CHECKPOINT_READS, hint="pass --in-place to calibrate it in place")
+    paths.write_folder("--output", output, overwrite=overwrite).write("--sglang-sts", sglang_sts, stream=True) \
+        .write_folder("--plots", plots, files=PLOTS).write("--save-traces", save_traces, stream=True, overwrite=overwrite) \
+        .write("--json", json_path, stream=True).check()
     opts = CalibrateOptions(
         drafter=drafter, checkpoint=checkpoint, datasets=dataset, traces=traces, sglang_sts=sglang_sts,
         num_prompts=num_prompts, max_new_tokens=max_new_tokens, target=target, block_size=block_size,
@@ -97,7 +114,7 @@ def calibrate_command(
             return lambda _res: bar.advance(task)
 
         result = run_calibrate(opts, progress)
-    if not is_stdout(json_path):
+    if not any(is_stdout(p) for p in (json_path, save_traces, sglang_sts)):  # stdout holds the streamed output only
         console = results_console()
         skipped = f" ({result.skipped} skipped: too long)" if result.skipped else ""
         render_metrics(result.calibration, console, f"{result.used} prompts{skipped}")

@@ -11,7 +11,8 @@ from rich.table import Table
 from dspec_cli.cli import app
 from dspec_cli.cli import options as opt
 from dspec_cli.cli.progress import results_console
-from dspec_cli.core.outputs import check_output_file, is_stdout, write_json
+from dspec_cli.core.outputs import is_stdout, write_json
+from dspec_cli.core.run_paths import RunPaths
 
 
 @app.command("datasets")
@@ -21,7 +22,7 @@ def datasets_command(
     """List the sets that --dataset / --prompts accept by name (Hub id, revision, split, fields, template)."""
     from dspec_cli.core.datasets import describe
 
-    check_output_file(json_path, "--json")
+    RunPaths().write("--json", json_path, stream=True).check()
     rows = describe()
     if json_path is not None:
         opt.wrote(Console(stderr=True), write_json(json_path, {"datasets": rows}))

@@ -13,7 +13,8 @@ from dspec_cli.cli import app
 from dspec_cli.cli import options as opt
 from dspec_cli.cli.progress import results_console
 from dspec_cli.core import plugins
-from dspec_cli.core.outputs import check_output_file, is_stdout, write_json
+from dspec_cli.core.outputs import is_stdout, write_json
+from dspec_cli.core.run_paths import RunPaths
 
 
 def drafter_rows(reg: plugins.Registry) -> list[dict]:
@@ -38,7 +39,7 @@ def drafters_command(
     json_path: Optional[Path] = opt.json_path("the drafters and schedulers"),
 ) -> None:
     """List the drafters registered by installed plugins."""
-    check_output_file(json_path, "--json")
+    RunPaths().write("--json", json_path, stream=True).check()
     reg = plugins.registry()
     rows = drafter_rows(reg)
     schedulers = [

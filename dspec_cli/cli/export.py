@@ -11,25 +11,22 @@ from rich.console import Console
 from dspec_cli.cli import app
 from dspec_cli.cli import options as opt
 from dspec_cli.core.errors import DspecError
-from dspec_cli.core.outputs import (
-    check_output_dir,
-    check_output_file,
-    is_stdout,
-    write_json,
-)
+from dspec_cli.core.files import CHECKPOINT_READS
+from dspec_cli.core.outputs import is_stdout, write_json
+from dspec_cli.core.run_paths import RunPaths
 
 
 @app.command("export")
 def export_command(
     checkpoint: str = typer.Argument(..., help="Drafter checkpoint: folder or Hub id (dspec's or a foreign layout)."),
     fmt: str = typer.Option(..., "--format", help="Serving engine: vllm or sglang."),
-    output: Path = typer.Option(..., "--output", help="Folder for the engine's draft checkpoint."),
+    output: Path = typer.Option(..., "--output", metavar="DIR", help="Folder for the engine's draft checkpoint (it holds that export only)."),
     target: Optional[str] = opt.target(),
     dtype: str = opt.dtype(),
     cost_table: Optional[Path] = typer.Option(None, "--cost-table", help="SGLang DSpark: cost table (dspec's or SGLang's) for dspark_sps.json (default: the checkpoint's cost_table.json)."),
     json_path: Optional[Path] = opt.json_path("the export report (layout, engine settings, command)"),
     chat_template_kwargs: Optional[str] = opt.chat_template_kwargs(),
-    overwrite: bool = opt.overwrite("the files of an earlier export in a non-empty --output folder"),
+    overwrite: bool = opt.overwrite("a non-empty --output folder (an earlier export) as a whole"),
 ) -> None:
     """Export a drafter for vLLM or SGLang and print the command that serves it."""
     from dspec_cli.checkpoints import load_drafter
@@ -41,10 +38,9 @@ def export_command(
 
     if fmt not in FORMATS:
         raise DspecError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    if Path(checkpoint).is_dir() and output.resolve() == Path(checkpoint).resolve():
-        raise DspecError("--output must differ from the checkpoint folder (export writes another layout)")
-    check_output_dir(output, "--output", overwrite=overwrite)
-    check_output_file(json_path, "--json")
+    RunPaths().read("CHECKPOINT", checkpoint, names=CHECKPOINT_READS).read("--target", target) \
+        .read("--cost-table", cost_table).write_folder("--output", output, overwrite=overwrite) \
+        .write("--json", json_path, stream=True).check()
     template_kwargs = opt.template_kwargs(chat_template_kwargs)  # the deployment's; its server default
     path = resolve_checkpoint(checkpoint)
     target = choose_target(target, [path])  # no --target: the one the checkpoint was trained for

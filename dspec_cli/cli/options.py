@@ -15,6 +15,16 @@ from dspec_cli.core.chat_template import (
     parse_kwargs,
 )
 from dspec_cli.core.errors import DspecError
+from dspec_cli.core.records import MAX_BLOCK, MAX_CONCURRENCY, MAX_TOKENS
+
+MAX_COUNT = 2**31 - 1  # counts (prompts, steps, repeats): beyond this a value is a typo
+MAX_SEED = 2**32 - 1  # seeds are 32-bit: every random stream is keyed by (seed, offset, salt) in 64 bits
+
+
+def int_option(default: int | None, *decls: str, minimum: int, maximum: int = MAX_COUNT, **kwargs: Any) -> Any:
+    """An integer option with its range (a usage error outside it, before anything loads); every
+    integer option of every command is one (tests/test_cli_bad_input.py checks)."""
+    return typer.Option(default, *decls, min=minimum, max=maximum, **kwargs)
 
 
 def target(what: str = "Target model",
@@ -29,11 +39,15 @@ def dataset(*aliases: str) -> Any:
 
 
 def num_prompts() -> Any:
-    return typer.Option(None, "--num-prompts", help="Use the first N prompts of each dataset (default: all).")
+    return int_option(None, "--num-prompts", minimum=1, help="Use the first N prompts of each dataset (default: all).")
 
 
-def max_new_tokens(default: int) -> Any:
-    return typer.Option(default, "--max-new-tokens", help="Most tokens generated per prompt (>= 1).")
+def max_new_tokens(default: int | None, help: str = "Most tokens generated per prompt (>= 1).") -> Any:
+    return int_option(default, "--max-new-tokens", minimum=1, maximum=MAX_TOKENS, help=help)
+
+
+def block_size(default: int | None, help: str) -> Any:
+    return int_option(default, "--block-size", minimum=1, maximum=MAX_BLOCK, help=help)
 
 
 def finite_float(text: str | float) -> float:
@@ -60,12 +74,12 @@ def top_p(default: float = 1.0) -> Any:
     return float_option(default, "--top-p", help="Nucleus sampling mass in (0, 1] (1 = off).")
 
 
-def top_k(default: int = 0) -> Any:
-    return typer.Option(default, "--top-k", help="Sample from the K most likely tokens, >= 0 (0 = off).")
+def top_k(default: int | None = 0, help: str = "Sample from the K most likely tokens, >= 0 (0 = off).") -> Any:
+    return int_option(default, "--top-k", minimum=0, help=help)
 
 
-def seed() -> Any:
-    return typer.Option(0, "--seed", help="Random seed (any integer): the same seed gives the same tokens.")
+def seed(default: int | None = 0, help: str = "Random seed, 0 <= S < 2^32: the same seed gives the same tokens.") -> Any:
+    return int_option(default, "--seed", minimum=0, maximum=MAX_SEED, help=help)
 
 
 def chat_template_kwargs(recipe: bool = False) -> Any:
@@ -119,19 +133,51 @@ def concurrency_list(default: str) -> Any:
                         help=f"Concurrent requests, one run per value, e.g. 1,4,16 (default {default}).")
 
 
-def concurrency(default: int) -> Any:
-    return typer.Option(default, "--concurrency", metavar="R", help=f"Concurrent requests (default {default}).")
+def concurrency(default: int | None, help: str | None = None) -> Any:
+    return int_option(default, "--concurrency", minimum=1, maximum=MAX_CONCURRENCY, metavar="R",
+                      help=help or f"Concurrent requests (default {default}).")
 
 
-def int_list(text: str, option: str, minimum: int = 1) -> list[int]:
-    """Parse "1,4,16" for ``option``; every value must be >= minimum."""
+def int_list(text: str, option: str, minimum: int = 1, maximum: int = MAX_COUNT) -> list[int]:
+    """Parse "1,4,16" for ``option``; every value must lie in [minimum, maximum]."""
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise DspecError(f"{option} must be a comma-separated list of integers, got {text!r}") from None
     if not values or any(v < minimum for v in values):
         raise DspecError(f"{option} values must be >= {minimum}, got {text!r}")
+    if any(v > maximum for v in values):
+        raise DspecError(f"{option} values must be <= {maximum}, got {text!r}")
     return values
+
+
+def trace_files(path: Path | None) -> list[Path]:
+    """A --traces path and the SGLang STS shards of a collection stem (``<stem>.N.pt``): what the run reads."""
+    if path is None:
+        return []
+    return [path, *sorted(path.parent.glob(f"{path.name}.*.pt"))]
+
+
+def typed(ctx: typer.Context, *names: str) -> list[str]:
+    """The options among parameters ``names`` that the user gave (on the command line or in the
+    environment), by their long names: an option given where it cannot apply is an error, never
+    silently ignored."""
+    given = []
+    for param in ctx.command.params:
+        source = ctx.get_parameter_source(param.name) if param.name in names else None
+        if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT"):
+            given.append(next((o for o in param.opts if o.startswith("--")), param.opts[0]))
+    return given
+
+
+def refuse(ctx: typer.Context, names: tuple[str, ...], here: str, applies: str) -> None:
+    """DspecError when the user gave any option of ``names`` (parameter names), which have no
+    effect ``here`` (e.g. "without --drafter"); ``applies``: where they do (e.g. "with --drafter")."""
+    given = typed(ctx, *names)
+    if given:
+        one = len(given) == 1
+        raise DspecError(f"{', '.join(given)} {'has' if one else 'have'} no effect {here}: "
+                         f"{'it applies' if one else 'they apply'} {applies}")
 
 
 def wrote(console, path: str | Path | None) -> None:

@@ -15,12 +15,10 @@ from dspec_cli.cli import options as opt
 from dspec_cli.cli.options import int_list
 from dspec_cli.cli.progress import CommandProgress, results_console
 from dspec_cli.core.errors import DspecError
-from dspec_cli.core.outputs import (
-    check_output_dir,
-    check_output_file,
-    is_stdout,
-    write_json,
-)
+from dspec_cli.core.files import CHECKPOINT_READS
+from dspec_cli.core.outputs import is_stdout, write_json
+from dspec_cli.core.records import MAX_TOKENS
+from dspec_cli.core.run_paths import RunPaths
 
 DEFAULT_CONTEXTS = (128, 512, 2048)
 
@@ -66,17 +64,15 @@ def _profile_steps(name, checkpoint, block_size, requests, verify_tokens, fmt, t
     from dspec_cli.checkpoints.hub import resolve_checkpoint
     from dspec_cli.checkpoints.native import choose_target
     from dspec_cli.core import sglang_sps as sglang_tables
-    from dspec_cli.core.specs import check_block_size
     from dspec_cli.runtime.target import Target
     from dspec_cli.workflows.step_profile import profile_steps, tokens_after_context
 
-    check_block_size(block_size)
-    widths = int_list(verify_tokens, "--verify-tokens") if verify_tokens else (
+    widths = int_list(verify_tokens, "--verify-tokens", maximum=block_size + 1) if verify_tokens else (
         [1, block_size // 2 + 1, block_size + 1] if fmt == "sglang-additive" else [block_size + 1])
     path = str(resolve_checkpoint(checkpoint)) if checkpoint else None
     target = choose_target(target, [path])  # no --target: the one the checkpoint was trained for
-    rows = int_list(requests, "--requests")
-    ctx: list[int] = int_list(contexts, "--contexts") if contexts else list(DEFAULT_CONTEXTS)
+    rows = int_list(requests, "--requests", maximum=opt.MAX_CONCURRENCY)
+    ctx: list[int] = int_list(contexts, "--contexts", maximum=MAX_TOKENS) if contexts else list(DEFAULT_CONTEXTS)
     tgt = Target.load(target, dtype=dtype, device=device)
     if contexts is None:
         ctx = _default_contexts(ctx, tgt, tokens_after_context(block_size, repeats, warmup))
@@ -111,20 +107,21 @@ def _profile_steps(name, checkpoint, block_size, requests, verify_tokens, fmt, t
 
 @app.command("profile-hardware")
 def profile_command(
+    ctx: typer.Context,
     target: Optional[str] = opt.target(),
-    max_batch_tokens: int = typer.Option(256, "--max-batch-tokens", help="Largest B (tokens per forward) profiled, >= 1."),
+    max_batch_tokens: int = opt.int_option(256, "--max-batch-tokens", minimum=1, maximum=MAX_TOKENS, help="Largest B (tokens per forward) profiled, >= 1."),
     grid: Optional[str] = typer.Option(None, "--grid", metavar="B[,B...]", help="Explicit B values, e.g. 1,2,4,8 (default: dense 1..16, sparser up to --max-batch-tokens)."),
     contexts: Optional[str] = typer.Option(None, "--contexts", metavar="C[,C...]", help="Context lengths in the KV cache, >= 1 (default 128,512,2048, clipped to the target's context)."),
-    row_tokens: int = typer.Option(8, "--row-tokens", help="New tokens per row (γ + 1), >= 1; B tokens use ceil(B / row-tokens) rows."),
-    repeats: int = typer.Option(10, "--repeats", help="Timed forwards per point (median and IQR), >= 1."),
-    warmup: int = typer.Option(2, "--warmup", help="Untimed forwards per point, >= 0."),
+    row_tokens: int = opt.int_option(8, "--row-tokens", minimum=1, maximum=MAX_TOKENS, help="New tokens per row (γ + 1), >= 1; B tokens use ceil(B / row-tokens) rows."),
+    repeats: int = opt.int_option(10, "--repeats", minimum=1, maximum=1_000_000, help="Timed forwards per point (median and IQR), >= 1."),
+    warmup: int = opt.int_option(2, "--warmup", minimum=0, maximum=1_000_000, help="Untimed forwards per point, >= 0."),
     device: str = opt.device(),
     dtype: str = opt.dtype(),
     cuda_graphs: bool = opt.cuda_graphs(),
     seed: int = opt.seed(),
     drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Time whole speculative steps of this drafter (drafting + verification + host work) over --requests x --verify-tokens."),
     checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="With --drafter: its checkpoint (default: the drafter's default)."),
-    block_size: int = typer.Option(7, "--block-size", help="With --drafter: γ."),
+    block_size: int = opt.block_size(7, "With --drafter: γ."),
     requests: str = typer.Option("1,2,4,8,16,32", "--requests", help="With --drafter: concurrent requests R."),
     verify_tokens: Optional[str] = typer.Option(None, "--verify-tokens", help="With --drafter: tokens verified per request, anchor included, 1..γ+1 (default: γ+1; sglang-additive: 1, γ/2+1, γ+1)."),
     fmt: str = typer.Option("dspec", "--format", help="What --json writes: dspec, sglang-diagonal or sglang-additive (the last two need --drafter)."),
@@ -144,37 +141,34 @@ def profile_command(
                          "verification, host work); target forwards alone overstate what trimming saves")
     if drafter is not None and grid is not None:
         raise DspecError("--grid sets target-forward batch sizes; with --drafter give --requests and --verify-tokens")
+    if drafter is None:
+        opt.refuse(ctx, ("checkpoint", "block_size", "requests", "verify_tokens"), "without --drafter", "with --drafter")
+    else:
+        opt.refuse(ctx, ("max_batch_tokens", "row_tokens"), "with --drafter",
+                   "to target forwards (with --drafter give --requests and --verify-tokens)")
+    RunPaths().read("--target", target).read("--checkpoint", checkpoint, names=CHECKPOINT_READS) \
+        .write("--json", json_path, stream=True).write_folder("--plots", plots, files=("sps.png",)).check()
     if drafter is not None:
-        check_output_file(json_path, "--json")
-        check_output_dir(plots, "--plots")
         resolve_device(device)
         parse_dtype(dtype)
         return _profile_steps(drafter, checkpoint, block_size, requests, verify_tokens, fmt, target, contexts,
                               repeats, warmup, device, dtype, seed, json_path, plots, cuda_graphs)
 
-    points = int_list(grid, "--grid") if grid else default_grid(max_batch_tokens)
-    ctx: list[int] = int_list(contexts, "--contexts") if contexts else list(DEFAULT_CONTEXTS)
-    if repeats < 1:
-        raise DspecError(f"--repeats must be >= 1, got {repeats}")
-    if warmup < 0:
-        raise DspecError(f"--warmup must be >= 0, got {warmup}")
-    if row_tokens < 1:
-        raise DspecError(f"--row-tokens must be >= 1, got {row_tokens}")
-    check_output_file(json_path, "--json")
-    check_output_dir(plots, "--plots")
+    points = int_list(grid, "--grid", maximum=MAX_TOKENS) if grid else default_grid(max_batch_tokens)
+    lengths: list[int] = int_list(contexts, "--contexts", maximum=MAX_TOKENS) if contexts else list(DEFAULT_CONTEXTS)
     resolve_device(device)
     parse_dtype(dtype)
     tgt = Target.load(target, dtype=dtype, device=device)
     err = Console(stderr=True)
     if contexts is None:
-        ctx = _default_contexts(ctx, tgt, row_tokens)
+        lengths = _default_contexts(lengths, tgt, row_tokens)
     with CommandProgress(err, unit="points") as bar:
-        task = bar.add_task("profiling SPS(B)", total=len(set(points)) * len(set(ctx)))
+        task = bar.add_task("profiling SPS(B)", total=len(set(points)) * len(set(lengths)))
 
         def advance(c: int, b: int) -> None:
             bar.update(task, advance=1, description=f"profiling SPS(B) · context {c} · B={b}")
 
-        table = profile_target(tgt, grid=points, contexts=ctx, repeats=repeats, warmup=warmup,
+        table = profile_target(tgt, grid=points, contexts=lengths, repeats=repeats, warmup=warmup,
                                row_tokens=row_tokens, model_name=target or "embedded:tiny-target", seed=seed,
                                cuda_graphs=cuda_graphs, progress=advance)
     if not is_stdout(json_path):

@@ -12,7 +12,9 @@ from rich.progress import DownloadColumn
 from dspec_cli.cli import app
 from dspec_cli.cli import options as opt
 from dspec_cli.cli.progress import CommandProgress
-from dspec_cli.core.outputs import check_output_file, is_stdout, write_json
+from dspec_cli.core.files import CHECKPOINT_READS, PUBLISHED_FILES
+from dspec_cli.core.outputs import is_stdout, write_json
+from dspec_cli.core.run_paths import RunPaths
 
 
 @app.command("push")
@@ -30,12 +32,13 @@ def push_command(
     """Check that CHECKPOINT loads against its target, refresh its model card, upload it in one commit."""
     from dspec_cli.checkpoints.hub import push_folder, push_repo_id
     from dspec_cli.checkpoints.model_card import refresh_model_card
-    from dspec_cli.core.files import CARD_FILE, PUBLISHED_FILES
+    from dspec_cli.core.files import CARD_FILE
     from dspec_cli.core.version import __version__
     from dspec_cli.workflows.validate import validate_checkpoint
 
     push_repo_id(repo_id)  # a bad id fails before anything loads
-    check_output_file(json_path, "--json")
+    RunPaths().read("CHECKPOINT", checkpoint, names=(*CHECKPOINT_READS, *PUBLISHED_FILES)).read("--target", target) \
+        .write("--json", json_path, stream=True).check()
     err = Console(stderr=True)
     with err.status(f"validating {checkpoint}"):
         config = validate_checkpoint(checkpoint, target)

@@ -8,21 +8,17 @@ from rich.console import Console
 from rich.progress import MofNCompleteColumn, TextColumn, TimeRemainingColumn
 
 from dspec_cli.cli.progress import CommandProgress
-from dspec_cli.core.errors import DspecError
 from dspec_cli.training.regenerate import RegenerateOptions, RegenerateStats
 
 
 def run_with_servers(opts: RegenerateOptions, servers: list[str], concurrency: int, model: str | None,
-                     max_retries: int, timeout: float, *, explicit: dict, console: Console) -> RegenerateStats:
-    """``explicit``: built-in-engine flags by name -> value given (any set one is an error here)."""
+                     max_retries: int, timeout: float, *, console: Console) -> RegenerateStats:
+    """Regenerate through ``servers`` with a progress bar on ``console``."""
     from dspec_cli.training.regenerate_server import (
         ServerOptions,
         regenerate_with_servers,
     )
 
-    given = [flag for flag, value in explicit.items() if value is not None]
-    if given:
-        raise DspecError(f"{', '.join(given)} apply to the built-in engine, not to --server (use --server-concurrency)")
     sopts = ServerOptions(servers=servers, concurrency=concurrency, model=model, max_retries=max_retries,
                           timeout=timeout)
     with CommandProgress(console, MofNCompleteColumn(), TextColumn("conversations · {task.fields[rate]}"),

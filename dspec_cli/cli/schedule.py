@@ -14,24 +14,22 @@ from dspec_cli.cli import app
 from dspec_cli.cli import options as opt
 from dspec_cli.cli.options import int_list
 from dspec_cli.cli.progress import results_console
-from dspec_cli.core.outputs import (
-    check_output_dir,
-    check_output_file,
-    is_stdout,
-    write_json,
-)
+from dspec_cli.core.outputs import is_stdout, write_json
+from dspec_cli.core.records import MAX_TOKENS
+from dspec_cli.core.run_paths import RunPaths
 
 
 @app.command("schedule")
 def schedule_command(
+    ctx: typer.Context,
     cost_table: Path = typer.Option(..., "--cost-table", help="Cost table JSON from `dspec profile-hardware`, or an SGLang DSpark SPS table."),
     traces: Path = typer.Option(..., "--traces", help="Round traces: jsonl from `dspec calibrate --save-traces`, or SGLang STS shards (<stem>.N.pt: give the stem)."),
     scheduler: list[str] = typer.Option(["hardware"], "--scheduler", "-s", help="Scheduler (repeatable): NAME[,KEY=VALUE...]: fixed, threshold, hardware, async, or a plugin's (e.g. hardware,gate=false)."),
     concurrency: str = opt.concurrency_list("1,4,16,64"),
-    steps: int = typer.Option(200, "--steps", help="Simulated rounds per (scheduler, R), >= 1."),
+    steps: int = opt.int_option(200, "--steps", minimum=1, maximum=10_000_000, help="Simulated rounds per (scheduler, R), >= 1."),
     layout: str = typer.Option("padded", "--layout", help="How the simulated engine lays out a ragged verify: padded (R·(1 + max ℓ) tokens, dspec's engine and bench's hardware scheduler) or packed (Σ(ℓ+1) tokens, the paper's engines)."),
     threshold: float = opt.float_option(0.5, "--threshold", help="Threshold of the 'threshold' scheduler."),
-    context: Optional[int] = typer.Option(None, "--context", help="Context length for SPS lookups (default: mean over the profiled contexts)."),
+    context: Optional[int] = opt.int_option(None, "--context", minimum=0, maximum=MAX_TOKENS, help="Context length for SPS lookups (default: mean over the profiled contexts)."),
     calibration: Optional[Path] = typer.Option(None, "--calibration", help="calibration.json whose temperatures are applied to the trace confidences."),
     target: Optional[str] = typer.Option(None, "--target", metavar="PATH|HUB_ID", help="The model the results are for: a cost table profiled for another one warns."),
     device: Optional[str] = typer.Option(None, "--device", metavar="DEVICE", help="The device the results are for (auto, cpu, cuda or cuda:N): a cost table profiled on another one warns (default: no check)."),
@@ -52,13 +50,16 @@ def schedule_command(
     from dspec_cli.workflows.sglang_sts import load_rounds
     from dspec_cli.workflows.simulate import simulate_load
 
-    levels = int_list(concurrency, "--concurrency")
-    if steps < 1:
-        raise DspecError(f"--steps must be >= 1, got {steps}")
+    if not 0 <= threshold <= 1:
+        raise DspecError(f"--threshold must be in [0, 1], got {threshold}")
+    if not any(parse_scheduler_spec(spec)[0] == "threshold" for spec in scheduler):
+        opt.refuse(ctx, ("threshold",), "without --scheduler threshold", "to the threshold scheduler")
+    levels = int_list(concurrency, "--concurrency", maximum=opt.MAX_CONCURRENCY)
     if layout not in ("packed", "padded"):
         raise DspecError(f"--layout must be packed or padded, got {layout!r}")
-    check_output_file(json_path, "--json")
-    check_output_dir(plots, "--plots")
+    RunPaths().read("--cost-table", cost_table).read("--traces", *opt.trace_files(traces)) \
+        .read("--calibration", calibration).write("--json", json_path, stream=True) \
+        .write_folder("--plots", plots, files=("schedule.png",)).check()
     rounds, meta = load_rounds(traces)
     table = CostTable.load(cost_table, block_size=meta["block_size"])
     err = Console(stderr=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -21,7 +22,7 @@ from rich.progress import (
 from dspec_cli.cli import app
 from dspec_cli.cli import options as opt
 from dspec_cli.cli.progress import LogLines
-from dspec_cli.core.outputs import check_output_file
+from dspec_cli.core.outputs import is_stdout
 
 
 class RichProgress:
@@ -73,9 +74,9 @@ def train_command(
     target: Optional[str] = typer.Option(None, "--target", metavar="PATH|HUB_ID", help="Expected target; must match the recipe's target.name."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Run folder (default: runs/<recipe folder>-<drafter>)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --output from its latest checkpoint."),
-    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Total optimizer steps (= train.max_steps)."),
-    stop_after: Optional[int] = typer.Option(None, "--stop-after", help="Stop with a checkpoint after this many steps."),
-    json_log: Optional[Path] = typer.Option(None, "--json-log", help="Metrics JSONL (default: OUT/train_log.jsonl)."),
+    max_steps: Optional[int] = opt.int_option(None, "--max-steps", minimum=1, help="Total optimizer steps (= train.max_steps)."),
+    stop_after: Optional[int] = opt.int_option(None, "--stop-after", minimum=1, help="Stop with a checkpoint after this many steps."),
+    json_log: Optional[Path] = typer.Option(None, "--json-log", metavar="FILE|-", help="Metrics JSONL ('-': stdout; default: OUT/train_log.jsonl)."),
     feature_cache: Optional[Path] = typer.Option(None, "--feature-cache", help="Folder caching target features (reused when present)."),
     init_from: Optional[Path] = typer.Option(None, "--init-from", help="Start from this drafter checkpoint's weights (fine-tuning; new optimizer and schedule)."),
     report_to: list[str] = typer.Option([], "--report-to", help="Also log metrics to: tensorboard (OUT/tensorboard; needs dspec[tensorboard])."),
@@ -87,7 +88,6 @@ def train_command(
     from dspec_cli.training.loop import TrainOptions, train
 
     hf_logging.disable_progress_bar()
-    check_output_file(json_log, "--json-log")
     opts = TrainOptions(
         recipe=recipe, drafter=drafter, overrides=overrides or [], output=output, target=target, resume=resume,
         max_steps=max_steps, stop_after=stop_after, json_log=json_log, feature_cache=feature_cache, init_from=init_from,
@@ -103,10 +103,11 @@ def train_command(
     if int(os.environ.get("RANK", "0")) != 0:  # torchrun: rank 0 reports
         return
     summary = ", ".join(f"{k} {result.metrics[k]:.4g}" for k in ("loss", "tau_probabilistic") if k in result.metrics)
+    out = sys.stderr if is_stdout(json_log) else sys.stdout  # stdout holds the streamed metrics only
     if result.finished:
-        print(f"trained {result.step} steps ({summary}); drafter checkpoint: {result.output}")
+        print(f"trained {result.step} steps ({summary}); drafter checkpoint: {result.output}", file=out)
     else:
         print(f"stopped at step {result.step}/{result.total_steps} ({summary}); "
-              f"continue with: dspec train --resume --output {result.output}")
+              f"continue with: dspec train --resume --output {result.output}", file=out)
     if result.interrupted:
         raise KeyboardInterrupt  # the checkpoint is written: report "Interrupted", exit 130

@@ -5,17 +5,18 @@ the one function that applies them, σ(logit(c_k) / T_k) (DSpark paper §3.2.1).
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from pydantic import ConfigDict, Field, JsonValue, model_validator
 
 from dspec_cli.core.chat_template import check_kwargs
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import CALIBRATION_FILE, read_json
 from dspec_cli.core.outputs import atomic_write_text
+from dspec_cli.core.records import PositiveFloat, PositiveInt, Record, validate
 
 
 def apply_temperatures(confidence: torch.Tensor, temperatures: Sequence[float] | torch.Tensor | None) -> torch.Tensor:
@@ -48,18 +49,6 @@ class Calibration:
     chat_template_kwargs: dict | None = None
     _rows: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # apply's temperature rows
 
-    def __post_init__(self) -> None:
-        where = self.source or "calibration"
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise DspecError(f"{where}: block_size must be a positive integer, got {self.block_size!r}")
-        temps = self.temperatures
-        if not isinstance(temps, list) or not all(
-            isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0 for t in temps
-        ):
-            raise DspecError(f"{where}: temperatures must be a list of positive numbers")
-        if len(temps) != self.block_size:
-            raise DspecError(f"{where}: {len(temps)} temperatures for block size {self.block_size}")
-
     def check(self, drafter: str | None = None, block_size: int | None = None) -> None:
         """DspecError unless this calibration belongs to ``drafter`` at ``block_size``."""
         where = self.source or "calibration"
@@ -91,26 +80,40 @@ class Calibration:
     @classmethod
     def load(cls, path: str | Path, *, drafter: str | None = None, block_size: int | None = None,
              what: str = "calibration file") -> Calibration:
-        """Read a file (or a folder's ``calibration.json``) and check it fits drafter / block size;
-        errors start with ``what`` (the option naming the file) and the path.
+        """Read a file (or a folder's ``calibration.json``) as a :class:`CalibrationRecord` and check
+        it fits drafter / block size; errors start with ``what`` (the option naming the file), the
+        path and the field.
 
-        Files holding only ``{"temperatures": [...]}`` are accepted (block size = their length,
-        drafter and chat-template kwargs unknown).
+        Files holding only ``{"temperatures": [...]}`` (SGLang's STS files) are accepted (block
+        size = their length, drafter and chat-template kwargs unknown).
         """
         path = Path(path)
         file = path / CALIBRATION_FILE if path.is_dir() else path
-        raw = read_json(file, what)
         where = f"{what} {file}"
-        if not isinstance(raw, dict) or "temperatures" not in raw:
-            raise DspecError(f"{where}: expected an object with 'temperatures'")
-        temps = raw["temperatures"]
-        size = raw.get("block_size", len(temps) if isinstance(temps, list) else 0)
-        metrics = raw.get("metrics", {})
-        kwargs = raw.get("chat_template_kwargs")
+        rec = validate(CalibrationRecord, read_json(file, what), where)
+        cal = cls(rec.drafter, rec.block_size or len(rec.temperatures), list(rec.temperatures), dict(rec.metrics),
+                  str(file), None if rec.chat_template_kwargs is None else check_kwargs(
+                      rec.chat_template_kwargs, f"{where}: chat_template_kwargs"))
         try:
-            cal = cls(str(raw.get("drafter", "")), size, temps, metrics if isinstance(metrics, dict) else {}, str(file),
-                      None if kwargs is None else check_kwargs(kwargs, f"{file}: chat_template_kwargs"))
             cal.check(drafter, block_size)
         except DspecError as exc:  # its checks name the file: add the option
             raise DspecError(f"{what} {exc}") from None
         return cal
+
+
+class CalibrationRecord(Record):
+    """``calibration.json`` (or SGLang's STS file: its other keys are ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    temperatures: list[PositiveFloat] = Field(min_length=1, max_length=4096)
+    block_size: PositiveInt | None = None  # default: the number of temperatures
+    drafter: str = ""
+    chat_template_kwargs: dict[str, JsonValue] | None = None
+    metrics: dict[str, JsonValue] = {}
+
+    @model_validator(mode="after")
+    def _one_temperature_per_position(self) -> CalibrationRecord:
+        if self.block_size is not None and self.block_size != len(self.temperatures):
+            raise ValueError(f"{len(self.temperatures)} temperatures for block size {self.block_size}")
+        return self

@@ -22,6 +22,7 @@ from types import MappingProxyType
 from typing import Any
 
 from dspec_cli.core.errors import DspecError
+from dspec_cli.core.records import check_tree, parse_json
 
 DEFAULT_KWARGS: Mapping[str, Any] = MappingProxyType({"enable_thinking": False})  # Qwen3's non-thinking mode
 OPTION = "--chat-template-kwargs"
@@ -32,26 +33,34 @@ def default_kwargs() -> dict[str, Any]:
     return dict(DEFAULT_KWARGS)
 
 
+# names the chat-template call sets itself: transformers' ``apply_chat_template`` parameters and the
+# variables its renderer passes to the template (``messages``); one of them among the kwargs is
+# refused, naming where it came from (tests/test_chat_template.py checks the list against transformers)
+RESERVED = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
 def check_kwargs(value: Any, where: str) -> dict[str, Any]:
-    """``value`` as a kwargs dict: a mapping with string keys and JSON values; DspecError otherwise."""
+    """``value`` as a kwargs dict: an object with string keys and plain JSON values (finite
+    numbers, no lone surrogate, bounded depth: :func:`~dspec_cli.core.records.check_tree`), none of
+    them a :data:`RESERVED` name; DspecError naming ``where`` and the key otherwise."""
     if not isinstance(value, Mapping):
         raise DspecError(f"{where} must be a JSON object / TOML table, e.g. {{\"enable_thinking\": true}}, got {value!r}")
-    try:
-        json.dumps(dict(value))
-    except (TypeError, ValueError):
-        raise DspecError(f"{where}: values must be JSON values (strings, numbers, booleans, lists, tables)") from None
-    if not all(isinstance(k, str) for k in value):
-        raise DspecError(f"{where}: keys must be strings")
+    check_tree(dict(value), where)
+    reserved = sorted(RESERVED & set(value))
+    if reserved:
+        verb = "is a name" if len(reserved) == 1 else "are names"
+        raise DspecError(f"{where}: {', '.join(reserved)} {verb} the chat-template call sets itself, not a template "
+                         "keyword argument; remove it")
     return dict(value)
 
 
 def parse_kwargs(text: str, where: str = OPTION) -> dict[str, Any]:
     """The JSON object ``text`` (e.g. ``'{"enable_thinking": true}'``, ``'{}'``), checked."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise DspecError(f"{where} is not valid JSON ({exc.msg}): {text!r}") from None
-    return check_kwargs(value, where)
+    return check_kwargs(parse_json(text, where), where)
 
 
 def describe(kwargs: Mapping[str, Any]) -> str:

@@ -15,18 +15,27 @@ and cliffs stay. The raw medians stay in the file.
 
 from __future__ import annotations
 
-import math
 import platform
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
+from pydantic import ConfigDict, Field, model_validator
 
 from dspec_cli.core import sglang_sps
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import read_json
 from dspec_cli.core.outputs import write_json
+from dspec_cli.core.records import (
+    Count,
+    NonNegativeFloat,
+    PositiveFloat,
+    PositiveInt,
+    Record,
+    validate,
+)
 
 
 class CostTableMismatch(UserWarning):
@@ -127,23 +136,7 @@ class CostTable:
     source: str = ""  # the file it was read from (for messages)
 
     def __post_init__(self) -> None:
-        where = self.source or "cost table"
-        if self.measures not in ("forward", "step"):
-            raise DspecError(f"{where}: measures must be 'forward' or 'step', got {self.measures!r}")
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (self.block_size, self.max_tokens)):
-            raise DspecError(f"{where}: block_size and max_tokens must be integers >= 0")
-        if not self.grid or self.grid != sorted(set(self.grid)) or self.grid[0] < 1:
-            raise DspecError(f"{where}: grid must be increasing positive integers")
-        if not self.contexts or self.contexts != sorted(set(self.contexts)):
-            raise DspecError(f"{where}: contexts must be increasing integers")
-        rows = []
-        for c in self.contexts:
-            values = self.measured.get(str(c))
-            if not isinstance(values, list) or len(values) != len(self.grid):
-                raise DspecError(f"{where}: sps[{c}] must list one value per grid point ({len(self.grid)})")
-            if not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values):
-                raise DspecError(f"{where}: sps[{c}] must hold positive numbers")
-            rows.append(values)
+        rows = [self.measured[str(c)] for c in self.contexts]
         step_time = 1.0 / torch.tensor(rows, dtype=torch.float64)  # [C, G]
         self._time = torch.stack([isotonic(row) for row in step_time])  # monotone cleanup
         self._grid = torch.tensor(self.grid, dtype=torch.float64)
@@ -236,23 +229,47 @@ class CostTable:
 
     @classmethod
     def load(cls, path: str | Path, block_size: int | None = None, what: str = "--cost-table") -> CostTable:
-        """A dspec cost table, or an SGLang DSpark SPS table (its additive schema needs γ =
-        ``block_size``; see :mod:`dspec_cli.core.sglang_sps`); errors start with ``what`` and the path."""
+        """A dspec cost table (:class:`CostTableRecord`), or an SGLang DSpark SPS table (its additive
+        schema needs γ = ``block_size``; see :mod:`dspec_cli.core.sglang_sps`); errors start with
+        ``what``, the path and the field."""
         raw = read_json(path, what)
         where = f"{what} {path}"
         if isinstance(raw, dict) and sglang_sps.sps_schema(raw) is not None:
             return cls(**sglang_sps.cost_table_fields(raw, where, block_size))
-        required = ("device", "device_name", "dtype", "model", "torch", "grid", "contexts", "sps")
-        missing = [k for k in required if not isinstance(raw, dict) or k not in raw]
-        if missing:
-            raise DspecError(f"{where}: not a cost table (missing key(s) {', '.join(missing)})")
-        optional = ("spread", "row_tokens", "repeats", "warmup", "measures", "block_size", "max_tokens")
-        known = {k: raw[k] for k in (*required, *optional) if k in raw}
-        known["measured"] = known.pop("sps")
-        try:
-            return cls(**known, source=str(path))
-        except DspecError as exc:  # its checks name the file: add the option
-            raise DspecError(f"{what} {exc}") from None
-        except (TypeError, ValueError, AttributeError) as exc:  # wrong types inside the table
-            raise DspecError(f"{where}: malformed ({exc})") from None
+        rec = validate(CostTableRecord, raw, where)
+        return cls(**{k: getattr(rec, k) for k in CostTableRecord.model_fields if k != "sps"}, measured=rec.sps,
+                   source=str(path))
 
+
+class CostTableRecord(Record):
+    """A dspec cost table file (``profile-hardware --json``; :meth:`CostTable.to_dict`)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    device: str
+    device_name: str
+    dtype: str
+    model: str
+    torch: str
+    grid: list[PositiveInt] = Field(min_length=1)  # B values, strictly increasing
+    contexts: list[Count] = Field(min_length=1)  # C values, strictly increasing
+    sps: dict[str, list[PositiveFloat]]  # str(C) -> steps/s per grid point
+    spread: dict[str, list[NonNegativeFloat]] = {}
+    row_tokens: PositiveInt = 8
+    repeats: Count = 0
+    warmup: Count = 0
+    measures: Literal["forward", "step"] = "forward"
+    block_size: Count = 0
+    max_tokens: Count = 0
+
+    @model_validator(mode="after")
+    def _one_row_per_context(self) -> CostTableRecord:
+        for name in ("grid", "contexts"):
+            values = getattr(self, name)
+            if values != sorted(set(values)):
+                raise ValueError(f"{name} must be strictly increasing, got {values}")
+        for c in self.contexts:
+            row = self.sps.get(str(c))
+            if row is None or len(row) != len(self.grid):
+                raise ValueError(f"sps[{c}] must list one value per grid point ({len(self.grid)})")
+        return self

@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from dspec_cli.core.errors import DspecError
+from dspec_cli.core.files import read_bytes
 from dspec_cli.core.outputs import atomic_write_text
+from dspec_cli.core.records import parse_json
 
 _BOM = "\ufeff"
 _SEPARATORS = str.maketrans({c: f"\\u{ord(c):04x}" for c in "\u0085\u2028\u2029"})
@@ -47,30 +49,16 @@ def split_lines(text: str) -> Iterator[tuple[int, str]]:
 
 
 def parse_lines(text: str, name: str) -> Iterator[tuple[str, dict]]:
-    """(``name:line``, object) per non-blank line of ``text``."""
+    """(``name:line``, object) per non-blank line of ``text``, each line read by
+    :func:`~dspec_cli.core.records.parse_json` (no NaN, no lone surrogate, bounded depth)."""
     for lineno, line in split_lines(text):
         if not line.strip():
             continue
         where = f"{name}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DspecError(f"{where}: not valid JSON ({exc.msg}, column {exc.colno})") from None
+        obj = parse_json(line, where, one_line=True)
         if not isinstance(obj, dict):
             raise DspecError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-        if "\\u" in line:  # escapes may spell a lone UTF-16 surrogate, which is not text
-            _check_text(obj, where)
         yield where, obj
-
-
-def _check_text(obj: dict, where: str) -> None:
-    """A string holding a lone surrogate (``"\\ud800"``) is an error: no tokenizer encodes it."""
-    try:
-        json.dumps(obj, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError as exc:
-        code = ord(exc.object[exc.start])
-        raise DspecError(f"{where}: holds a lone surrogate \\u{code:04x}, which is not text (no tokenizer "
-                         "encodes it)") from None
 
 
 def decode(raw: bytes, name: str) -> str:
@@ -84,13 +72,4 @@ def decode(raw: bytes, name: str) -> str:
 
 def read_jsonl(path: str | Path, kind: str = "file") -> Iterator[tuple[str, dict]]:
     """(``file:line``, object) per non-blank line of the file at ``path``."""
-    p = Path(path)
-    if p.is_dir():
-        raise DspecError(f"{kind} {path}: is a folder, not a jsonl file")
-    if not p.is_file():
-        raise DspecError(f"{kind} {path}: file not found")
-    try:
-        raw = p.read_bytes()
-    except OSError as exc:
-        raise DspecError(f"{kind} {path}: cannot read ({exc.strerror})") from None
-    yield from parse_lines(decode(raw, str(p)), str(p))
+    yield from parse_lines(decode(read_bytes(path, kind, "jsonl file"), str(path)), str(path))

@@ -43,7 +43,8 @@ __all__ = [
 class SamplingConfig:
     """How a run draws the target's tokens: the one set of sampling fields that every run's
     settings inherit (the engine's ``GenerationConfig``, the options of bench, calibrate and
-    regenerate, a recipe's ``[regenerate]``, the toy models of ``dspec_cli.testing``)."""
+    regenerate, the toy models of ``dspec_cli.testing``); a recipe's ``[regenerate]`` record
+    takes its defaults from it."""
 
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # 0 = off

@@ -27,26 +27,17 @@ SGLang schema (an additive table along its diagonal, requests = B / (γ + 1), wh
 from __future__ import annotations
 
 import bisect
-import math
 from collections.abc import Sequence
 
 import torch
+from pydantic import ConfigDict, Field, model_validator
 
 from dspec_cli.core.errors import DspecError
+from dspec_cli.core.records import PositiveFloat, PositiveInt, Record, validate
 
 SPS_FILE = "dspark_sps.json"
 DIAGONAL_FIELDS = ("sample_batch_tokens", "sample_steps_per_sec", "max_batch_tokens")
 ADDITIVE_FIELDS = ("bias_seconds", "bs_probes", "alpha_seconds", "m_probes", "theta_seconds")
-
-
-def _positive(values, integer: bool = False) -> bool:
-    kind = int if integer else (int, float)
-    return isinstance(values, list) and bool(values) and all(
-        isinstance(v, kind) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in values)
-
-
-def _increasing(values) -> bool:
-    return _positive(values, integer=True) and values == sorted(set(values))
 
 
 # --------------------------------------------------------------------------------------
@@ -66,32 +57,58 @@ def sps_schema(raw: dict) -> str | None:
     return "diagonal" if "sample_batch_tokens" in raw else None
 
 
+class DiagonalTable(Record):
+    """SGLang's diagonal SPS table: steps/s at increasing token counts, read as a floor lookup."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    sample_batch_tokens: list[PositiveInt] = Field(min_length=1)
+    sample_steps_per_sec: list[PositiveFloat] = Field(min_length=1)
+    max_batch_tokens: PositiveInt
+
+    @model_validator(mode="after")
+    def _shape(self) -> DiagonalTable:
+        xs = self.sample_batch_tokens
+        if xs != sorted(set(xs)):
+            raise ValueError("sample_batch_tokens must be strictly increasing integers >= 1")
+        if len(self.sample_steps_per_sec) != len(xs):
+            raise ValueError(f"sample_steps_per_sec must hold one positive number per probe ({len(xs)})")
+        if self.max_batch_tokens < xs[-1]:
+            raise ValueError(f"max_batch_tokens must be an integer >= the largest probe ({xs[-1]})")
+        return self
+
+
+class AdditiveTable(Record):
+    """SGLang's additive SPS table: bias + alpha(requests) + theta(tokens), seconds per step."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    bias_seconds: PositiveFloat
+    bs_probes: list[PositiveInt] = Field(min_length=1)
+    alpha_seconds: list[float] = Field(min_length=1)
+    m_probes: list[PositiveInt] = Field(min_length=1)
+    theta_seconds: list[float] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _shape(self) -> AdditiveTable:
+        for probes, values in (("bs_probes", "alpha_seconds"), ("m_probes", "theta_seconds")):
+            xs = getattr(self, probes)
+            if xs != sorted(set(xs)):
+                raise ValueError(f"{probes} must be strictly increasing integers >= 1")
+            if len(getattr(self, values)) != len(xs):
+                raise ValueError(f"{values} must hold one number per entry of {probes}")
+        return self
+
+
 def check_sps(raw: dict, where: str) -> str:
-    """The schema of an SGLang SPS table dict; DspecError naming the first field SGLang refuses."""
+    """The schema of an SGLang SPS table dict, validated as its record (:class:`DiagonalTable`,
+    :class:`AdditiveTable`); DspecError naming the field SGLang would refuse."""
     schema = sps_schema(raw)
     fields = ADDITIVE_FIELDS if schema == "additive" else DIAGONAL_FIELDS
     missing = [k for k in fields if k not in raw]
     if schema is None or missing:
         raise DspecError(f"{where}: missing key(s) {', '.join(missing or DIAGONAL_FIELDS)}")
-    if schema == "diagonal":
-        xs, ys, top = (raw[k] for k in DIAGONAL_FIELDS)
-        if not _increasing(xs):
-            raise DspecError(f"{where}: sample_batch_tokens must be strictly increasing integers >= 1")
-        if not _positive(ys) or len(ys) != len(xs):
-            raise DspecError(f"{where}: sample_steps_per_sec must hold one positive number per probe ({len(xs)})")
-        if not isinstance(top, int) or isinstance(top, bool) or top < xs[-1]:
-            raise DspecError(f"{where}: max_batch_tokens must be an integer >= the largest probe ({xs[-1]})")
-        return schema
-    bias = raw["bias_seconds"]
-    if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not math.isfinite(bias) or bias <= 0:
-        raise DspecError(f"{where}: bias_seconds must be a number > 0")
-    for probes, values in (("bs_probes", "alpha_seconds"), ("m_probes", "theta_seconds")):
-        if not _increasing(raw[probes]):
-            raise DspecError(f"{where}: {probes} must be strictly increasing integers >= 1")
-        vals = raw[values]
-        if not isinstance(vals, list) or len(vals) != len(raw[probes]) or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in vals):
-            raise DspecError(f"{where}: {values} must hold one number per entry of {probes}")
+    validate(AdditiveTable if schema == "additive" else DiagonalTable, raw, where)
     return schema
 
 

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
 import math
 import re
 from typing import Any
 
 from dspec_cli.core import plugins
 from dspec_cli.core.errors import DspecError
+from dspec_cli.core.hardware import CostTable
+from dspec_cli.core.records import parse_json
+
+MAX_INT = 2**31 - 1  # integer spec options (sizes, counts, delays): beyond it a value is a typo
 
 
 def _split_spec(spec: str) -> tuple[str, dict[str, str]]:
@@ -41,7 +44,14 @@ def parse_drafter_spec(spec: str) -> tuple[type, dict[str, Any]]:
     if colon:
         raw = {"base": base.strip(), **raw}
     defaults = {f.name: f.default for f in dataclasses.fields(cls.config_class) if f.name != "block_size"}
-    return cls, _typed_options("--drafter", spec, raw, defaults, " (the block size is --block-size)")
+    options = _typed_options("--drafter", spec, raw, defaults, " (the block size is --block-size)")
+    try:  # the config's own checks (ranges) before any model loads
+        cls.config_class(**options)
+    except DspecError as exc:
+        raise DspecError(f"--drafter {spec!r}: {exc}") from None
+    except TypeError:
+        pass  # a config with required fields: checked when the drafter is built
+    return cls, options
 
 
 def parse_scheduler_spec(spec: str) -> tuple[str, dict[str, Any]]:
@@ -58,7 +68,18 @@ def parse_scheduler_spec(spec: str) -> tuple[str, dict[str, Any]]:
         for p in inspect.signature(init).parameters.values():
             if p.kind is p.KEYWORD_ONLY and p.name != "context" and p.name not in defaults:
                 defaults[p.name] = p.default
-    return name, _typed_options("--scheduler", spec, raw, defaults)
+    options = _typed_options("--scheduler", spec, raw, defaults)
+    if options:  # the scheduler's own checks (ranges, types) before any model loads, on a one-point table
+        try:
+            cls(_probe_table(), **options)
+        except (DspecError, TypeError, ValueError) as exc:
+            raise DspecError(f"--scheduler {spec!r}: {str(exc).strip().splitlines()[0]}") from None
+    return name, options
+
+
+def _probe_table() -> CostTable:
+    """A one-point cost table: what a scheduler needs to be built for its options to be checked."""
+    return CostTable("", "", "", "", "", [1], [0], {"0": [1.0]})
 
 
 def _option_value(flag: str, spec: str, key: str, value: str, default: Any) -> Any:
@@ -67,9 +88,11 @@ def _option_value(flag: str, spec: str, key: str, value: str, default: Any) -> A
             return {"true": True, "1": True, "false": False, "0": False}[value.lower()]
         if isinstance(default, float) and not math.isfinite(float(value)):
             raise DspecError(f"{flag} {spec!r}: {key} must be a finite number, got {value!r}")
+        if isinstance(default, int) and not -MAX_INT <= int(value) <= MAX_INT:
+            raise DspecError(f"{flag} {spec!r}: {key} is out of range (|{key}| < 2^31), got {value}")
         if isinstance(default, (int, float, str)):
             return type(default)(value)
-        return json.loads(value)
+        return parse_json(value, f"{flag} {spec!r}: {key}")
     except (KeyError, ValueError):
         kind = type(default).__name__ if default not in (dataclasses.MISSING, None) else "JSON"
         raise DspecError(f"{flag} {spec!r}: {key} expects {kind}, got {value!r}") from None

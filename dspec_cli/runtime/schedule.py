@@ -462,7 +462,7 @@ class ThresholdScheduler(Scheduler):
     def __init__(self, cost_table: CostTable | None = None, *, threshold: float = 0.5, **kwargs):
         super().__init__(cost_table, **kwargs)
         if not 0.0 <= threshold <= 1.0:
-            raise DspecError(f"--threshold must be in [0, 1], got {threshold}")
+            raise DspecError(f"threshold must be in [0, 1], got {threshold}")
         self.threshold = threshold
 
     def lengths(self, confidence: torch.Tensor, lmax: torch.Tensor) -> torch.Tensor:  # [R, γ], [R] -> [R]

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ import torch
 from dspec_cli.core.chat_template import DEFAULT_KWARGS, describe
 from dspec_cli.core.data import Conversation, load_conversations
 from dspec_cli.core.errors import DspecError
-from dspec_cli.core.outputs import atomic_write_text
+from dspec_cli.core.outputs import atomic_write_text, ensure_folder, write_atomic
 
 _PROBE = "\u2063dspec-probe\u2063"
 _TOKENIZE_CHUNK = 512  # conversations per batched tokenizer call
@@ -272,7 +271,7 @@ class FeatureCache:
                     f"({', '.join(f'{k}={found.get(k)!r}' for k in diff)}); use another --feature-cache directory"
                 )
         else:
-            self.root.mkdir(parents=True, exist_ok=True)
+            ensure_folder(self.root)  # a link to a folder to be made is followed
             atomic_write_text(manifest, json.dumps({"version": 1, **meta}, indent=2) + "\n")
 
     def _file(self, index: int) -> Path:
@@ -292,12 +291,9 @@ class FeatureCache:
     def put(self, index: int, ids: torch.Tensor, taps: torch.Tensor, last: torch.Tensor) -> None:
         from safetensors.torch import save_file
 
-        path = self._file(index)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
         tensors = {"input_ids": ids.to(torch.int32), "taps": taps, "last_hidden": last}
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
-        os.replace(tmp, path)
+        write_atomic(self._file(index), lambda p: save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+                                                             str(p)))
 
 
 class Features:

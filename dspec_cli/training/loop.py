@@ -38,10 +38,11 @@ from dspec_cli.core import plugins
 from dspec_cli.core.chat_template import warn_if_other
 from dspec_cli.core.devices import resolve_device
 from dspec_cli.core.errors import DspecError
-from dspec_cli.core.files import EMBEDDED, WEIGHTS_FILE
+from dspec_cli.core.files import CHECKPOINT_READS, EMBEDDED, WEIGHTS_FILE, expect_folder
 from dspec_cli.core.jsonl import write_line
-from dspec_cli.core.outputs import check_output_dir
+from dspec_cli.core.outputs import ensure_folder, is_special, open_append
 from dspec_cli.core.process_exit import request_exit_without_finalization
+from dspec_cli.core.run_paths import RunPaths
 from dspec_cli.core.specs import parse_drafter_spec
 from dspec_cli.runtime.drafter import TrainableDrafter
 from dspec_cli.runtime.target import Target
@@ -58,6 +59,7 @@ from dspec_cli.training.recipes import (
     apply_overrides,
     describe_changes,
     load_recipe,
+    override_labels,
     resume_conflicts,
 )
 from dspec_cli.training.report_to import Reporters, check
@@ -141,11 +143,16 @@ def train(opts: TrainOptions, progress: Progress | None = None) -> TrainResult:
     """Train (or resume) a drafter; returns where the result is. Errors are DspecError."""
 
     check(opts.report_to)
-    recipe, drafter_cls, out, resume_from = _prepare(opts)
-    rank, device = _init_distributed(recipe.train.device)
+    recipe, drafter_cls, out, resume_from, paths = _prepare(opts)
+    try:
+        rank, device = _init_distributed(recipe.train.device)
+    except BaseException:
+        paths.release()
+        raise
     try:
         return _Run(opts, recipe, drafter_cls, out, resume_from, rank, device, progress or _Silent()).run()
     finally:
+        paths.release()
         if rank.owns_group:
             gloo = dist.get_backend() == "gloo"
             dist.destroy_process_group()
@@ -153,7 +160,7 @@ def train(opts: TrainOptions, progress: Progress | None = None) -> TrainResult:
                 request_exit_without_finalization("gloo worker threads outlive the process group")
 
 
-def _prepare(opts: TrainOptions) -> tuple[Recipe, type, Path, Path | None]:
+def _prepare(opts: TrainOptions) -> tuple[Recipe, type, Path, Path | None, RunPaths]:
     """Cheap checks before anything loads or is written: recipe, drafter, output, checkpoint, data."""
     out = Path(opts.output) if opts.output is not None else None
     overrides = list(opts.overrides) + ([f"train.max_steps={opts.max_steps}"] if opts.max_steps is not None else [])
@@ -163,22 +170,26 @@ def _prepare(opts: TrainOptions) -> tuple[Recipe, type, Path, Path | None]:
         raise DspecError(f"--stop-after must be >= 1, got {opts.stop_after}")
     if opts.resume and opts.init_from is not None:
         raise DspecError("--init-from starts a new run from a drafter's weights; --resume continues a run: use one")
-    if opts.init_from is not None and not Path(opts.init_from).is_dir():
-        raise DspecError(f"--init-from {opts.init_from}: no such checkpoint folder")
+    if opts.init_from is not None:
+        expect_folder(opts.init_from, "--init-from", "checkpoint folder")
     resume_from = None
     if opts.resume:
         if out is None:
             raise DspecError("--resume needs --output (the folder of the run to continue)")
+        if out.exists():
+            expect_folder(out, "--resume --output", "run folder")
         resume_from = latest_checkpoint(out)
         if resume_from is None and out.is_dir() and any(out.iterdir()):
             raise DspecError(f"--resume: {out} holds no checkpoint (checkpoints/latest) to continue from")
     saved = None
     if resume_from is not None:
         saved = Recipe.from_dict(_read_json(resume_from / "recipe.json"), source=str(resume_from / "recipe.json"))
+    labels = {**override_labels(opts.overrides), **(
+        {"train.max_steps": f"--max-steps {opts.max_steps}"} if opts.max_steps is not None else {})}
     if opts.recipe is not None:
-        recipe = load_recipe(opts.recipe, overrides)
+        recipe = load_recipe(opts.recipe, overrides, labels)
     elif saved is not None:
-        recipe = Recipe.from_dict(apply_overrides(saved.to_dict(), overrides), source=saved.source)
+        recipe = Recipe.from_dict(apply_overrides(saved.to_dict(), overrides), source=saved.source, labels=labels)
     elif opts.resume:
         raise DspecError(f"--resume: {out} holds no run to continue; start one with --recipe RECIPE")
     else:
@@ -224,16 +235,25 @@ def _prepare(opts: TrainOptions) -> tuple[Recipe, type, Path, Path | None]:
     if out is None:
         stem = Path(recipe.source).parent.name if recipe.source.endswith(".toml") else "run"
         out = Path("runs") / f"{stem}-{cls.name}"
-    if not opts.resume and out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise DspecError(f"--output {out} is not empty; use --resume to continue that run, or another folder")
-    if not opts.resume and opts.json_log is not None and Path(opts.json_log).exists():
-        raise DspecError(f"--json-log {opts.json_log} already exists; remove it or choose another path")
-    check_output_dir(out, "--output")
-    check_output_dir(opts.feature_cache, "--feature-cache")
-    for i, path in enumerate(recipe.data.paths or [""]):
-        if not Path(path).is_file():
-            raise DspecError(f"training data {path!r} (data.path) not found{_data_hint(recipe, i, path)}")
-    return recipe, cls, out, resume_from
+    out_option = "--output" if opts.output is not None else "the run folder (--output's default)"
+    default_log = opts.json_log is not None and os.path.realpath(opts.json_log) == os.path.realpath(out / LOG_NAME)
+    paths = RunPaths().read("--recipe", opts.recipe).read("--init-from", opts.init_from, names=CHECKPOINT_READS) \
+        .read("data.path of the recipe", *recipe.data.paths).read("--target", opts.target) \
+        .write_folder(out_option, out).write("--json-log", None if default_log else opts.json_log, stream=True) \
+        .write_folder("--feature-cache", opts.feature_cache).check()
+    try:
+        if not opts.resume and out.is_dir() and any(out.iterdir()):
+            raise DspecError(f"{out_option} {out}: folder is not empty; use --resume to continue that run, or "
+                             "another folder")
+        if not opts.resume and opts.json_log is not None and Path(opts.json_log).is_file() and not is_special(opts.json_log):
+            raise DspecError(f"--json-log {opts.json_log} already exists; remove it or choose another path")
+        for i, path in enumerate(recipe.data.paths or [""]):
+            if not Path(path).is_file():
+                raise DspecError(f"training data {path!r} (data.path) not found{_data_hint(recipe, i, path)}")
+    except DspecError:
+        paths.release()
+        raise
+    return recipe, cls, out, resume_from, paths
 
 
 def _data_hint(recipe: Recipe, i: int, path: str) -> str:
@@ -440,7 +460,7 @@ class _Run:
         step = self._setup()
         log_path = Path(self.opts.json_log) if self.opts.json_log else self.out / LOG_NAME
         if rank.main:
-            self.out.mkdir(parents=True, exist_ok=True)
+            ensure_folder(self.out)
             trim_log(log_path, step)
             self.progress.start(self.total, step, f"{self.cls.name} · {self.recipe.target.name}")
         rank.barrier()
@@ -449,7 +469,7 @@ class _Run:
         ckpt = None
 
         reporters = Reporters(self.opts.report_to if rank.main else (), self.out)
-        with _StopRequest() as stop, open(log_path if rank.main else os.devnull, "a", encoding="utf-8") as log:
+        with _StopRequest() as stop, open_append(log_path if rank.main else os.devnull) as log:
             while step < stop_at:
                 row, stop_requested = self._step(step, stop.requested)
                 step += 1

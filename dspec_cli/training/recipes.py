@@ -15,17 +15,30 @@ TOML, falling back to a plain string (``target.name=Qwen/Qwen3-8B``).
 
 from __future__ import annotations
 
-import dataclasses
+import math
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, ValidationError, field_validator
 
 from dspec_cli.core.chat_template import check_kwargs, default_kwargs
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import EMBEDDED, read_text
+from dspec_cli.core.records import (
+    MAX_CONCURRENCY,
+    MAX_DEPTH,
+    Count,
+    NonNegativeFloat,
+    PositiveFloat,
+    PositiveInt,
+    Record,
+    check_tree,
+    first_error,
+)
 from dspec_cli.core.sampling import SamplingConfig
 
 try:
@@ -35,22 +48,24 @@ except ModuleNotFoundError:  # Python 3.10
 
 
 
-@dataclass
-class TargetSpec:
+Seed = Annotated[int, Field(ge=-(2**63), lt=2**63)]
+Ratio = Annotated[float, Field(ge=0, lt=1)]
+
+
+class TargetSpec(Record):
     name: str = EMBEDDED  # Hub id or local path; "embedded" = the embedded tiny target
-    dtype: str = "auto"  # weights of the frozen target: auto (CUDA bfloat16, CPU float32) | bfloat16 | float16 | float32
-    vocab_size: int = 0  # expected sizes, checked after loading (0 = not checked)
-    hidden_size: int = 0
-    num_layers: int = 0
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # weights of the frozen target
+    vocab_size: Count = 0  # expected sizes, checked after loading (0 = not checked)
+    hidden_size: Count = 0
+    num_layers: Count = 0
 
 
-@dataclass
-class DataSpec:
+class DataSpec(Record):
     path: str | list[str] = ""  # target-regenerated conversations: one jsonl or several, concatenated in order
     # (`dspec data regenerate --recipe` writes the first; see its --output for the others)
-    max_length: int = 4096  # tokens per sample after the chat template (longer ones are truncated)
-    min_loss_tokens: int = 14  # samples with fewer assistant tokens are skipped
-    limit: int = 0  # use the first N conversations (0 = all)
+    max_length: PositiveInt = 4096  # tokens per sample after the chat template (longer ones are truncated)
+    min_loss_tokens: Count = 14  # samples with fewer assistant tokens are skipped
+    limit: Count = 0  # use the first N conversations (0 = all)
 
     @property
     def paths(self) -> list[str]:
@@ -60,62 +75,55 @@ class DataSpec:
 
 @dataclass(frozen=True)
 class ChatSampling(SamplingConfig):
-    """Sampling for regenerated chat answers: Qwen3's non-thinking recommendations."""
+    """Sampling for regenerated chat answers: Qwen3's non-thinking recommendations (the defaults
+    of ``dspec data regenerate`` and of a recipe's ``[regenerate]``)."""
 
     temperature: float = 0.7
     top_k: int = 20
     top_p: float = 0.8
 
 
-@dataclass(frozen=True)
-class RegenerateSpec(ChatSampling):
+class RegenerateSpec(Record):
+    """A recipe's ``[regenerate]`` table, a typed record; its sampling defaults are :class:`ChatSampling`'s."""
+
     prompts: str = ""  # prompt file that `dspec data regenerate --recipe` turns into data.path (its first file)
-    max_new_tokens: int = 4096
-    concurrency: int = 32
-    limit: int = 0
+    max_new_tokens: PositiveInt = 4096
+    temperature: NonNegativeFloat = ChatSampling.temperature
+    top_p: Annotated[float, Field(gt=0, le=1)] = ChatSampling.top_p
+    top_k: Count = ChatSampling.top_k
+    concurrency: Annotated[int, Field(ge=1, le=MAX_CONCURRENCY)] = 32
+    limit: Count = 0
+    seed: Seed = ChatSampling.seed
 
 
-@dataclass
-class TrainSpec:
-    epochs: float = 10.0
-    max_steps: int = 0  # optimizer steps; 0 = ceil(epochs * samples / global_batch)
-    global_batch: int = 512  # samples per optimizer step, all ranks together
-    micro_batch: int = 1  # samples per forward; accumulation = global / (micro * world)
-    lr: float = 6e-4
-    warmup_ratio: float = 0.04  # linear warmup over this share of the steps
-    schedule: str = "cosine"  # cosine | linear | constant (after warmup)
-    min_lr_ratio: float = 0.0  # final lr = lr * min_lr_ratio
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # max global grad norm (0 = off)
-    seed: int = 42
-    dtype: str = "bfloat16"  # autocast dtype on CUDA (float32 = off); CPU runs float32
+class TrainSpec(Record):
+    epochs: NonNegativeFloat = 10.0
+    max_steps: Count = 0  # optimizer steps; 0 = ceil(epochs * samples / global_batch)
+    global_batch: PositiveInt = 512  # samples per optimizer step, all ranks together
+    micro_batch: PositiveInt = 1  # samples per forward; accumulation = global / (micro * world)
+    lr: NonNegativeFloat = 6e-4
+    warmup_ratio: Ratio = 0.04  # linear warmup over this share of the steps
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"  # after warmup
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.0  # final lr = lr * min_lr_ratio
+    weight_decay: NonNegativeFloat = 0.0
+    betas: tuple[Ratio, Ratio] = (0.9, 0.999)
+    eps: PositiveFloat = 1e-8
+    grad_clip: NonNegativeFloat = 1.0  # max global grad norm (0 = off)
+    seed: Seed = 42
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # autocast dtype on CUDA (float32 = off); CPU runs float32
     device: str = "auto"  # auto = cuda:LOCAL_RANK when available, else cpu
-    save_every: int = 3000  # checkpoint every N steps (0 = only at the end)
-    keep_checkpoints: int = 0  # keep the newest N step_* checkpoints (0 = all)
-    log_every: int = 1  # metrics-log row every N steps
-    shard: str = "none"  # none: every rank holds the drafter (DDP) | fsdp: FSDP2 fully_shard across ranks
+    save_every: Count = 3000  # checkpoint every N steps (0 = only at the end)
+    keep_checkpoints: Count = 0  # keep the newest N step_* checkpoints (0 = all)
+    log_every: PositiveInt = 1  # metrics-log row every N steps
+    shard: Literal["none", "fsdp"] = "none"  # none: every rank holds the drafter (DDP) | fsdp: FSDP2 fully_shard across ranks
 
-    def __post_init__(self) -> None:
-        positive = {"global_batch": self.global_batch, "micro_batch": self.micro_batch, "log_every": self.log_every}
-        for key, value in positive.items():
-            if value < 1:
-                raise DspecError(f"recipe: train.{key} must be >= 1, got {value}")
-        for key in ("max_steps", "save_every", "keep_checkpoints", "weight_decay", "grad_clip", "lr", "epochs"):
-            if getattr(self, key) < 0:
-                raise DspecError(f"recipe: train.{key} must be >= 0, got {getattr(self, key)}")
-        if not 0 <= self.warmup_ratio < 1:
-            raise DspecError(f"recipe: train.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if self.shard not in ("none", "fsdp"):
-            raise DspecError(f"recipe: train.shard must be none or fsdp, got {self.shard!r}")
-        if self.schedule not in ("cosine", "linear", "constant"):
-            raise DspecError(f"recipe: train.schedule must be cosine, linear or constant, got {self.schedule!r}")
-        if self.dtype not in ("bfloat16", "float16", "float32"):
-            raise DspecError(f"recipe: train.dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _list_as_tuple(cls, value: Any) -> Any:
+        return tuple(value) if isinstance(value, list) else value
 
 
-SECTIONS: dict[str, type] = {"target": TargetSpec, "data": DataSpec, "regenerate": RegenerateSpec, "train": TrainSpec}
+SECTIONS: dict[str, type[Record]] = {"target": TargetSpec, "data": DataSpec, "regenerate": RegenerateSpec, "train": TrainSpec}
 TOP_LEVEL = {"description": str}
 CHAT_TEMPLATE = "chat_template"  # the free-form [chat_template] table
 # keys a resumed run may change without breaking exact continuation
@@ -137,7 +145,10 @@ class Recipe:
     source: str = ""  # file it came from
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "recipe") -> Recipe:
+    def from_dict(cls, raw: dict[str, Any], source: str = "recipe", labels: Mapping[str, str] | None = None) -> Recipe:
+        """A recipe from its TOML structure; ``labels``: dotted key -> what the user typed to set it
+        (an override, an option), named by errors instead of the file."""
+        labels = labels or {}
         valid = [*TOP_LEVEL, *SECTIONS, CHAT_TEMPLATE, "drafter"]
         unknown = sorted(set(raw) - set(valid))
         if unknown:
@@ -145,12 +156,14 @@ class Recipe:
         out: dict[str, Any] = {"source": source}
         for key, value in raw.items():
             if key in SECTIONS:
-                out[key] = _section(SECTIONS[key], value, source, key)
+                out[key] = _section(SECTIONS[key], value, source, key, labels)
             elif key == CHAT_TEMPLATE:
                 out[key] = check_kwargs(value, f"{source}: [{CHAT_TEMPLATE}]")
             elif key == "drafter":
                 if not isinstance(value, dict):
                     raise DspecError(f"{source}: [drafter] must be a table, got {type(value).__name__}")
+                for k, v in value.items():  # plain values: no NaN, no dates, bounded depth
+                    check_tree(v, labels.get(f"drafter.{k}") or f"{source}: drafter.{k}")
                 table = dict(value)
                 out["drafter"] = check_type(table.pop("name", ""), str, f"{source}: drafter.name")
                 out["drafter_section"] = table
@@ -162,7 +175,7 @@ class Recipe:
         """The TOML structure (tuples as lists); ``from_dict(to_dict())`` round-trips."""
         out: dict[str, Any] = {"description": self.description}
         for name in SECTIONS:
-            out[name] = {k: _plain(v) for k, v in dataclasses.asdict(getattr(self, name)).items()}
+            out[name] = {k: _plain(v) for k, v in getattr(self, name).model_dump().items()}
         out[CHAT_TEMPLATE] = dict(self.chat_template)
         out["drafter"] = {"name": self.drafter, **{k: _plain(v) for k, v in self.drafter_section.items()}}
         return out
@@ -177,17 +190,25 @@ class Recipe:
         return config_cls.from_dict(values, where=f"{self.source} [drafter]")
 
 
-def _section(spec: type, value: Any, source: str, name: str) -> Any:
+def _section(spec: type[Record], value: Any, source: str, name: str, labels: Mapping[str, str]) -> Any:
+    """Section ``[name]`` of a recipe as its record; errors name the key, and what the user typed
+    for it (``labels``: dotted key -> an override or option) where it did not come from the file."""
     if not isinstance(value, dict):
         raise DspecError(f"{source}: [{name}] must be a table, got {type(value).__name__}")
-    hints = typing.get_type_hints(spec)
-    unknown = sorted(set(value) - set(hints))
+    fields = list(spec.model_fields)
+    unknown = sorted(set(value) - set(fields))
     if unknown:
         raise DspecError(
             f"{source}: unknown key(s) {', '.join(f'{name}.{k}' for k in unknown)}; "
-            f"valid keys in [{name}]: {', '.join(hints)}"
+            f"valid keys in [{name}]: {', '.join(fields)}"
         )
-    return spec(**{k: check_type(v, hints[k], f"{source}: {name}.{k}") for k, v in value.items()})
+    try:
+        return spec.model_validate(value)
+    except ValidationError as exc:
+        path, problem = first_error(exc)
+        key = f"{name}.{path}"
+        label = labels.get(f"{name}.{path.split('.')[0].split('[')[0]}")
+        raise DspecError(f"{label}: {problem}" if label else f"{source}: {key}: {problem}") from None
 
 
 def check_type(value: Any, hint: Any, where: str) -> Any:
@@ -214,7 +235,7 @@ def check_type(value: Any, hint: Any, where: str) -> Any:
         items = [check_type(v, h, where) for v, h in zip(value, item_hints, strict=True)]
         return tuple(items) if origin is tuple else items
     if hint is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
             return float(value)
     elif hint is int:
         if isinstance(value, int) and not isinstance(value, bool):
@@ -240,6 +261,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise DspecError(f"override {text!r}: expected KEY=VALUE with a dotted key, e.g. train.lr=3e-4")
     try:
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except RecursionError:
+        raise DspecError(f"override {text!r}: nested deeper than {MAX_DEPTH} levels") from None
     except tomllib.TOMLDecodeError:
         value = raw.strip()
     return parts, value
@@ -267,11 +290,20 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         return tomllib.loads(read_text(path, "--recipe"))
     except tomllib.TOMLDecodeError as exc:
         raise DspecError(f"--recipe {path}: not valid TOML ({exc})") from None
+    except RecursionError:
+        raise DspecError(f"--recipe {path}: nested deeper than {MAX_DEPTH} levels") from None
 
 
-def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
-    """Read a recipe file and apply ``section.key=value`` overrides."""
-    return Recipe.from_dict(apply_overrides(read_toml(path), overrides), source=str(path))
+def load_recipe(path: str | Path, overrides: Sequence[str] = (), labels: Mapping[str, str] | None = None) -> Recipe:
+    """Read a recipe file and apply ``section.key=value`` overrides; errors in an overridden value
+    name the override (``labels``: dotted key -> what else the user typed for it, e.g. an option)."""
+    return Recipe.from_dict(apply_overrides(read_toml(path), overrides), source=str(path),
+                            labels={**override_labels(overrides), **(labels or {})})
+
+
+def override_labels(overrides: Sequence[str]) -> dict[str, str]:
+    """Dotted key -> ``override 'KEY=VALUE'`` for each override (what errors name)."""
+    return {".".join(parse_override(text)[0]): f"override {text!r}" for text in overrides}
 
 
 def recipe_diff(a: Recipe, b: Recipe) -> list[str]:

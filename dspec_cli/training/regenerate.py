@@ -39,7 +39,7 @@ from dspec_cli.core.data import Conversation, load_conversations
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import EMBEDDED
 from dspec_cli.core.jsonl import decode, parse_lines, write_line
-from dspec_cli.core.outputs import check_output_file
+from dspec_cli.core.outputs import is_special, is_stdout, open_append
 from dspec_cli.runtime.engine import GenerationConfig, RequestResult, SpeculativeEngine
 from dspec_cli.runtime.target import Target
 from dspec_cli.training.recipes import ChatSampling, RegenerateSpec, load_recipe
@@ -74,7 +74,8 @@ def command_options(*, recipe: Path | None, prompts: Sequence[str], output: Path
     data path, chat template and ``[regenerate]`` settings. ``flags``: the RECIPE_FIELDS (None when
     not given: the recipe's, else the defaults) and the other options. Without a recipe, the
     target defaults to the one ``checkpoint`` was trained for. Flags that contradict the recipe
-    (target, chat-template kwargs) and a missing or unwritable output are one-line errors."""
+    (target, chat-template kwargs) and a missing prompt file or output are one-line errors; the
+    command checks the paths themselves (:class:`~dspec_cli.core.run_paths.RunPaths`)."""
     spec, template, out = RegenerateSpec(), chat_template_kwargs, output
     if recipe is not None:
         rec = load_recipe(recipe)
@@ -91,7 +92,6 @@ def command_options(*, recipe: Path | None, prompts: Sequence[str], output: Path
     prompts = list(prompts) or ([spec.prompts] if spec.prompts else [])
     if not prompts or out is None:
         raise DspecError("give --dataset and --output (or a --recipe with regenerate.prompts and data.path)")
-    check_output_file(out, "--output")  # appended to, never replaced
     given = {k: flags.pop(k, None) for k in RECIPE_FIELDS}
     values = {k: getattr(spec, k) if v is None else v for k, v in given.items()}
     values["limit"] = values["limit"] or None  # a recipe's 0: no limit
@@ -124,7 +124,7 @@ def done_ids(path: Path, chat_template_kwargs: Mapping[str, Any]) -> tuple[set[s
     """Ids already in the output; drops a partial last line. Returns (ids, whether it repaired).
     A line recording other chat-template kwargs than ``chat_template_kwargs`` is a DspecError
     (the file is left as it was); lines that record none are accepted."""
-    if not path.exists():
+    if is_stdout(path) or is_special(path) or not path.is_file():  # stdout, a FIFO, a device: written, never read
         return set(), False
     raw = path.read_bytes()
     repaired = bool(raw) and not raw.endswith(b"\n")
@@ -152,7 +152,7 @@ def plan(opts: RegenerateOptions) -> tuple[Path, RegenerateStats, list[Conversat
     if opts.limit is not None and opts.limit < 1:
         raise DspecError(f"--limit must be >= 1, got {opts.limit}")
     sources = [opts.prompts] if isinstance(opts.prompts, str | Path) else list(opts.prompts)
-    if any(Path(p).resolve() == out.resolve() for p in sources):
+    if not is_stdout(out) and any(Path(p).resolve() == out.resolve() for p in sources):
         raise DspecError("--output must differ from --dataset")
     convs = _conversations(sources, opts.limit)
     stats = RegenerateStats(conversations=len(convs))
@@ -221,9 +221,8 @@ def regenerate(
     total_turns = sum(sum(m["role"] == "user" for m in c.messages) for c in todo)
     tick = progress("regenerate", total_turns) if progress else (lambda _res: None)
     t0 = time.perf_counter()
-    out.parent.mkdir(parents=True, exist_ok=True)
     chunk = opts.concurrency * _CHUNK_PER_SLOT
-    with open(out, "a", encoding="utf-8") as f:
+    with open_append(out) as f:
         for start in range(0, len(todo), chunk):
             dialogues = [Dialogue(c) for c in todo[start : start + chunk]]
             active = [d for d in dialogues if d.next_turn()]

@@ -29,8 +29,10 @@ generated: a server started with a reasoning parser returns the thinking apart
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +43,7 @@ from dspec_cli.core.data import Conversation
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import DEFAULT_TARGET_PATH
 from dspec_cli.core.jsonl import split_lines, write_line
+from dspec_cli.core.outputs import is_special, is_stdout, open_append
 from dspec_cli.nn.backbone import max_context
 from dspec_cli.training.regenerate import (
     Dialogue,
@@ -82,7 +85,11 @@ def base_url(url: str) -> str:
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
-def errors_path(output: str | Path) -> Path:
+def errors_path(output: str | Path) -> Path | None:
+    """``OUT.errors.jsonl`` beside a regular output (None for stdout or a special file: failures are
+    then warnings on stderr)."""
+    if is_stdout(output) or is_special(output):
+        return None
     out = Path(output)
     return out.with_name(out.stem + ".errors.jsonl")
 
@@ -254,8 +261,8 @@ class _Regeneration:
         queue: asyncio.Queue[Conversation] = asyncio.Queue()
         for conv in todo:
             queue.put_nowait(conv)
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.out, "a", encoding="utf-8") as f, open(errors_path(self.out), "w", encoding="utf-8") as errf:
+        errors = errors_path(self.out)
+        with open_append(self.out) as f, open(errors or os.devnull, "w", encoding="utf-8") as errf:
 
             async def worker(server: str) -> None:
                 while not queue.empty():
@@ -267,6 +274,8 @@ class _Regeneration:
                         self.stats.failed += 1
                         write_line(errf, {"id": conv.id, "server": server, "error": str(exc)})
                         errf.flush()
+                        if errors is None:  # no errors file beside stdout or a special file
+                            warnings.warn(f"{conv.id}: {exc}", stacklevel=1)
                     else:
                         if d.answered:
                             write_line(f, d.record(self.opts.chat_template_kwargs))
@@ -282,7 +291,8 @@ class _Regeneration:
                 for task in tasks:
                     task.cancel()
         if not self.stats.failed:
-            errors_path(self.out).unlink()
+            if errors is not None:
+                errors.unlink()
 
 
 def regenerate_with_servers(
@@ -306,7 +316,7 @@ def regenerate_with_servers(
         base_url(s)
     out, stats, todo = plan(opts)
     errors = errors_path(out)
-    if errors.exists() and (n := sum(1 for _, line in split_lines(errors.read_text(encoding="utf-8")) if line.strip())):
+    if errors is not None and errors.exists() and (n := sum(1 for _, line in split_lines(errors.read_text(encoding="utf-8")) if line.strip())):
         stats.notes.append(f"retrying {n} conversation(s) that failed last time (listed in {errors})")
     if not todo:
         return stats

@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.jsonl import split_lines
-from dspec_cli.core.outputs import atomic_write_text
+from dspec_cli.core.outputs import atomic_write_text, is_special, is_stdout
 
 CHECKPOINTS = "checkpoints"
 
@@ -150,8 +150,7 @@ def load_checkpoint(path: Path, drafter, optimizer, scheduler, device: torch.dev
 
 def trim_log(path: Path, step: int) -> None:
     """Drop metrics-log rows past ``step`` (left by a run that went on after its last checkpoint)."""
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
+    if is_stdout(path) or is_special(path) or not path.is_file():  # a stream is written, never read
         return
     keep = []
     for _, line in split_lines(path.read_text(encoding="utf-8")):

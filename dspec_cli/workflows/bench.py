@@ -95,6 +95,14 @@ def verify_report(rules: dict[str, int], config: GenerationConfig) -> dict:
     return out
 
 
+def unapplied_verify(asked: Sequence[str], run: dict) -> list[str]:
+    """A warning for each ``--verify`` rule that no drafted round of ``run`` was verified by (the
+    rule fits drafts this drafter does not make, or greedy decoding matched instead)."""
+    used = run.get("verify_rounds", {})
+    return [f"--verify {rule}: no round of {run['drafter']} used it (its rounds: "
+            f"{', '.join(f'{r} {n}' for r, n in used.items()) or 'none drafted'})" for rule in asked if rule not in used]
+
+
 def environment(target: Target) -> dict:
     import transformers
 
@@ -488,7 +496,7 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
                     "baseline_drift": drift[0] if drift else None,
                     "other_cpu_cores": load.other_cores,
                 }
-                runs.append({**run, "warnings": run_warnings(run, drift)})
+                runs.append({**run, "warnings": run_warnings(run, drift) + unapplied_verify(opts.verify, run)})
     return {
         "target": opts.target or "embedded:tiny-target",
         "chat_template_kwargs": opts.chat_template_kwargs,

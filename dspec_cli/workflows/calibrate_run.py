@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import warnings
 from collections.abc import Callable, Sequence
@@ -19,7 +18,13 @@ from dspec_cli.core.data import BUILTIN, load_prompts
 from dspec_cli.core.devices import parse_dtype, resolve_device
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import CALIBRATION_FILE, embedded_path
-from dspec_cli.core.outputs import check_output_dir, check_output_file, write_json
+from dspec_cli.core.outputs import (
+    check_output_dir,
+    check_output_file,
+    is_stdout,
+    replace_folder,
+    write_json,
+)
 from dspec_cli.core.sampling import SamplingConfig
 from dspec_cli.core.specs import check_block_size, parse_drafter_spec
 from dspec_cli.runtime.drafter import Drafter
@@ -117,28 +122,20 @@ def plan_output(checkpoint: str | None, output: Path | None, in_place: bool, ove
 
 def write_copy(model: Drafter | None, source: Path | None, cal: Calibration, out_dir: Path) -> Path:
     """A complete checkpoint in ``out_dir`` (the ``source`` folder's files, else ``model`` saved)
-    with the new calibration.json; staged and renamed, so an interruption leaves no half copy."""
-    staging = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
+    with the new calibration.json, built beside and swapped in (:func:`~dspec_cli.core.outputs.replace_folder`):
+    the folder holds that checkpoint only, and an interruption leaves no half copy."""
+
+    def build(staging: Path) -> str:
         if source is not None:
-            shutil.copytree(source, staging, ignore=shutil.ignore_patterns(".cache", ".git*"))
+            shutil.copytree(source, staging, ignore=shutil.ignore_patterns(".cache", ".git*"), dirs_exist_ok=True,
+                            copy_function=shutil.copyfile)  # new files: the mode of every other file
         elif model is not None:
             model.save_pretrained(staging)
         else:
             raise ValueError("write_copy needs a source folder or a model")
-        name = cal.save(staging).name
-        if out_dir.exists():  # --overwrite
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.replace(out_dir, old)
-            os.replace(staging, out_dir)
-            shutil.rmtree(old)
-        else:
-            out_dir.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(staging, out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return out_dir / name
+        return cal.save(staging).name
+
+    return out_dir / replace_folder(out_dir, build)
 
 
 def check_rounds(counts: list[int], force: bool) -> None:
@@ -235,7 +232,7 @@ def run_calibrate(opts: CalibrateOptions, progress: Callable[[str, int], Callabl
         written += [Path(sts_file)] if sts_file else []  # None: written to stdout
     if opts.save_traces is not None:
         save_traces(opts.save_traces, rounds, drafter=cls.name, block_size=rounds.block_size)
-        written.append(opts.save_traces)
+        written += [] if is_stdout(opts.save_traces) else [opts.save_traces]
     sweep = threshold_sweep(rounds) if opts.sweep_threshold else None
     if opts.plots is not None:
         before, after = reliability(rounds), reliability(rounds.with_temperatures(cal.temperatures))

@@ -26,7 +26,7 @@ from dspec_cli.checkpoints.serving import (
 )
 from dspec_cli.core.chat_template import DEFAULT_KWARGS, describe
 from dspec_cli.core.errors import DspecError
-from dspec_cli.core.outputs import atomic_write_text
+from dspec_cli.core.outputs import atomic_write_text, replace_folder
 from dspec_cli.runtime.drafter import warn_if_other_kwargs
 from dspec_cli.workflows.serve_files import (
     SERVE_FILE,
@@ -101,11 +101,17 @@ def export(drafter, target, fmt: str, output: Path, target_name: str, checkpoint
         sidecars = sglang_sidecars(drafter, checkpoint, cost_table)
     elif dspark and fmt == "vllm":
         sidecars.notes.append("vLLM's DSpark profiles its cost curves and calibrates at startup: no side files")
-    save(output, config, tensors)
-    files = sidecars.write(output)
+    final = output.resolve()
     report = {"format": fmt, "drafter": drafter.name, "layout": layout, "method": method(layout, fmt),
-              "output": str(output.resolve()), "target": target_name, "chat_template_kwargs": dict(chat_template_kwargs),
-              "files": files, "notes": sidecars.notes}
-    report.update(serve_command(fmt, layout, drafter, report["output"], target_name, files, chat_template_kwargs))
-    atomic_write_text(output / SERVE_FILE, serve_markdown(report, sidecars.notes))
+              "output": str(final), "target": target_name, "chat_template_kwargs": dict(chat_template_kwargs),
+              "files": sidecars.paths(final), "notes": sidecars.notes}
+    report.update(serve_command(fmt, layout, drafter, report["output"], target_name, report["files"],
+                                chat_template_kwargs))
+
+    def build(folder: Path) -> None:  # the whole export, built beside and swapped in: one format per folder
+        save(folder, config, tensors)
+        sidecars.write(folder)
+        atomic_write_text(folder / SERVE_FILE, serve_markdown(report, sidecars.notes))
+
+    replace_folder(output, build)
     return report

@@ -19,7 +19,7 @@ from dspec_cli.core import sglang_sps
 from dspec_cli.core.calibration import Calibration
 from dspec_cli.core.chat_template import describe
 from dspec_cli.core.errors import DspecError
-from dspec_cli.core.files import CALIBRATION_FILE, COST_TABLE_FILE
+from dspec_cli.core.files import CALIBRATION_FILE, COST_TABLE_FILE, read_json
 from dspec_cli.core.hardware import CostTable
 from dspec_cli.core.outputs import write_json
 from dspec_cli.workflows import sglang_sts
@@ -59,8 +59,9 @@ def sglang_sidecars(drafter, checkpoint: Path, cost_table: Path | None) -> Sidec
     out = Sidecars()
     if (checkpoint / CALIBRATION_FILE).is_file():
         cal = Calibration.load(checkpoint / CALIBRATION_FILE, drafter=drafter.name, block_size=gamma)
-        out.sts = sglang_sts.sts_dict(cal, dataset=str(checkpoint / CALIBRATION_FILE),
-                                  num_samples=(cal.metrics.get("before", {}).get("count") or [0])[0])
+        counts = cal.metrics.get("before", {}).get("count") if isinstance(cal.metrics.get("before"), dict) else None
+        rounds = counts[0] if isinstance(counts, list) and counts and isinstance(counts[0], int) else 0
+        out.sts = sglang_sts.sts_dict(cal, dataset=str(checkpoint / CALIBRATION_FILE), num_samples=rounds)
     else:
         out.notes.append(f"no {CALIBRATION_FILE} in the checkpoint: SGLang uses the raw confidences "
                          "(fit one with `dspec calibrate`)")
@@ -72,7 +73,7 @@ def sglang_sidecars(drafter, checkpoint: Path, cost_table: Path | None) -> Sidec
                          "(give --cost-table from `dspec profile-hardware --drafter NAME`)")
         return out
     table = CostTable.load(cost_table, block_size=gamma, what=what)
-    raw = json.loads(Path(cost_table).read_text())
+    raw = read_json(cost_table, what)
     schema = sglang_sps.sps_schema(raw)
     if schema is not None:  # already SGLang's: copy its fields
         fields = sglang_sps.ADDITIVE_FIELDS if schema == "additive" else sglang_sps.DIAGONAL_FIELDS

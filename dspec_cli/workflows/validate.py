@@ -19,10 +19,9 @@ def validate_checkpoint(path: Path, target: str | None = None, device: str = "cp
     """Load the checkpoint in ``path`` against its target (``target``, else the one config.json
     names, else the embedded one) exactly as bench would; return its config."""
     path = Path(path)
-    if not path.is_dir():
-        raise DspecError(f"checkpoint {path}: no such folder")
-    config = CheckpointConfig.read(path)  # a config.json that does not fit fails before the target loads
-    plugins.get_drafter_class(config.drafter)  # so does an unknown drafter
+    # no folder (named as such), a config.json that does not fit and an unknown drafter fail before the target loads
+    config = CheckpointConfig.read(path)
+    plugins.get_drafter_class(config.drafter)
     name = target or config.target.name_or_path
     try:
         with warnings.catch_warnings():  # loaded to check shapes only: no matmul speed concern

@@ -20,6 +20,7 @@ import torch
 
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import CONFIG_FILE, WEIGHTS_FILE
+from dspec_cli.core.outputs import write_atomic
 
 Rules = tuple[tuple[str, str], ...]
 
@@ -77,7 +78,7 @@ def save(folder: Path, config: dict, tensors: dict[str, torch.Tensor]) -> None:
         tensor = tensor.detach().cpu().contiguous()
         state[name] = tensor.clone() if tensor.data_ptr() in seen else tensor
         seen.add(tensor.data_ptr())
-    save_file(state, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+    write_atomic(folder / WEIGHTS_FILE, lambda p: save_file(state, str(p), metadata={"format": "pt"}))
 
 
 def value(config: dict, key: str, default: Any = None) -> Any:
