@@ -182,8 +182,10 @@ class Calibration:
         where = f"the calibration of drafter {name or self.drafter} ({self.source or 'calibration.json'})"
         fitted = (f"records no verification rule and is taken as the {UNRECORDED_RULE} rule's"
                   if not self.recorded_rule else f"was fitted under the {' and '.join(self.rules)} rule")
+        folder = Path(self.source).parent if self.source else "DIR"
         return (f"{where} {fitted}, but this run verifies by the {rule} rule: its survival estimates are off "
-                f"(the {rule} rule accepts other prefixes); fit it with `dspec calibrate --verify {rule}`")
+                f"(the {rule} rule accepts other prefixes); fit it with `dspec calibrate --drafter "
+                f"{self.drafter or 'NAME'} --checkpoint {folder} --verify {rule} --in-place`")
 
     def check(self, drafter: str | None = None, block_size: int | None = None) -> None:
         """DspecError unless this calibration belongs to ``drafter`` at ``block_size``."""

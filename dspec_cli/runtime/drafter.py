@@ -392,7 +392,7 @@ def warn_if_other_rule(drafter: Drafter, rule: str, name: str | None = None) -> 
     cal = drafter.calibration
     message = cal.rule_warning(rule, name or drafter.name) if cal is not None else None
     if message:
-        warnings.warn(message, CalibrationRuleMismatch, stacklevel=3)
+        warnings.warn(message, CalibrationRuleMismatch, stacklevel=2)  # one place: shown once per run
 
 
 def _check_block_size(name: str, path: Path, wanted: int | None) -> None:

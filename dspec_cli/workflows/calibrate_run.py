@@ -15,7 +15,12 @@ from pathlib import Path
 from dspec_cli.checkpoints import load_drafter
 from dspec_cli.checkpoints.hub import resolve_checkpoint
 from dspec_cli.checkpoints.native import choose_target
-from dspec_cli.core.calibration import RULES, UNRECORDED_RULE, Calibration
+from dspec_cli.core.calibration import (
+    RULES,
+    UNRECORDED_RULE,
+    Calibration,
+    CalibrationRuleMismatch,
+)
 from dspec_cli.core.chat_template import default_kwargs
 from dspec_cli.core.data import BUILTIN, load_prompts
 from dspec_cli.core.devices import parse_dtype, resolve_device
@@ -353,14 +358,17 @@ def run_calibrate(opts: CalibrateOptions, progress: Callable[[str, int], Callabl
     if old is not None:
         old.check(cls.name, block)
     if opts.evaluate:
-        return _evaluate(old, recorded, used, skipped, cls.name)
+        cal, metrics = _evaluate(old, recorded, cls.name)
+        written: list[Path] = []
+        sweep = _side_outputs(opts, cal, recorded, title, written)
+        return CalibrateResult(cal, recorded, metrics, used, skipped, sweep, None, written, evaluated=True)
     kwargs = None if opts.traces else opts.chat_template_kwargs
     fits = {}
     for rule, rounds in recorded.items():
         fits[rule] = calibrate(rounds, cls.name, rule, chat_template_kwargs=kwargs).fits[rule]
         check_rounds(fits[rule].metrics["before"]["count"], opts.force)
     cal, kept = merge_fits(Calibration(cls.name, block, fits, chat_template_kwargs=kwargs), old)
-    written: list[Path] = []
+    written = []
     cal_file = None
     if out_dir is not None:
         cal_file = cal.save(out_dir) if opts.in_place else write_copy(model, ckpt_dir, cal, out_dir)
@@ -370,15 +378,15 @@ def run_calibrate(opts: CalibrateOptions, progress: Callable[[str, int], Callabl
                            written, kept)
 
 
-def _evaluate(cal: Calibration | None, recorded: dict[str, Rounds], used: int, skipped: int, name: str) -> CalibrateResult:
-    """--evaluate: the metrics of the checkpoint's calibration on rounds it was not fitted on (a
-    warning where it has no fit for a rule)."""
+def _evaluate(cal: Calibration | None, recorded: dict[str, Rounds], name: str) -> tuple[Calibration, dict[str, dict]]:
+    """--evaluate: (the checkpoint's calibration, its metrics per rule on rounds it was not fitted
+    on), with a warning where it has no fit for a rule."""
     if cal is None:
         raise DspecError(f"--evaluate: drafter {name}'s checkpoint has no {CALIBRATION_FILE} to evaluate")
     metrics = {}
     for rule, rounds in recorded.items():
         message = cal.rule_warning(rule, name)
         if message:
-            warnings.warn(message, stacklevel=2)
+            warnings.warn(message, CalibrationRuleMismatch, stacklevel=2)
         metrics[rule] = evaluate(cal.fit(rule), rounds)
-    return CalibrateResult(cal, recorded, metrics, used, skipped, None, None, [], evaluated=True)
+    return cal, metrics
