@@ -266,7 +266,7 @@ def test_calibrate_cli(models, tmp_path, capsys):
     assert set(data["rules"]) == {"block"} and data["kept_rules"] == [] and not data["evaluated"]
     fit = data["rules"]["block"]
     for key in ("ece_before", "ece_sts", "ece_after", "ece_heldout", "ece_sts_heldout", "temperatures", "survival",
-                "num_rounds", "threshold_sweep"):
+                "num_rounds", "threshold_sweep", "ece_floor"):
         assert fit[key] is not None, key
     assert fit["heldout_split"] in ("5-fold over prompts", "5 contiguous blocks of rounds (prompts not recorded)")
     assert set(fit["before"]) >= {"ece", "auroc", "brier"} and len(fit["heldout"]["after"]["ece"]) == 3

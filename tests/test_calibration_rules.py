@@ -15,15 +15,32 @@ import pytest
 import torch
 from tiny_models import assert_cli_error, run_cli, tiny_target
 
-from dspec_cli.core.calibration import Calibration, CalibrationRuleMismatch, RuleFit, apply_temperatures
+from dspec_cli.core.calibration import (
+    Calibration,
+    CalibrationRuleMismatch,
+    RuleFit,
+    apply_temperatures,
+)
 from dspec_cli.core.files import embedded_path
 from dspec_cli.core.hardware import CostTable
 from dspec_cli.core.types import Capability, Proposal
 from dspec_cli.runtime.drafter import Drafter, DrafterConfig
 from dspec_cli.runtime.engine import GenerationConfig, RequestResult, SpeculativeEngine
-from dspec_cli.runtime.schedule import FixedScheduler, HardwareScheduler, ThresholdScheduler
+from dspec_cli.runtime.schedule import (
+    FixedScheduler,
+    HardwareScheduler,
+    ThresholdScheduler,
+)
 from dspec_cli.runtime.verify import verify_chain
-from dspec_cli.workflows.calibrate import Rounds, fit_rule, folds, heldout_metrics, position_metrics, save_traces
+from dspec_cli.workflows.calibrate import (
+    Rounds,
+    ece_floor,
+    fit_rule,
+    folds,
+    heldout_metrics,
+    position_metrics,
+    save_traces,
+)
 from dspec_cli.workflows.metrics import predicted_tau
 from dspec_cli.workflows.simulate import simulate_load
 
@@ -112,6 +129,20 @@ def test_the_survival_map_is_non_anticipating_and_non_increasing(fits):
         assert torch.equal(fits["block"].apply(other)[:, : k + 1], base[:, : k + 1])
     survival = base.cumprod(1)
     assert bool((survival[:, 1:] <= survival[:, :-1] + 1e-12).all()) and bool((base >= 0).all() & (base <= 1).all())
+
+
+def test_the_ece_floor_is_what_perfect_calibration_shows(verified):
+    """On rounds whose outcomes follow their predictions the ECE sits at the floor; off by a
+    temperature it does not (the variant)."""
+    rounds, exact = verified["token"]
+    g = torch.Generator().manual_seed(3)
+    sample = rounds.select(torch.arange(4000))
+    u = torch.rand(4000, 1, generator=g, dtype=torch.float64)
+    honest = Rounds(sample.confidence, sample.verified, (u < exact[:4000]).sum(1))
+    floor = ece_floor(honest)
+    assert 0 < floor < 0.03 and abs(position_metrics(honest)["ece_mean"] - floor) < 0.006
+    off = honest.with_temperatures([0.6] * GAMMA)
+    assert position_metrics(off)["ece_mean"] > floor + 0.02
 
 
 # --------------------------------------------------------------------------------------

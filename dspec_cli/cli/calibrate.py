@@ -27,8 +27,9 @@ def render_metrics(result, console: Console, caption: str = "") -> None:
         m, fit = result.metrics[rule], cal.fit(rule)
         held = m.get("heldout")
         what = "evaluated on these rounds" if result.evaluated else f"held-out: {held['split']}" if held else ""
+        floor = f" · ECE of perfect calibration on this many rounds ≈ {m['floor']:.3f}" if m.get("floor") is not None else ""
         table = Table(title=f"calibration of {cal.drafter} (block size {cal.block_size}) · {rule} rule · "
-                            f"survival per position · {what}", caption=caption or None)
+                            f"survival per position · {what}", caption=(caption + floor) or None)
         cols = ["pos", "rounds", "T_k", "slope", "offset", "ECE raw", "ECE STS", "ECE fit"]
         cols += ["ECE STS held-out", "ECE fit held-out"] if held else []
         for col in (*cols, "AUROC", "Brier"):

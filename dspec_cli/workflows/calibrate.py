@@ -215,6 +215,24 @@ def position_metrics(rounds: Rounds, bins: int = NUM_BINS) -> dict:
     return out
 
 
+def ece_floor(rounds: Rounds, draws: int = 20, seed: int = 0, bins: int = NUM_BINS) -> float | None:
+    """The count-weighted mean ECE that perfectly calibrated predictions show on rounds like
+    these: outcomes drawn ``draws`` times from the rounds' own survival predictions Π c (one
+    uniform per round, accepted ≥ k while it is below Π_{j≤k} c_j); the sampling noise under which
+    no fit's ECE can go on this many rounds. None without verified positions."""
+    pred, _, mask = survival_labels(rounds)
+    counts = mask.sum(0)
+    if int(counts.sum()) == 0:
+        return None
+    g = torch.Generator().manual_seed(seed)
+    total = 0.0
+    for _ in range(draws):
+        label = torch.rand(len(rounds), 1, generator=g, dtype=torch.float64) < pred
+        total += sum(ece(pred[mask[:, k], k], label[mask[:, k], k], bins) * int(n)
+                     for k, n in enumerate(counts) if n)
+    return total / draws / int(counts.sum())
+
+
 def reliability(rounds: Rounds, bins: int = NUM_BINS) -> list[dict]:
     """Reliability-diagram data per position: bin edges, counts, mean prediction and label per bin."""
     pred, label, mask = survival_labels(rounds)
@@ -469,10 +487,12 @@ def record_rounds(target, drafter, prompts: Sequence[str], config, *, strict: bo
 
 
 def evaluate(fit: RuleFit, rounds: Rounds) -> dict:
-    """Metrics of an existing fit on raw-confidence rounds it was not fitted on: {"before",
-    "sts", "after"} position metrics (raw, its temperatures, what it applies)."""
+    """Metrics of a fit on raw-confidence rounds: {"before", "sts", "after"} position metrics (raw,
+    its temperatures, what it applies) and "floor", the ECE that perfectly calibrated predictions
+    would show on these rounds (:func:`ece_floor`)."""
+    applied = rounds.calibrated(fit)
     return {"before": position_metrics(rounds), "sts": position_metrics(rounds.with_temperatures(fit.temperatures)),
-            "after": position_metrics(rounds.calibrated(fit))}
+            "after": position_metrics(applied), "floor": ece_floor(applied)}
 
 
 def calibrate(rounds: Rounds, drafter: str, rule: str = RULES[0], grid: Sequence[float] = DEFAULT_GRID,

@@ -112,7 +112,7 @@ class CalibrateResult:
                 "survival": {"slope": fit.slope, "offset": fit.offset} if fit.slope is not None else None,
                 "ece_before": m["before"]["ece_mean"], "ece_sts": m["sts"]["ece_mean"], "ece_after": m["after"]["ece_mean"],
                 "ece_sts_heldout": held.get("sts", {}).get("ece_mean"), "ece_heldout": held.get("after", {}).get("ece_mean"),
-                "heldout_split": held.get("split"),
+                "heldout_split": held.get("split"), "ece_floor": m.get("floor"),
                 **{k: {key: m[k][key] for key in REPORT_METRICS} for k in ("before", "sts", "after")},
                 "heldout": {k: {key: held[k][key] for key in REPORT_METRICS} for k in ("sts", "after")} if held else None,
                 "threshold_sweep": self.sweep.get(rule) if self.sweep else None,
