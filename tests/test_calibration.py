@@ -347,3 +347,38 @@ def test_calibrate_takes_drafter_specs(tmp_path, capsys):
           str(tmp_path / "x.json")], capsys, "unknown option(s) no_such_key")
     _bad(["calibrate", "--drafter", "ddtree:dspark,tree_budget=8", "--output", str(tmp_path / "o")], capsys,
          "drafter 'ddtree' has no confidence signal")
+
+
+def test_calibrate_keeps_the_checkpoints_fit_for_the_other_rule(tmp_path, capsys):
+    """A token-rule fit written into a checkpoint that has a block-rule fit keeps both; a file that
+    records no rule is replaced, with a warning (its fit is not relabelled); --evaluate scores the
+    file on other rounds and writes no calibration."""
+    import shutil
+
+    from dspec_cli.core.files import embedded_path
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(embedded_path("drafters") / "dspark-markov", ckpt)
+    shipped = Calibration.load(ckpt)
+    traces = tmp_path / "t.jsonl"
+    save_traces(traces, synthetic(400, [0.6] * 7, seed=4)[0], drafter="dspark-markov", block_size=7, verify="token")
+    code, stdout, err = run(["calibrate", "--drafter", "dspark", "--traces", str(traces), "--checkpoint", str(ckpt),
+                             "--in-place", "--json", str(tmp_path / "r.json")], capsys)
+    assert code == 0, err
+    cal = Calibration.load(ckpt)
+    assert cal.rules == ["token", "block"] and cal.fits["block"] == shipped.fits["block"]
+    assert cal.fits["token"] != shipped.fits["token"] and "kept the earlier block rule fit" in stdout
+    assert json.loads((tmp_path / "r.json").read_text())["kept_rules"] == ["block"]
+    (ckpt / "calibration.json").write_text(json.dumps({"drafter": "dspark-markov", "temperatures": [1.0] * 7}))
+    save_traces(traces, synthetic(400, [0.6] * 7, seed=4)[0], drafter="dspark-markov", block_size=7, verify="block")
+    code, _, err = run(["calibrate", "--drafter", "dspark", "--traces", str(traces), "--checkpoint", str(ckpt),
+                        "--in-place"], capsys)
+    assert code == 0 and "records no verification rule: its fit is replaced" in err, err
+    assert Calibration.load(ckpt).rules == ["block"]
+    before = (ckpt / "calibration.json").read_text()
+    code, stdout, err = run(["calibrate", "--drafter", "dspark", "--traces", str(traces), "--checkpoint", str(ckpt),
+                             "--evaluate", "--json", str(tmp_path / "e.json")], capsys)
+    assert code == 0 and "evaluated on these rounds" in stdout, err
+    report = json.loads((tmp_path / "e.json").read_text())
+    assert report["evaluated"] and report["rules"]["block"]["ece_heldout"] is None
+    assert report["rules"]["block"]["ece_after"] is not None and (ckpt / "calibration.json").read_text() == before

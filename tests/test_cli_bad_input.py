@@ -82,7 +82,7 @@ CASES = [
     Case("schedule-cost-table-binary", "schedule --cost-table {d}/binary.bin --traces {d}/traces.jsonl", "--cost-table {d}/binary.bin: not a text file"),
     Case("calibration-binary", SCHED + " --calibration {d}/binary.bin", "--calibration {d}/binary.bin: not a text file"),
     Case("calibration-bad-json", SCHED + " --calibration {d}/bad_json.jsonl", "--calibration {d}/bad_json.jsonl: not valid JSON"),
-    Case("calibration-not-calibration", SCHED + " --calibration {d}/object.json", "expected an object with 'temperatures'"),
+    Case("calibration-not-calibration", SCHED + " --calibration {d}/object.json", "expected an object with 'rules' (or 'temperatures')"),
     Case("traces-binary", "schedule --cost-table {d}/cost.json --traces {d}/binary.bin", "binary.bin:1: not valid UTF-8"),
     Case("recipe-binary", "train --recipe {d}/binary.bin -o {t}/run", "--recipe {d}/binary.bin: not a text file"),
     Case("recipe-bad-toml", "train --recipe {d}/bad.toml -o {t}/run", "--recipe {d}/bad.toml: not valid TOML"),

@@ -64,10 +64,7 @@ def schedule_command(
     check_output_file(json_path, "--json")
     check_output_dir(plots, "--plots")
     rounds, meta = load_rounds(traces)
-    rule = meta["verify"]
-    if rule is None:
-        rule = UNRECORDED_RULE
-        warnings.warn(f"traces {traces} record no verification rule: taken as the {rule} rule's", stacklevel=1)
+    rule = meta["verify"] or UNRECORDED_RULE  # traces that record none: the token rule's
     table = CostTable.load(cost_table, block_size=meta["block_size"])
     err = Console(stderr=True)
     with warnings.catch_warnings():
@@ -81,6 +78,9 @@ def schedule_command(
         message = cal.rule_warning(rule, meta["drafter"])
         if message:
             warnings.warn(message, CalibrationRuleMismatch, stacklevel=1)
+        elif meta["verify"] is None and len(cal.rules) > 1:
+            warnings.warn(f"traces {traces} record no verification rule: the calibration's {rule} rule fit is "
+                          "applied", stacklevel=1)
         rounds = rounds.calibrated(cal.fit(rule))
     results = []
     for spec in scheduler:
@@ -92,7 +92,8 @@ def schedule_command(
             gen = torch.Generator().manual_seed(seed)
             res = simulate_load(sched, rounds, table, concurrency=R, steps=steps, generator=gen, layout=layout)
             results.append({**res, "scheduler": spec})
-    view = Table(title=f"schedulers on {len(rounds)} recorded rounds ({rule} rule) · {table.model} · {table.device_name}")
+    how = f"{rule} rule" if meta["verify"] else f"no rule recorded: {rule}"
+    view = Table(title=f"schedulers on {len(rounds)} recorded rounds ({how}) · {table.model} · {table.device_name}")
     for col in ("scheduler", "R", "draft ℓ", "budget ℓ+1", "τ", "pred. τ", "tok/s", "plain tok/s", "speedup"):
         view.add_column(col, justify="left" if col == "scheduler" else "right")
     for r in results:
