@@ -144,7 +144,7 @@ def test_calibration_file_roundtrip_and_checks(tmp_path):
     assert set(raw) == {"drafter", "block_size", "chat_template_kwargs", "rules"} and set(raw["rules"]) == {"block"}
     fit = raw["rules"]["block"]
     assert set(fit) == {"temperatures", "survival", "metrics"} and len(fit["survival"]["slope"]) == 3
-    assert set(fit["metrics"]) == {"before", "sts", "after", "heldout"} and len(fit["metrics"]["after"]["ece"]) == 3
+    assert set(fit["metrics"]) == {"before", "sts", "after", "floor", "heldout"} and len(fit["metrics"]["after"]["ece"]) == 3
     back = Calibration.load(tmp_path, drafter="dspark-markov", block_size=3)
     assert back.fits["block"].temperatures == cal.fits["block"].temperatures and back.recorded_rule
     assert back.chat_template_kwargs == {"enable_thinking": True}
