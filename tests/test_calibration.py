@@ -105,12 +105,13 @@ def test_rounds_from_engine_results():
 
 def test_sts_repairs_miscalibration():
     rounds, _ = synthetic(20_000, [0.5, 0.7, 1.0, 1.5])  # over- then under-confident
-    cal = calibrate(rounds, "toy")
-    before, after = cal.metrics["before"], cal.metrics["after"]
+    fit = calibrate(rounds, "toy", "token", heldout=False).fits["token"]
+    before, after = fit.metrics["before"], fit.metrics["sts"]
     assert after["ece_mean"] < before["ece_mean"] / 4
     assert all(a <= b + 1e-9 for a, b in zip(after["ece"], before["ece"], strict=True))
-    assert cal.temperatures[0] == pytest.approx(2.0, rel=0.15)  # the inverse of the distortion
+    assert fit.temperatures[0] == pytest.approx(2.0, rel=0.15)  # the inverse of the distortion
     assert after["auroc"][0] == pytest.approx(before["auroc"][0])  # order-preserving at position 1
+    assert fit.metrics["after"]["ece_mean"] < before["ece_mean"] / 4  # the survival map repairs it too
 
 
 def test_sts_keeps_calibrated_confidences():
@@ -137,24 +138,44 @@ def test_sts_fits_left_to_right():
 
 def test_calibration_file_roundtrip_and_checks(tmp_path):
     rounds, _ = synthetic(2000, [0.5, 1.0, 2.0])
-    cal = calibrate(rounds, "dspark-markov", chat_template_kwargs={"enable_thinking": True})
+    cal = calibrate(rounds, "dspark-markov", "block", chat_template_kwargs={"enable_thinking": True})
     file = cal.save(tmp_path)
     raw = json.loads(file.read_text())
-    assert set(raw) == {"drafter", "block_size", "temperatures", "chat_template_kwargs", "metrics"}
-    assert set(raw["metrics"]) == {"before", "after"} and len(raw["metrics"]["after"]["ece"]) == 3
+    assert set(raw) == {"drafter", "block_size", "chat_template_kwargs", "rules"} and set(raw["rules"]) == {"block"}
+    fit = raw["rules"]["block"]
+    assert set(fit) == {"temperatures", "survival", "metrics"} and len(fit["survival"]["slope"]) == 3
+    assert set(fit["metrics"]) == {"before", "sts", "after", "floor", "heldout"} and len(fit["metrics"]["after"]["ece"]) == 3
     back = Calibration.load(tmp_path, drafter="dspark-markov", block_size=3)
-    assert back.temperatures == cal.temperatures and back.chat_template_kwargs == {"enable_thinking": True}
+    assert back.fits["block"].temperatures == cal.fits["block"].temperatures and back.recorded_rule
+    assert back.chat_template_kwargs == {"enable_thinking": True}
+    conf = torch.tensor([[0.9, 0.8, 0.7]])
+    assert torch.equal(back.apply(conf, "block"), cal.apply(conf, "block"))
     with pytest.raises(DspecError, match="is for drafter 'dspark-markov', not 'dflash'"):
         Calibration.load(file, drafter="dflash")
     with pytest.raises(DspecError, match="is for block size 3, not 7"):
         Calibration.load(file, block_size=7)
     (tmp_path / "legacy.json").write_text('{"temperatures": [1.5, 2.0]}')
     legacy = Calibration.load(tmp_path / "legacy.json", drafter="anything", block_size=2)
-    conf = torch.tensor([[0.9, 0.8, 0.7]])
-    assert torch.allclose(legacy.apply(conf), apply_temperatures(conf, [1.5, 2.0, 1.0]))
-    (tmp_path / "bad.json").write_text('{"drafter": "x", "block_size": 2, "temperatures": [1.0, -1]}')
-    with pytest.raises(DspecError, match=r"temperatures\[1\]: should be greater than 0 \(got -1\)"):
-        Calibration.load(tmp_path / "bad.json")
+    assert legacy.rules == ["token"] and not legacy.recorded_rule  # older files: the token rule, said so
+    assert "records no verification rule and is taken as the token rule's" in legacy.rule_warning("block")
+    assert torch.allclose(legacy.apply(conf, "token"), apply_temperatures(conf, [1.5, 2.0, 1.0]))
+    for text, message in (
+        ('{"drafter": "x", "block_size": 2, "temperatures": [1.0, -1]}',
+         r"temperatures\[1\]: should be greater than 0 \(got -1\)"),
+        ('{"block_size": 2, "rules": {"greedy": {"temperatures": [1, 1]}}}',
+         r"rules.greedy: should be 'token' or 'block' \(got 'greedy'\)"),
+        ('{"block_size": 2, "rules": {"block": {"temperatures": [1, 1], "survival": {"slope": [1, -1], '
+         '"offset": [0, 0]}}}}', r"rules.block.survival.slope\[1\]: should be greater than or equal to 0"),
+        ('{"block_size": 2, "rules": {"block": {"temperatures": [1, 1], "survival": {"slope": [1]}}}}',
+         "rules.block.survival.offset: missing"),
+        ('{"block_size": 2, "rules": {"block": {"temperatures": [1, 1], "survival": {"slope": [1], "offset": [0]}}}}',
+         "rules.block.survival.slope: 1 values for block size 2"),
+        ('{"block_size": 2, "rules": {}}', "rules: dictionary should have at least 1 item"),
+        ('{"rules": {"block": {"temperatures": [1, 1]}}}', "block_size: missing"),
+    ):
+        (tmp_path / "bad.json").write_text(text)
+        with pytest.raises(DspecError, match=message):
+            Calibration.load(tmp_path / "bad.json")
     with pytest.raises(DspecError, match="not found"):
         Calibration.load(tmp_path / "missing.json")
 
@@ -188,13 +209,23 @@ def test_threshold_sweep():
 def test_traces_roundtrip(tmp_path):
     rounds = Rounds.from_lists([[0.9, 0.4], [0.3]], [1, 0], block_size=3)
     path = tmp_path / "t.jsonl"
-    save_traces(path, rounds, drafter="dspark", block_size=3)
+    save_traces(path, rounds, drafter="dspark", block_size=3, verify="block")
     back, meta = load_traces(path)
-    assert meta == {"drafter": "dspark", "block_size": 3}
+    assert meta == {"drafter": "dspark", "block_size": 3, "verify": "block"} and back.prompt is None
     assert torch.equal(back.confidence, rounds.confidence) and back.accepted.tolist() == [1, 0]
+    named = Rounds.from_lists([[0.9], [0.3]], [1, 0], block_size=1, prompts=[4, 7])
+    save_traces(path, named, drafter="dspark", block_size=1, verify="token")
+    assert load_traces(path)[0].prompt.tolist() == [4, 7]
     line = '{{"drafter": "{}", "confidence": [0.5], "accepted": 0}}\n'
     path.write_text(line.format("a") + line.format("b"))
     with pytest.raises(DspecError, match="t.jsonl:2: drafter 'b' differs"):
+        load_traces(path)
+    line = '{{"verify": "{}", "confidence": [0.5], "accepted": 0}}\n'
+    path.write_text(line.format("token") + line.format("block"))
+    with pytest.raises(DspecError, match="t.jsonl:2: verify 'block' differs .* rules do not mix"):
+        load_traces(path)
+    path.write_text(line.format("tree"))
+    with pytest.raises(DspecError, match="verify must be one of token, block"):
         load_traces(path)
     path.write_text('{"confidence": [0.5]}\n')
     with pytest.raises(DspecError, match="t.jsonl:1: expected"):
@@ -232,18 +263,22 @@ def test_calibrate_cli(models, tmp_path, capsys):
     out, report, plots, traces = tmp_path / "calibrated", tmp_path / "c.json", tmp_path / "plots", tmp_path / "t.jsonl"
     code, stdout, _ = run(_base(models, out) + ["--json", str(report), "--plots", str(plots), "--sweep-threshold",
                                                 "--save-traces", str(traces)], capsys)
-    assert code == 0 and "ECE before" in stdout and "threshold sweep" in stdout
+    assert code == 0 and "ECE raw" in stdout and "block rule" in stdout and "threshold sweep" in stdout
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()  # the checkpoint was copied
     cal = Calibration.load(out, drafter="draft-model", block_size=3)
-    assert len(cal.temperatures) == 3
+    assert cal.rules == ["block"] and len(cal.fits["block"].slope) == 3  # the rule bench verifies by by default
     data = json.loads(report.read_text())
-    for key in ("ece_before", "ece_after", "temperatures", "num_rounds", "threshold_sweep"):
-        assert key in data
-    assert set(data["before"]) >= {"ece", "auroc", "brier"} and len(data["after"]["ece"]) == 3
-    assert data["ece_after"] <= data["ece_before"] + 1e-9
+    assert set(data["rules"]) == {"block"} and data["kept_rules"] == [] and not data["evaluated"]
+    fit = data["rules"]["block"]
+    for key in ("ece_before", "ece_sts", "ece_after", "ece_heldout", "ece_sts_heldout", "temperatures", "survival",
+                "num_rounds", "threshold_sweep", "ece_floor"):
+        assert fit[key] is not None, key
+    assert fit["heldout_split"] in ("5-fold over prompts", "5 contiguous blocks of rounds (prompts not recorded)")
+    assert set(fit["before"]) >= {"ece", "auroc", "brier"} and len(fit["heldout"]["after"]["ece"]) == 3
     assert (plots / "reliability.png").stat().st_size > 1000 and (plots / "threshold_sweep.png").is_file()
     rounds, meta = load_traces(traces)
-    assert meta == {"drafter": "draft-model", "block_size": 3} and len(rounds) == data["num_rounds"]
+    assert meta == {"drafter": "draft-model", "block_size": 3, "verify": "block"} and len(rounds) == fit["num_rounds"]
+    assert rounds.prompt is not None and set(rounds.prompt.tolist()) <= {0, 1, 2, 3}
     assert not (models / "draft" / "calibration.json").exists()  # the source checkpoint is untouched
 
 
@@ -254,9 +289,9 @@ def test_calibrate_cli_errors(models, tmp_path, capsys):
         (ckpt / f.name).write_bytes(f.read_bytes())
     args = _base(models, tmp_path / "out")
     args[args.index("--checkpoint") + 1] = str(ckpt)
-    Calibration("dspark-markov", 3, [1.0] * 3).save(ckpt)
+    Calibration.sts("dspark-markov", 3, [1.0] * 3).save(ckpt)
     _bad(args, capsys, "is for drafter 'dspark-markov', not 'draft-model'")
-    Calibration("draft-model", 7, [1.0] * 7).save(ckpt)
+    Calibration.sts("draft-model", 7, [1.0] * 7).save(ckpt)
     _bad(args, capsys, "is for block size 7, not 3")
     no_output = args[: args.index("--output")]
     _bad(no_output, capsys, f"give --output DIR for a calibrated copy of the checkpoint, or --in-place to rewrite {ckpt}")
@@ -267,6 +302,9 @@ def test_calibrate_cli_errors(models, tmp_path, capsys):
     _bad(["calibrate", "--drafter", "prompt-lookup", "--output", str(tmp_path / "o")], capsys,
          "drafter 'prompt-lookup' has no confidence signal")
     _bad(args[:-2] + ["--num-prompts", "0"], capsys, "Invalid value for '--num-prompts'")
+    _bad(args + ["--verify", "tree"], capsys, "--verify must be one of token, block, got 'tree'")
+    _bad(args + ["--sglang-sts", str(tmp_path / "s.json")], capsys, "--sglang-sts writes the token rule's")
+    _bad(args + ["--evaluate"], capsys, "--evaluate scores the checkpoint's calibration and writes none")
 
 
 def test_calibrate_default_drafter_output_is_a_complete_checkpoint(tmp_path, capsys):
@@ -292,19 +330,21 @@ def test_calibrate_from_traces_with_plots(tmp_path, capsys):
     """--traces FILE --plots DIR: no target is loaded, the plots are titled by the traces."""
     rounds, _ = synthetic(400, [0.6, 0.8, 1.2], seed=5)
     traces, plots, sts = tmp_path / "t.jsonl", tmp_path / "plots", tmp_path / "sts.json"
-    save_traces(traces, rounds, drafter="dspark-markov", block_size=3)
+    save_traces(traces, rounds, drafter="dspark-markov", block_size=3, verify="token")
     code, stdout, err = run(["calibrate", "--drafter", "dspark", "--traces", str(traces), "--plots", str(plots),
                              "--sweep-threshold", "--sglang-sts", str(sts)], capsys)
     assert code == 0, err
     assert (plots / "reliability.png").stat().st_size > 1000 and (plots / "threshold_sweep.png").is_file()
     assert json.loads(sts.read_text())["temperatures"] == fit_sts(rounds)
-    assert "ECE before" in stdout and f"wrote {plots / 'reliability.png'}" in err
+    assert "ECE raw" in stdout and "token rule" in stdout and f"wrote {plots / 'reliability.png'}" in err
+    _bad(["calibrate", "--drafter", "dspark", "--traces", str(traces), "--verify", "block", "--sglang-sts",
+          str(tmp_path / "b.json")], capsys, "were verified by the token rule; --verify block needs rounds verified by it")
 
 
 def test_calibrate_takes_drafter_specs(tmp_path, capsys):
     """Drafter options (NAME,KEY=VALUE) as bench takes them; a wrapper without confidences is refused."""
     traces = tmp_path / "t.jsonl"
-    save_traces(traces, synthetic(400, [1.0, 1.0], seed=6)[0], drafter="dspark-markov", block_size=2)
+    save_traces(traces, synthetic(400, [1.0, 1.0], seed=6)[0], drafter="dspark-markov", block_size=2, verify="token")
     code, _, err = run(["calibrate", "--drafter", "dspark,markov_rank=8", "--traces", str(traces), "--sglang-sts",
                         str(tmp_path / "sts.json")], capsys)
     assert code == 0, err
@@ -312,3 +352,38 @@ def test_calibrate_takes_drafter_specs(tmp_path, capsys):
           str(tmp_path / "x.json")], capsys, "unknown option(s) no_such_key")
     _bad(["calibrate", "--drafter", "ddtree:dspark,tree_budget=8", "--output", str(tmp_path / "o")], capsys,
          "drafter 'ddtree' has no confidence signal")
+
+
+def test_calibrate_keeps_the_checkpoints_fit_for_the_other_rule(tmp_path, capsys):
+    """A token-rule fit written into a checkpoint that has a block-rule fit keeps both; a file that
+    records no rule is replaced, with a warning (its fit is not relabelled); --evaluate scores the
+    file on other rounds and writes no calibration."""
+    import shutil
+
+    from dspec_cli.core.files import embedded_path
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(embedded_path("drafters") / "dspark-markov", ckpt)
+    shipped = Calibration.load(ckpt)
+    traces = tmp_path / "t.jsonl"
+    save_traces(traces, synthetic(400, [0.6] * 7, seed=4)[0], drafter="dspark-markov", block_size=7, verify="token")
+    code, stdout, err = run(["calibrate", "--drafter", "dspark", "--traces", str(traces), "--checkpoint", str(ckpt),
+                             "--in-place", "--json", str(tmp_path / "r.json")], capsys)
+    assert code == 0, err
+    cal = Calibration.load(ckpt)
+    assert cal.rules == ["token", "block"] and cal.fits["block"] == shipped.fits["block"]
+    assert cal.fits["token"] != shipped.fits["token"] and "kept the earlier block rule fit" in stdout
+    assert json.loads((tmp_path / "r.json").read_text())["kept_rules"] == ["block"]
+    (ckpt / "calibration.json").write_text(json.dumps({"drafter": "dspark-markov", "temperatures": [1.0] * 7}))
+    save_traces(traces, synthetic(400, [0.6] * 7, seed=4)[0], drafter="dspark-markov", block_size=7, verify="block")
+    code, _, err = run(["calibrate", "--drafter", "dspark", "--traces", str(traces), "--checkpoint", str(ckpt),
+                        "--in-place"], capsys)
+    assert code == 0 and "records no verification rule: its fit is replaced" in err, err
+    assert Calibration.load(ckpt).rules == ["block"]
+    before = (ckpt / "calibration.json").read_text()
+    code, stdout, err = run(["calibrate", "--drafter", "dspark", "--traces", str(traces), "--checkpoint", str(ckpt),
+                             "--evaluate", "--json", str(tmp_path / "e.json")], capsys)
+    assert code == 0 and "evaluated on these rounds" in stdout, err
+    report = json.loads((tmp_path / "e.json").read_text())
+    assert report["evaluated"] and report["rules"]["block"]["ece_heldout"] is None
+    assert report["rules"]["block"]["ece_after"] is not None and (ckpt / "calibration.json").read_text() == before

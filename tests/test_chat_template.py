@@ -373,7 +373,7 @@ def test_calibration_records_the_kwargs_and_runs_under_others_warn(thinking_draf
     cal = tmp_path / "cal"
     code, _, err = run_cli(["calibrate", "--drafter", "dspark-markov", "--checkpoint", str(thinking_drafter),
                             "--target", str(target_dir), "--num-prompts", "1", "--max-new-tokens", "3", "--force",
-                            "--output", str(cal)], capsys)
+                            "--verify", "token", "--output", str(cal)], capsys)  # the rule SGLang's export needs
     assert code == 0 and len(_warnings(err)) == 1, err
     assert json.loads((cal / "calibration.json").read_text())["chat_template_kwargs"] == {"enable_thinking": False}
     bench = ["bench", "--drafter", "dspark-markov", "--checkpoint", str(cal), "--target", str(target_dir),

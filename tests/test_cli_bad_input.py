@@ -84,7 +84,7 @@ CASES = [
     Case("schedule-cost-table-binary", "schedule --cost-table {d}/binary.bin --traces {d}/traces.jsonl", "--cost-table {d}/binary.bin: not a text file"),
     Case("calibration-binary", SCHED + " --calibration {d}/binary.bin", "--calibration {d}/binary.bin: not a text file"),
     Case("calibration-bad-json", SCHED + " --calibration {d}/bad_json.jsonl", "--calibration {d}/bad_json.jsonl: not valid JSON"),
-    Case("calibration-not-calibration", SCHED + " --calibration {d}/object.json", "--calibration {d}/object.json: temperatures: missing"),
+    Case("calibration-not-calibration", SCHED + " --calibration {d}/object.json", "--calibration {d}/object.json: expected 'rules' (or an older file's 'temperatures')"),
     Case("traces-binary", "schedule --cost-table {d}/cost.json --traces {d}/binary.bin", "binary.bin:1: not valid UTF-8"),
     Case("recipe-binary", "train --recipe {d}/binary.bin -o {t}/run", "--recipe {d}/binary.bin: not a text file"),
     Case("recipe-bad-toml", "train --recipe {d}/bad.toml -o {t}/run", "--recipe {d}/bad.toml: not valid TOML"),
@@ -144,6 +144,11 @@ CASES = [
     Case("calibrate-in-place-no-checkpoint", CAL + " --in-place", "--in-place needs a local --checkpoint folder"),
     Case("calibrate-output-not-empty", CAL + " -o {d}/folder", "folder is not empty; pass --overwrite"),
     Case("calibrate-traces-exist", CAL + " -o {t}/c --save-traces {d}/good.jsonl", "exists; pass --overwrite"),
+    Case("calibrate-traces-per-rule-exist", CAL + " -o {t}/c --verify token --verify block --save-traces {d}/good.jsonl",
+         "good-token.jsonl: exists; pass --overwrite"),
+    Case("calibrate-two-rules-traces-stdout", CAL + " -o {t}/c --verify token --verify block --save-traces -",
+         "--save-traces -: with several --verify rules each rule's rounds go to a file of their own"),
+    Case("calibrate-verify-unknown", CAL + " -o {t}/c --verify tree", "--verify must be one of token, block, got 'tree'"),
     Case("calibrate-output-is-checkpoint", CAL + " --checkpoint {d}/ckpt_corrupt -o {d}/ckpt_corrupt", "pass --in-place",
          code=2),
     Case("calibrate-no-confidence", "calibrate -d prompt-lookup -o {t}/c", "has no confidence signal"),
@@ -330,6 +335,7 @@ def inputs(tmp_path_factory) -> Path:
     (d / "folder" / "keep.txt").write_text("x\n")
     (d / "afile.txt").write_text("x\n")
     (d / "good.jsonl").write_text('{"turns": ["hello"]}\n')
+    (d / "good-token.jsonl").write_text('{"turns": ["hello"]}\n')  # --save-traces good.jsonl's token-rule file
     (d / "bad_json.jsonl").write_text('{"turns": ["hello"]}\n{"turns": [\n')
     (d / "bad_utf8.jsonl").write_bytes(b'{"turns": ["hello"]}\n{"turns": ["\xff"]}\n')
     (d / "no_turns.jsonl").write_text('{"text": "hello"}\n')

@@ -265,7 +265,7 @@ class _FixedConfidenceDrafter(Drafter):
 def test_engine_applies_the_drafter_calibration_once(target):
     """The checkpoint's STS temperatures reach the scheduler (and the recorded rounds) exactly once."""
     drafter = _FixedConfidenceDrafter(DrafterConfig(block_size=3), target)
-    drafter.calibration = Calibration("test-fixed-confidence", 3, [2.0, 0.5, 1.0])
+    drafter.calibration = Calibration.sts("test-fixed-confidence", 3, [2.0, 0.5, 1.0])  # one-hot drafts: the token rule
     cfg = GenerationConfig(max_new_tokens=8, block_size=3, seed=0)
     results = SpeculativeEngine(target, drafter, cfg).generate([target.render_prompt(PROMPTS[0])])
     raw = torch.full((1, 3), 0.7, dtype=torch.float64)

@@ -35,7 +35,7 @@ def make_checkpoint(path, target: Target):
     drafter = cls.build(cls.config_class(block_size=3, num_layers=1, num_anchors=8), target)
     drafter.save_pretrained(path)
     metrics = {"before": {"ece_mean": 0.2}, "after": {"ece_mean": 0.05}}
-    Calibration("dflash", 3, [1.5, 1.0, 0.8], metrics).save(path)
+    Calibration.sts("dflash", 3, [1.5, 1.0, 0.8], "block", metrics).save(path)
     return path
 
 
@@ -67,7 +67,7 @@ def test_push_then_load_by_hub_id_and_bench(hub, model_dir, tmp_path, capsys):
     assert card == hub.validated[-1]
     assert "library_name: dspec" in card and "base_model: alice/tiny-target" in card
     assert "- speculative-decoding" in card and "- dflash" in card
-    assert "ECE 0.200 before, 0.050 after" in card
+    assert "- block: STS, mean ECE 0.200 before, 0.050 after" in card
 
     report = tmp_path / "bench.json"
     code, _, err = run_cli(["bench", "--drafter", "dflash", "--checkpoint", REPO, "--target", "alice/tiny-target",

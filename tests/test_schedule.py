@@ -497,7 +497,7 @@ def files(tmp_path):
     ct = tmp_path / "cost.json"
     table([100.0 / max(1.0, b / 16) for b in range(1, 300)], name="NVIDIA H200", model="Qwen/Qwen3-4B").save(ct)
     tr = tmp_path / "traces.jsonl"
-    save_traces(tr, toy_rounds(), drafter="dspark-markov", block_size=4)
+    save_traces(tr, toy_rounds(), drafter="dspark-markov", block_size=4, verify="token")
     return ct, tr
 
 
@@ -532,9 +532,9 @@ def test_schedule_cli_bad_input(files, tmp_path, capsys):
     _bad(base + ["--concurrency", "1,x"], capsys, "--concurrency must be a comma-separated list")
     _bad(base + ["-s", "nope"], capsys, "unknown scheduler 'nope'")
     cal = tmp_path / "calibration.json"
-    Calibration("dflash", 4, [1.0] * 4).save(cal)
+    Calibration.sts("dflash", 4, [1.0] * 4).save(cal)
     _bad(base + ["--calibration", str(cal)], capsys, "is for drafter 'dflash', not 'dspark-markov'")
-    Calibration("dspark-markov", 7, [1.0] * 7).save(cal)
+    Calibration.sts("dspark-markov", 7, [1.0] * 7).save(cal)
     _bad(base + ["--calibration", str(cal)], capsys, "is for block size 7, not 4")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"confidence": [0.5, 1.0], "accepted": 1}\n')

@@ -14,7 +14,7 @@ from test_interop import GAMMA, build
 from tiny_models import assert_cli_error, run_cli
 
 from dspec_cli.core import sglang_sps
-from dspec_cli.core.calibration import Calibration
+from dspec_cli.core.calibration import Calibration, RuleFit
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.hardware import CostTable
 from dspec_cli.core.outputs import write_json
@@ -48,10 +48,13 @@ def test_sts_file_has_sglang_fields_and_reads_back(tmp_path):
     cal = Calibration.load(SHIPPED)
     sts = sglang_sts.sts_dict(cal, dataset="d", num_samples=12)
     assert set(sts) == STS_KEYS
-    assert sts["temperatures"] == cal.temperatures and sts["num_samples"] == 12
+    token = cal.fits["token"]  # SGLang's DSpark verifies token by token
+    assert sts["temperatures"] == token.temperatures and sts["num_samples"] == 12
     assert len(sts["ece_before"]) == len(sts["ece_after"]) == cal.block_size
+    assert sts["ece_after"] == token.metrics["sts"]["ece"]  # the ECE of what SGLang applies: the temperatures
     path = write_json(tmp_path / "sts.json", sts)
-    assert Calibration.load(path, block_size=7).temperatures == cal.temperatures  # as calibration.json
+    back = Calibration.load(path, block_size=7)  # as calibration.json: one that records no rule, the token rule's
+    assert back.fits["token"].temperatures == token.temperatures and not back.recorded_rule
     with pytest.raises(DspecError, match="is for block size 7, not 4"):
         Calibration.load(path, block_size=4)
     with pytest.raises(DspecError, match=r"temperatures\[1\]: should be greater than 0"):
@@ -59,9 +62,22 @@ def test_sts_file_has_sglang_fields_and_reads_back(tmp_path):
 
 
 def test_sts_with_a_position_nobody_verified_writes_no_ece(tmp_path):
-    cal = Calibration("dspark-markov", 2, [1.0, 2.0], {"before": {"ece": [0.1, None]}, "after": {"ece": [0.1, None]}})
+    cal = Calibration.sts("dspark-markov", 2, [1.0, 2.0], "token",
+                          {"before": {"ece": [0.1, None]}, "sts": {"ece": [0.1, None]}})
     sts = sglang_sts.sts_dict(cal)
     assert set(sts) == STS_KEYS and sts["ece_before"] == [] and sts["ece_after"] == []
+
+
+def test_sts_file_needs_the_token_rule():
+    """SGLang's DSpark verifies token by token: a calibration fitted only under the block rule is
+    refused with the command that fits the token rule; with a token fit it is written."""
+    block_only = Calibration.sts("dspark-markov", 2, [1.0, 2.0], "block", source="ckpt/calibration.json")
+    with pytest.raises(DspecError, match=r"ckpt/calibration.json has no fit for the token rule, which SGLang's DSpark "
+                                         r"verifies by \(only block\): fit it with `dspec calibrate --drafter "
+                                         r"dspark-markov --checkpoint DIR --verify token --in-place`"):
+        sglang_sts.sts_dict(block_only)
+    both = block_only.with_fits({**block_only.fits, "token": RuleFit([1.5, 1.0])})
+    assert sglang_sts.sts_dict(both)["temperatures"] == [1.5, 1.0]
 
 
 # -- SPS tables ----------------------------------------------------------------------------------
@@ -176,7 +192,9 @@ def test_calibrate_from_shards_writes_both_files(tmp_path, capsys):
                             "--output", str(tmp_path / "out"), "--sglang-sts", str(tmp_path / "sts.json")], capsys)
     assert code == 0, err
     temps = fit_sts(sglang_sts.load_sts_shards(tmp_path / "sts"))
-    assert Calibration.load(tmp_path / "out").temperatures == temps
+    cal = Calibration.load(tmp_path / "out")
+    assert cal.fits["token"].temperatures == temps  # SGLang's shards are token-rule rounds
+    assert cal.fits["block"] == Calibration.load(SHIPPED).fits["block"]  # the checkpoint's other rule is kept
     sts = json.loads((tmp_path / "sts.json").read_text())
     assert set(sts) == STS_KEYS and sts["temperatures"] == temps and sts["num_samples"] == 70
     assert_cli_error(["calibrate", "--drafter", "dspark", "--traces", str(tmp_path / "nothing"),
@@ -224,7 +242,7 @@ def test_schedule_reads_an_sglang_table(tmp_path, capsys):
     from dspec_cli.workflows.calibrate import Rounds, save_traces
 
     rounds = Rounds.from_lists([[0.9, 0.5, 0.2]] * 8, [2] * 8, block_size=3)
-    save_traces(tmp_path / "tr.jsonl", rounds, drafter="dspark-markov", block_size=3)
+    save_traces(tmp_path / "tr.jsonl", rounds, drafter="dspark-markov", block_size=3, verify="token")
     for table in (write(tmp_path / "d.json", DIAGONAL), write(tmp_path / "a.json", ADDITIVE)):
         code, _, err = run_cli(["schedule", "--cost-table", str(table), "--traces", str(tmp_path / "tr.jsonl"),
                                 "--concurrency", "1,2", "--steps", "5", "--json", str(tmp_path / "r.json")], capsys)
@@ -250,7 +268,7 @@ def test_shipped_dspark_for_sglang(tmp_path, capsys):
     assert flags["--speculative-dspark-sps-table-path"] == sps_path
     assert flags["--speculative-dspark-confidence-sts-path"] == sts_path
     sts = json.loads(Path(sts_path).read_text())
-    assert set(sts) == STS_KEYS and sts["temperatures"] == Calibration.load(SHIPPED).temperatures
+    assert set(sts) == STS_KEYS and sts["temperatures"] == Calibration.load(SHIPPED).fits["token"].temperatures
     assert json.loads(Path(sps_path).read_text()) == DIAGONAL
     config = json.loads((out / "config.json").read_text())
     assert all(k in config for k in CONFIG_KEYS) and "speculators_model_type" not in config

@@ -44,7 +44,7 @@ def _fmt(x, spec: str) -> str:
 
 
 def measured_section(folder: Path) -> str:
-    """τ and speedup from bench.json, ECE before/after and temperatures from calibration.json."""
+    """τ and speedup from bench.json; per verification rule, ECE before/after and temperatures from calibration.json."""
     lines: list[str] = []
     bench = folder / BENCH_FILE
     if bench.is_file():
@@ -68,10 +68,18 @@ def measured_section(folder: Path) -> str:
         lines.append("")
     if (folder / CALIBRATION_FILE).is_file():
         cal = Calibration.load(folder / CALIBRATION_FILE)
-        before, after = cal.metrics.get("before", {}), cal.metrics.get("after", {})
-        temps = ", ".join(f"{t:.3g}" for t in cal.temperatures)
-        ece = f"mean ECE {_fmt(before.get('ece_mean'), '.3f')} before, {_fmt(after.get('ece_mean'), '.3f')} after"
-        lines += [f"Confidence calibration (STS, `dspec calibrate`): {ece}; temperatures per position [{temps}].", ""]
+        lines += ["Confidence calibration (`dspec calibrate`), per verification rule:", ""]
+        for rule in cal.rules:
+            fit = cal.fits[rule]
+            before, after = fit.metrics.get("before", {}), fit.metrics.get("after", {})
+            held = fit.metrics.get("heldout", {}).get("after", {}).get("ece_mean")
+            temps = ", ".join(f"{t:.3g}" for t in fit.temperatures)
+            form = "survival map" if fit.slope is not None else "STS"
+            ece = (f"mean ECE {_fmt(before.get('ece_mean'), '.3f')} before, {_fmt(after.get('ece_mean'), '.3f')} after"
+                   + (f" ({held:.3f} held-out)" if held is not None else ""))
+            name = rule if cal.recorded_rule else f"{rule} (taken as: the file records no rule)"
+            lines.append(f"- {name}: {form}, {ece}; STS temperatures per position [{temps}]")
+        lines.append("")
     if not lines:
         lines = [
             ("No measurements yet: put a `dspec bench --json bench.json` report and `dspec calibrate`'s "

@@ -45,14 +45,14 @@ def render_table(report: dict, console: Console) -> None:
     from dspec_cli.workflows.bench import drafted_share, format_speedup
 
     table = Table(title=f"dspec bench · target {report['target']} · {report['env']['device']} · {report['env']['dtype']}")
-    for col in ("dataset", "prompts", "drafter", "scheduler", "verify", "R", "τ", "tok/s", "per user", "base tok/s", "speedup", "bound", "budget", "cond. accept by position", "draft %", "drafted"):
+    for col in ("dataset", "prompts", "drafter", "scheduler", "verify", "R", "τ", "pred. τ", "tok/s", "per user", "base tok/s", "speedup", "bound", "budget", "cond. accept by position", "draft %", "drafted"):
         left = col in ("dataset", "drafter", "scheduler", "verify", "cond. accept by position")
         table.add_column(col, justify="left" if left else "right", no_wrap=col in ("dataset", "drafter", "scheduler"))
     for run in report["runs"]:
         cond = " ".join(_fmt(c, ".2f") for c in run["cond_accept"])
         table.add_row(
             run["dataset"], _prompts(run), run["drafter"], run["scheduler"], run.get("verify", "-"),
-            str(run["concurrency"]), _fmt(run["tau"]),
+            str(run["concurrency"]), _fmt(run["tau"]), _fmt(run.get("predicted_tau")),
             _fmt(run["tokens_per_s"], ".1f"), _fmt(run["per_user_tokens_per_s"], ".1f"),
             _fmt(run["baseline_tokens_per_s"], ".1f"), format_speedup(run), _bound(run), _fmt(run["mean_verify_budget"]), cond,
             _fmt(100 * run["draft_time_share"], ".0f"), _percent(drafted_share(run)),

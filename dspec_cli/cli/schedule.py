@@ -23,14 +23,14 @@ from dspec_cli.core.run_paths import RunPaths
 def schedule_command(
     ctx: typer.Context,
     cost_table: Path = typer.Option(..., "--cost-table", help="Cost table JSON from `dspec profile-hardware`, or an SGLang DSpark SPS table."),
-    traces: Path = typer.Option(..., "--traces", help="Round traces: jsonl from `dspec calibrate --save-traces`, or SGLang STS shards (<stem>.N.pt: give the stem)."),
+    traces: Path = typer.Option(..., "--traces", help="Round traces of one verification rule: jsonl from `dspec calibrate --save-traces`, or SGLang STS shards (<stem>.N.pt: give the stem; the token rule)."),
     scheduler: list[str] = typer.Option(["hardware"], "--scheduler", "-s", help="Scheduler (repeatable): NAME[,KEY=VALUE...]: fixed, threshold, hardware, async, or a plugin's (e.g. hardware,gate=false)."),
     concurrency: str = opt.concurrency_list("1,4,16,64"),
-    steps: int = opt.int_option(200, "--steps", minimum=1, maximum=10_000_000, help="Simulated rounds per (scheduler, R), >= 1."),
+    steps: Optional[int] = opt.int_option(None, "--steps", minimum=1, maximum=10_000_000, help="Simulated rounds per (scheduler, R), >= 1 (default: one pass over the traces, every record once)."),
     layout: str = typer.Option("padded", "--layout", help="How the simulated engine lays out a ragged verify: padded (R·(1 + max ℓ) tokens, dspec's engine and bench's hardware scheduler) or packed (Σ(ℓ+1) tokens, the paper's engines)."),
     threshold: float = opt.float_option(0.5, "--threshold", help="Threshold of the 'threshold' scheduler."),
     context: Optional[int] = opt.int_option(None, "--context", minimum=0, maximum=MAX_TOKENS, help="Context length for SPS lookups (default: mean over the profiled contexts)."),
-    calibration: Optional[Path] = typer.Option(None, "--calibration", help="calibration.json whose temperatures are applied to the trace confidences."),
+    calibration: Optional[Path] = typer.Option(None, "--calibration", help="calibration.json whose fit for the traces' verification rule is applied to their confidences."),
     target: Optional[str] = typer.Option(None, "--target", metavar="PATH|HUB_ID", help="The model the results are for: a cost table profiled for another one warns."),
     device: Optional[str] = typer.Option(None, "--device", metavar="DEVICE", help="The device the results are for (auto, cpu, cuda or cuda:N): a cost table profiled on another one warns (default: no check)."),
     strict: bool = opt.strict("a cost-table mismatch"),
@@ -41,7 +41,11 @@ def schedule_command(
     """Mean verification budget per request and expected throughput τ·SPS(B) under load (paper Fig. 8)."""
     import torch
 
-    from dspec_cli.core.calibration import Calibration
+    from dspec_cli.core.calibration import (
+        UNRECORDED_RULE,
+        Calibration,
+        CalibrationRuleMismatch,
+    )
     from dspec_cli.core.devices import resolve_device
     from dspec_cli.core.errors import DspecError
     from dspec_cli.core.hardware import CostTable
@@ -61,6 +65,7 @@ def schedule_command(
         .read("--calibration", calibration).write("--json", json_path, stream=True) \
         .write_folder("--plots", plots, files=("schedule.png",)).check()
     rounds, meta = load_rounds(traces)
+    rule = meta["verify"] or UNRECORDED_RULE  # traces that record none: the token rule's
     table = CostTable.load(cost_table, block_size=meta["block_size"])
     err = Console(stderr=True)
     with warnings.catch_warnings():
@@ -71,7 +76,13 @@ def schedule_command(
     if calibration:  # recorded confidences are raw: calibrate them as the engine would
         cal = Calibration.load(calibration, drafter=meta["drafter"] or None, block_size=meta["block_size"],
                                what="--calibration")
-        rounds = rounds.with_temperatures(cal.temperatures)
+        message = cal.rule_warning(rule, meta["drafter"])
+        if message:
+            warnings.warn(message, CalibrationRuleMismatch, stacklevel=1)
+        elif meta["verify"] is None and len(cal.rules) > 1:
+            warnings.warn(f"traces {traces} record no verification rule: the calibration's {rule} rule fit is "
+                          "applied", stacklevel=1)
+        rounds = rounds.calibrated(cal.fit(rule))
     results = []
     for spec in scheduler:
         name, options = parse_scheduler_spec(spec)
@@ -82,7 +93,8 @@ def schedule_command(
             gen = torch.Generator().manual_seed(seed)
             res = simulate_load(sched, rounds, table, concurrency=R, steps=steps, generator=gen, layout=layout)
             results.append({**res, "scheduler": spec})
-    view = Table(title=f"schedulers on {len(rounds)} recorded rounds · {table.model} · {table.device_name}")
+    how = f"{rule} rule" if meta["verify"] else f"no rule recorded: {rule}"
+    view = Table(title=f"schedulers on {len(rounds)} recorded rounds ({how}) · {table.model} · {table.device_name}")
     for col in ("scheduler", "R", "draft ℓ", "budget ℓ+1", "τ", "pred. τ", "tok/s", "plain tok/s", "speedup"):
         view.add_column(col, justify="left" if col == "scheduler" else "right")
     for r in results:
@@ -92,7 +104,8 @@ def schedule_command(
     if not is_stdout(json_path):
         results_console().print(view)
     report = {"cost_table": str(cost_table), "traces": str(traces), "num_rounds": len(rounds),
-              "drafter": meta["drafter"], "block_size": meta["block_size"],
+              "trace_tau": 1 + float(rounds.accepted.double().mean()),  # full-length verification, as recorded
+              "drafter": meta["drafter"], "block_size": meta["block_size"], "verify": rule,
               "calibration": str(calibration) if calibration else None, "layout": layout, "results": results}
     if json_path is not None:
         opt.wrote(err, write_json(json_path, report))

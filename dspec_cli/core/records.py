@@ -137,12 +137,12 @@ def _short(value: Any, limit: int = 40) -> str:
 
 
 def field_path(loc: Sequence[Any]) -> str:
-    """pydantic's error location as ``a.b[0].c``."""
+    """pydantic's error location as ``a.b[0].c`` (a bad key of an object: the key's path)."""
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif not str(part).startswith(("function-", "tagged-union", "json-or-python")):
+        elif part != "[key]" and not str(part).startswith(("function-", "tagged-union", "json-or-python")):
             out += f".{part}" if out else str(part)
     return out
 

@@ -22,6 +22,7 @@ tightened in :meth:`Drafter.settle`).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +37,7 @@ from dspec_cli.checkpoints.persist import (
     load_trained,
     save_drafter,
 )
-from dspec_cli.core.calibration import Calibration
+from dspec_cli.core.calibration import Calibration, CalibrationRuleMismatch
 from dspec_cli.core.chat_template import warn_if_other
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.ragged import prefix_mask, ragged
@@ -84,8 +85,8 @@ class Drafter:
     config_class: ClassVar[type[DrafterConfig]] = DrafterConfig
     capabilities: ClassVar[frozenset[Capability]] = frozenset()
     description: ClassVar[str] = ""
-    # STS temperatures from the checkpoint's calibration.json; the engine applies them to every
-    # proposal's confidences (the one place calibration is applied). None: confidences as drafted.
+    # the checkpoint's calibration.json (per verification rule); the engine applies the fit for its
+    # rule to every proposal's confidences (the one place calibration is applied). None: as drafted.
     calibration: Calibration | None = None
     # the chat-template kwargs its training data was rendered with (checkpoint config.json; set by
     # `dspec train`); None: not known (untrained drafters, foreign layouts)
@@ -310,3 +311,13 @@ def warn_if_other_kwargs(drafter: Drafter, used: Mapping[str, Any], tokenizer=No
         warn_if_other(f"the calibration of drafter {name} ({cal.source or 'calibration.json'}) was fitted",
                       cal.chat_template_kwargs, used, tokenizer,
                       effect="its temperatures fit the confidences of other prompts", stacklevel=3)
+
+
+def warn_if_other_rule(drafter: Drafter, rule: str, name: str | None = None) -> None:
+    """A one-line :class:`~dspec_cli.core.calibration.CalibrationRuleMismatch` warning when
+    ``drafter``'s calibration has no fit for the chain verification ``rule`` it runs under."""
+    cal = drafter.calibration
+    message = cal.rule_warning(rule, name or drafter.name) if cal is not None else None
+    if message:
+        warnings.warn(message, CalibrationRuleMismatch, stacklevel=2)  # one place: shown once per run
+

@@ -33,8 +33,8 @@ from dspec_cli.core.sampling import (
     SamplingConfig,
 )
 from dspec_cli.core.specs import check_block_size
-from dspec_cli.core.types import DraftTree, Proposal, VerifyResult
-from dspec_cli.runtime.drafter import Drafter
+from dspec_cli.core.types import Capability, DraftTree, Proposal, VerifyResult
+from dspec_cli.runtime.drafter import Drafter, warn_if_other_rule
 from dspec_cli.runtime.drafter_lag import DrafterLag
 from dspec_cli.runtime.graphs import MODES, GraphRunner, GraphSettings
 from dspec_cli.runtime.kv_cache import TargetBatch
@@ -100,7 +100,7 @@ class RequestResult:
     verified: list[int] = field(default_factory=list)  # ℓ per round
     accepted: list[int] = field(default_factory=list)  # accepted drafts per round
     proposed: list[int] = field(default_factory=list)  # drafts the drafter offered per round
-    confidence: list[list[float]] = field(default_factory=list)  # per round, per verified position
+    confidence: list[list[float]] = field(default_factory=list)  # per round, per verified position (calibrated)
     start_time: float = 0.0  # perf_counter when the request joined the batch
     end_time: float = 0.0  # ... and when it finished
 
@@ -220,6 +220,13 @@ class SpeculativeEngine:
         self._inverse_cdf = target.device.type == "cpu"
         self._session: _Session | None = None
         self._marks: list[float] = []  # phase boundaries inside an eager verify step
+        if drafter is not None:  # its calibrated confidences steer the schedulers: fitted for this rule?
+            warn_if_other_rule(drafter, self._chain_rule(Capability.draft_probs in drafter.capabilities))
+
+    def _chain_rule(self, has_draft_probs: bool) -> str:
+        """The rule chains are verified by: the configured one, or the token rule for one-hot drafts
+        and greedy decoding (where both rules accept the same)."""
+        return self.config.chain_verify if has_draft_probs and not self.config.greedy else "token"
 
     # -- public ------------------------------------------------------------------------
     @torch.no_grad()  # inference: no autograd graph (one through the persistent caches would never be freed)
@@ -353,8 +360,8 @@ class SpeculativeEngine:
         proposal = drafter.propose(state, anchors, self.config.block_size, sampler)
         if proposal.confidence is None:
             proposal.confidence = drafter.confidence(state, proposal)
-        if drafter.calibration is not None:  # STS, the one place it is applied
-            proposal.confidence = drafter.calibration.apply(proposal.confidence)
+        if drafter.calibration is not None:  # the one place it is applied, the fit for the rule that verifies
+            proposal.confidence = drafter.calibration.apply(proposal.confidence, self._chain_rule(proposal.draft_probs is not None))
         tree = proposal.tree
         tree_fields = (None,) * 4 if tree is None else (tree.tokens, tree.parents, tree.num_nodes, tree.draft_probs)
         return (proposal.tokens, proposal.lengths, proposal.draft_probs, proposal.confidence, *tree_fields,
@@ -540,8 +547,7 @@ class SpeculativeEngine:
             res_i.verified.append(ell_r)
             res_i.accepted.append(acc)
             res_i.proposed.append(int(row[2]) if proposal is not None else 0)
-            if conf is not None:
-                res_i.confidence.append(row[3 + width : 3 + width + gamma][:ell_r])
+            res_i.confidence.append(row[3 + width : 3 + width + gamma][:ell_r] if conf is not None else [])
             acc_total += acc
             verify_tokens += ell_r + 1
         lengths = [len(results[i].prompt_ids) + len(results[i].output_ids) - 1 for i in rows.active]

@@ -26,7 +26,9 @@ takes w by the global argmax over the per-row column means of the round ``delay`
 Column w's admission looks at columns <= w only, so it is non-anticipating too.
 
 Candidates with a_{r,j} = 0 are never admitted. Confidences arrive calibrated: the engine
-applies the drafter's ``calibration.json`` (STS) before the scheduler sees them.
+applies the drafter's ``calibration.json`` fit for the verification rule in use before the
+scheduler sees them, so a_{r,j} estimates the chance that row r's accepted prefix reaches j
+under that rule (docs/calibration.md).
 
 Draft gate (``hardware`` and ``async``; ``gate=False`` turns it off): Algorithm 1 prices a
 round by the target alone, as if drafting were free. Where it is not (a CPU; a drafter costly

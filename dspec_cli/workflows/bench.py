@@ -39,7 +39,12 @@ from dspec_cli.runtime.engine import (
 )
 from dspec_cli.runtime.schedule import Scheduler, build_scheduler
 from dspec_cli.runtime.target import Target
-from dspec_cli.workflows.metrics import acceptance, generated_tokens, median_ci95
+from dspec_cli.workflows.metrics import (
+    acceptance,
+    generated_tokens,
+    median_ci95,
+    predicted_tau,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +72,7 @@ class BenchOptions(SamplingConfig):
     extra: dict = field(default_factory=dict)
 
 
+CHAIN_RULES = ("token", "block", "greedy")  # what chain rounds report as their rule
 VERIFY_RULES = {"token": "chain_verify", "block": "chain_verify", "sampled": "tree_verify", "traversal": "tree_verify"}
 
 
@@ -288,6 +294,7 @@ def paired_metrics(spec: Sequence[Sequence[Timed]], base: Sequence[Sequence[Time
     interval = median_ci95(speedups)
     return {
         **accepted,
+        **predicted_tau(results),
         "generated_tokens": generated_tokens(results),
         "repeats": len(spec),
         "pairs": len(speedups),
@@ -496,6 +503,8 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
                     "baseline_drift": drift[0] if drift else None,
                     "other_cpu_cores": load.other_cores,
                 }
+                if run["verify"] not in CHAIN_RULES:  # tree rounds: no chain survival to predict from
+                    run.update({k: None for k in ("predicted_tau", "verifying_tau", "verifying_predicted_tau")})
                 runs.append({**run, "warnings": run_warnings(run, drift) + unapplied_verify(opts.verify, run)})
     return {
         "target": opts.target or "embedded:tiny-target",

@@ -1,5 +1,5 @@
-"""Confidence calibration (DSpark §3.2.1): metrics of prefix-survival predictions and
-Sequential Temperature Scaling (STS).
+"""Confidence calibration (DSpark §3.2.1): metrics of prefix-survival predictions, Sequential
+Temperature Scaling (STS), the survival map, and their held-out check.
 
 A drafter's confidence c_k estimates P(x_k accepted | x_<k accepted), so the chance that
 a round's accepted prefix reaches position k is the cumulative product Π_{j≤k} c_j. Every
@@ -10,10 +10,16 @@ verified position k, against the label "accepted ≥ k" (as DeepSpec's evaluator
 * AUROC: Mann–Whitney U with ties counted ½ (None when only one class occurs);
 * Brier: mean squared error.
 
-STS fits one temperature per position, left to right: c_k ← σ(logit(c_k) / T_k), T_k from a
-1-D grid minimising the ECE of the cumulative product with T_1..T_{k−1} already fixed.
-Temperatures always apply to *raw* confidences; ``calibration.json`` stores them with the
-drafter name and block size they belong to.
+Two fits per verification rule, both on *raw* confidences (``calibration.json`` stores them
+with the drafter name, block size and rule they belong to):
+
+* STS, one temperature per position, left to right: c_k ← σ(logit(c_k) / T_k), T_k from a
+  1-D grid minimising the ECE of the cumulative product with T_1..T_{k−1} already fixed;
+* the survival map (what dspec applies): per position k a logistic regression of the label
+  "accepted ≥ k" on logit(Π_{j≤k} c_j), s_k = σ(slope_k · logit + offset_k), by maximum
+  likelihood (:func:`fit_survival`).
+
+Held-out figures come from k-fold cross-fitting over prompts (:func:`heldout_metrics`).
 """
 
 from __future__ import annotations
@@ -25,7 +31,13 @@ from typing import Any
 
 import torch
 
-from dspec_cli.core.calibration import Calibration, apply_temperatures
+from dspec_cli.core.calibration import (
+    CONFIDENCE_EPS,
+    RULES,
+    Calibration,
+    RuleFit,
+    apply_temperatures,
+)
 from dspec_cli.core.chat_template import DEFAULT_KWARGS
 from dspec_cli.core.data import jsonl_objects
 from dspec_cli.core.errors import DspecError
@@ -37,7 +49,8 @@ from dspec_cli.workflows.bench import fitting_prompts
 NUM_BINS = 20
 DEFAULT_GRID = tuple(sorted({round(10 ** (i / 80), 6) for i in range(-104, 105)}))  # 0.05 … 20, log-spaced, with 1.0
 SWEEP_THRESHOLDS = tuple(round(0.1 * i, 1) for i in range(10))  # the paper's Fig. 5: 0.0 … 0.9
-CONFIDENCE_EPS = 1e-6  # recorded confidences are clamped into (eps, 1 − eps): σ saturates in float32
+FOLDS = 5  # held-out metrics: k-fold cross-fitting
+SURVIVAL_PRIOR = 1.0  # weight of the survival map's pull towards the raw product (slope 1, offset 0)
 
 
 # --------------------------------------------------------------------------------------
@@ -52,6 +65,7 @@ class Rounds:
     confidence: torch.Tensor  # [N, γ] float64 in (0, 1); 0.5 past `verified`
     verified: torch.Tensor  # [N] long: positions with a confidence (ℓ of the round)
     accepted: torch.Tensor  # [N] long: accepted drafts, 0 <= accepted <= verified
+    prompt: torch.Tensor | None = None  # [N] long: the prompt (request) each round belongs to; None: not known
 
     def __len__(self) -> int:
         return self.verified.shape[0]
@@ -68,8 +82,10 @@ class Rounds:
         *,
         block_size: int | None = None,
         where: Sequence[str] | None = None,
+        prompts: Sequence[int] | None = None,
     ) -> Rounds:
-        """Validate and pack records; ``where`` names each record in error messages."""
+        """Validate and pack records; ``where`` names each record in error messages, ``prompts``
+        gives each record's prompt index (None: not known)."""
         if len(confidences) != len(accepted):
             raise DspecError(f"got {len(confidences)} confidence lists but {len(accepted)} accepted counts")
         gamma = block_size if block_size is not None else max((len(c) for c in confidences), default=0)
@@ -88,7 +104,8 @@ class Rounds:
         if n and gamma:
             flat = torch.tensor([c for conf in confidences for c in conf], dtype=torch.float64)
             table[torch.arange(gamma) < verified[:, None]] = flat
-        return cls(table, verified, torch.tensor(list(accepted), dtype=torch.long))
+        prompt = None if prompts is None else torch.tensor(list(prompts), dtype=torch.long)
+        return cls(table, verified, torch.tensor(list(accepted), dtype=torch.long), prompt)
 
     @classmethod
     def from_results(cls, results: Iterable, block_size: int) -> Rounds:
@@ -98,21 +115,30 @@ class Rounds:
         """
         confs: list[list[float]] = []
         accepted: list[int] = []
+        prompts: list[int] = []
         for res in results:
-            # confidences exist for drafted rounds only; with the fixed scheduler the rounds without
-            # a draft are a request's last ones (no token budget left), so zip stops before them
-            for conf, acc in zip(res.confidence, res.accepted, strict=False):
+            for conf, acc in zip(res.confidence, res.accepted, strict=False):  # a round without drafts has []
                 if conf:
                     confs.append([min(max(float(c), CONFIDENCE_EPS), 1 - CONFIDENCE_EPS) for c in conf])
                     accepted.append(int(acc))
-        return cls.from_lists(confs, accepted, block_size=block_size)
+                    prompts.append(res.index)
+        return cls.from_lists(confs, accepted, block_size=block_size, prompts=prompts)
 
     def select(self, index: torch.Tensor) -> Rounds:
         """Rounds ``index`` [M] (with repetition)."""
-        return Rounds(self.confidence[index], self.verified[index], self.accepted[index])
+        prompt = None if self.prompt is None else self.prompt[index]
+        return Rounds(self.confidence[index], self.verified[index], self.accepted[index], prompt)
+
+    def with_confidence(self, confidence: torch.Tensor) -> Rounds:
+        """The same rounds with other confidences [N, γ]."""
+        return Rounds(confidence, self.verified, self.accepted, self.prompt)
 
     def with_temperatures(self, temperatures: Sequence[float] | None) -> Rounds:
-        return Rounds(apply_temperatures(self.confidence, temperatures), self.verified, self.accepted)
+        return self.with_confidence(apply_temperatures(self.confidence, temperatures))
+
+    def calibrated(self, fit: RuleFit) -> Rounds:
+        """The rounds with ``fit`` applied to their (raw) confidences, as the engine applies it."""
+        return self.with_confidence(fit.apply(self.confidence))
 
 
 def survival_labels(rounds: Rounds) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -189,6 +215,24 @@ def position_metrics(rounds: Rounds, bins: int = NUM_BINS) -> dict:
     return out
 
 
+def ece_floor(rounds: Rounds, draws: int = 20, seed: int = 0, bins: int = NUM_BINS) -> float | None:
+    """The count-weighted mean ECE that perfectly calibrated predictions show on rounds like
+    these: outcomes drawn ``draws`` times from the rounds' own survival predictions Π c (one
+    uniform per round, accepted ≥ k while it is below Π_{j≤k} c_j); the sampling noise under which
+    no fit's ECE can go on this many rounds. None without verified positions."""
+    pred, _, mask = survival_labels(rounds)
+    counts = mask.sum(0)
+    if int(counts.sum()) == 0:
+        return None
+    g = torch.Generator().manual_seed(seed)
+    total = 0.0
+    for _ in range(draws):
+        label = torch.rand(len(rounds), 1, generator=g, dtype=torch.float64) < pred
+        total += sum(ece(pred[mask[:, k], k], label[mask[:, k], k], bins) * int(n)
+                     for k, n in enumerate(counts) if n)
+    return total / draws / int(counts.sum())
+
+
 def reliability(rounds: Rounds, bins: int = NUM_BINS) -> list[dict]:
     """Reliability-diagram data per position: bin edges, counts, mean prediction and label per bin."""
     pred, label, mask = survival_labels(rounds)
@@ -245,8 +289,81 @@ def fit_sts(rounds: Rounds, grid: Sequence[float] = DEFAULT_GRID, bins: int = NU
 
 
 # --------------------------------------------------------------------------------------
-# calibration.json
+# The survival map
 # --------------------------------------------------------------------------------------
+
+
+def _logistic(x: torch.Tensor, y: torch.Tensor, prior: float, iters: int = 50) -> tuple[float, float]:
+    """(slope, offset) maximising Σ log-likelihood of y [n] under σ(slope · x + offset) for x [n],
+    minus prior/2 · ((slope − 1)² + offset²), by Newton's method."""
+    X = torch.stack([x, torch.ones_like(x)], 1)
+    anchor = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    w = anchor.clone()
+    for _ in range(iters):
+        p = torch.sigmoid(X @ w)
+        grad = X.T @ (p - y) + prior * (w - anchor)
+        hess = (X * (p * (1 - p))[:, None]).T @ X + prior * torch.eye(2, dtype=torch.float64)
+        step = torch.linalg.solve(hess, grad)
+        w = w - step
+        if float(step.abs().max()) < 1e-10:
+            break
+    return float(w[0]), float(w[1])
+
+
+def fit_survival(rounds: Rounds, prior: float = SURVIVAL_PRIOR) -> tuple[list[float], list[float]]:
+    """The survival map's (slope [γ], offset [γ]): per position k, a logistic regression of
+    "accepted ≥ k" on logit(Π_{j≤k} c_j) over the rounds that verified k, with a Gaussian prior of
+    weight ``prior`` pulling towards the raw product (slope 1, offset 0), which positions with few
+    or one-sided rounds keep. A negative slope (confidence that ranks backwards) becomes 0 and
+    the offset the logit of the label's mean there."""
+    _, label, mask = survival_labels(rounds)
+    c = rounds.confidence.double().clamp(CONFIDENCE_EPS, 1 - CONFIDENCE_EPS)
+    log_a = c.log().cumsum(1)
+    logit_a = log_a - torch.log(-torch.expm1(log_a))  # [N, γ]
+    slopes, offsets = [], []
+    for k in range(rounds.block_size):
+        m = mask[:, k]
+        x, y = logit_a[m, k], label[m, k].double()
+        slope, offset = _logistic(x, y, prior) if x.numel() else (1.0, 0.0)
+        if slope < 0:
+            mean = float((y.sum() + 0.5) / (y.numel() + 1))
+            slope, offset = 0.0, float(torch.logit(torch.tensor(mean)))
+        slopes.append(slope)
+        offsets.append(offset)
+    return slopes, offsets
+
+
+def fit_rule(rounds: Rounds, grid: Sequence[float] = DEFAULT_GRID) -> RuleFit:
+    """STS temperatures and the survival map fitted on raw-confidence rounds (no metrics)."""
+    slope, offset = fit_survival(rounds)
+    return RuleFit(fit_sts(rounds, grid), slope, offset)
+
+
+def folds(rounds: Rounds, k: int = FOLDS) -> tuple[torch.Tensor, str]:
+    """(fold index [N] of each round, the split's name): prompts dealt round-robin into ``k``
+    folds when the rounds name at least ``k`` prompts, else ``k`` contiguous blocks of rounds."""
+    n = len(rounds)
+    if rounds.prompt is not None and int(torch.unique(rounds.prompt).numel()) >= k:
+        _, rank = torch.unique(rounds.prompt, return_inverse=True)
+        return rank % k, f"{k}-fold over prompts"
+    return torch.arange(n) * k // max(n, 1), f"{k} contiguous blocks of rounds (prompts not recorded)"
+
+
+def heldout_metrics(rounds: Rounds, k: int = FOLDS, grid: Sequence[float] = DEFAULT_GRID) -> dict:
+    """Cross-fitted metrics: every round is scored by the fit (STS and the survival map) of the
+    other ``k − 1`` folds (:func:`folds`); {"split", "sts", "after"} with position metrics."""
+    fold, split = folds(rounds, k)
+    sts = rounds.confidence.clone()
+    mapped = rounds.confidence.clone()
+    for f in range(k):
+        test, train = fold == f, fold != f
+        if not bool(test.any()) or not bool(train.any()):
+            continue
+        fit = fit_rule(rounds.select(train.nonzero().squeeze(1)), grid)
+        sts[test] = apply_temperatures(rounds.confidence[test], fit.temperatures)
+        mapped[test] = fit.apply(rounds.confidence[test])
+    return {"split": split, "sts": position_metrics(rounds.with_confidence(sts)),
+            "after": position_metrics(rounds.with_confidence(mapped))}
 
 
 # --------------------------------------------------------------------------------------
@@ -281,36 +398,50 @@ def threshold_sweep(rounds: Rounds, thresholds: Sequence[float] = SWEEP_THRESHOL
     return out
 
 
-def save_traces(path: str | Path, rounds: Rounds, *, drafter: str, block_size: int) -> None:
-    """One JSON line per round: {"drafter", "block_size", "confidence": [...], "accepted"}."""
-    write_jsonl(path, (
-        {"drafter": drafter, "block_size": block_size, "confidence": rounds.confidence[i, : int(rounds.verified[i])].tolist(),
-         "accepted": int(rounds.accepted[i])}
-        for i in range(len(rounds))
-    ))
+def save_traces(path: str | Path, rounds: Rounds, *, drafter: str, block_size: int, verify: str) -> None:
+    """One JSON line per round: {"drafter", "block_size", "verify", "prompt" (when known),
+    "confidence": [...], "accepted"}; ``verify`` is the rule the rounds were verified by."""
+    def line(i: int) -> dict:
+        obj = {"drafter": drafter, "block_size": block_size, "verify": verify}
+        if rounds.prompt is not None:
+            obj["prompt"] = int(rounds.prompt[i])
+        return {**obj, "confidence": rounds.confidence[i, : int(rounds.verified[i])].tolist(),
+                "accepted": int(rounds.accepted[i])}
+
+    write_jsonl(path, (line(i) for i in range(len(rounds))))
 
 
 def load_traces(path: str | Path) -> tuple[Rounds, dict]:
-    """Read a trace file: (rounds, {"drafter", "block_size"}) — both must agree across lines."""
-    confs, accepted, where = [], [], []
+    """Read a trace file: (rounds, {"drafter", "block_size", "verify"}), each the same on every
+    line that has it: rounds verified by different rules do not mix. ``verify`` is None for
+    traces that do not record it; prompts are known when every line names one."""
+    confs, accepted, where, prompts = [], [], [], []
     meta: dict = {}
     for loc, obj in jsonl_objects(path, kind="traces"):
         if not isinstance(obj.get("confidence"), list) or "accepted" not in obj:
             raise DspecError(f"{loc}: expected {{\"confidence\": [...], \"accepted\": n}}")
-        for key in ("drafter", "block_size"):
+        for key in ("drafter", "block_size", "verify"):
             if key in obj:
                 if meta.setdefault(key, obj[key]) != obj[key]:
-                    raise DspecError(f"{loc}: {key} {obj[key]!r} differs from earlier lines ({meta[key]!r})")
+                    mixed = ": rounds verified by different rules do not mix" if key == "verify" else ""
+                    raise DspecError(f"{loc}: {key} {obj[key]!r} differs from earlier lines ({meta[key]!r}){mixed}")
+        prompt = obj.get("prompt")
+        if prompt is not None and (not isinstance(prompt, int) or isinstance(prompt, bool)):
+            raise DspecError(f"{loc}: prompt must be an integer, got {prompt!r}")
         confs.append(obj["confidence"])
         accepted.append(obj["accepted"])
         where.append(loc)
+        prompts.append(prompt)
     if not confs:
         raise DspecError(f"traces {path}: no records")
     block_size = meta.get("block_size")
     if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
         raise DspecError(f"traces {path}: block_size must be a positive integer, got {block_size!r}")
-    rounds = Rounds.from_lists(confs, accepted, block_size=block_size, where=where)
-    return rounds, {"drafter": meta.get("drafter", ""), "block_size": rounds.block_size}
+    if meta.get("verify", RULES[0]) not in RULES:
+        raise DspecError(f"traces {path}: verify must be one of {', '.join(RULES)}, got {meta['verify']!r}")
+    known = None if any(p is None for p in prompts) else prompts
+    rounds = Rounds.from_lists(confs, accepted, block_size=block_size, where=where, prompts=known)
+    return rounds, {"drafter": meta.get("drafter", ""), "block_size": rounds.block_size, "verify": meta.get("verify")}
 
 
 # --------------------------------------------------------------------------------------
@@ -318,42 +449,65 @@ def load_traces(path: str | Path) -> tuple[Rounds, dict]:
 # --------------------------------------------------------------------------------------
 
 
-def collect_rounds(target, drafter, prompts: Sequence[Sequence[int]], config, on_finish=None) -> Rounds:
-    """Run ``drafter`` with the fixed scheduler (ℓ = lmax) over prompt ids; every round with drafts.
+def collect_rounds(target, drafter, prompts: Sequence[Sequence[int]], config, on_finish=None) -> tuple[Rounds, str]:
+    """Run ``drafter`` with the fixed scheduler (ℓ = lmax) over prompt ids: (every round with
+    drafts, the chain rule that verified them). That rule is ``config.chain_verify`` unless the
+    drafts carry no draft probabilities (then the engine verifies token by token) or decoding is
+    greedy (where both rules are greedy matching: the configured one is recorded).
 
     Confidences are recorded raw: the drafter's calibration is switched off for the run.
     """
     calibration, drafter.calibration = drafter.calibration, None
+    engine = SpeculativeEngine(target, drafter, config)
     try:
-        results = SpeculativeEngine(target, drafter, config).generate(prompts, on_finish=on_finish)
+        results = engine.generate(prompts, on_finish=on_finish)
     finally:
         drafter.calibration = calibration
-    return Rounds.from_results(results, drafter.config.block_size)
+    ran = {r: n for r, n in engine.stats.verify_rules.items() if r in RULES}
+    rule = max(ran, key=lambda r: ran[r]) if ran else config.chain_verify
+    return Rounds.from_results(results, drafter.config.block_size), rule
 
 
 def record_rounds(target, drafter, prompts: Sequence[str], config, *, strict: bool = False,
                   progress: Callable[[int], Callable] | None = None,
-                  chat_template_kwargs: Mapping[str, Any] = DEFAULT_KWARGS) -> tuple[Rounds, int, int]:
+                  chat_template_kwargs: Mapping[str, Any] = DEFAULT_KWARGS) -> tuple[Rounds, str, int, int]:
     """Calibration data: render ``prompts`` with the chat template and ``chat_template_kwargs``
     (a warning when the drafter was trained under others), keep those that fit the target's
     context (:func:`~dspec_cli.workflows.bench.fitting_prompts`), and record their rounds raw
-    (:func:`collect_rounds`). Returns (rounds, prompts used, prompts skipped as too long);
-    ``progress(total)`` returns a per-request callback."""
+    under ``config.chain_verify`` (:func:`collect_rounds`). Returns (rounds, the rule that verified
+    them, prompts used, prompts skipped as too long); ``progress(total)`` returns a per-request
+    callback."""
     warn_if_other_kwargs(drafter, chat_template_kwargs, target.tokenizer, calibration=False)  # refitted here
     rendered = [target.render_prompt(p, chat_template_kwargs) for p in prompts]
     ids, skipped = fitting_prompts(target, rendered, config.max_new_tokens, config.block_size, strict=strict,
                                    where="--dataset")
     on_finish = progress(len(ids)) if progress else None
-    return collect_rounds(target, drafter, ids, config, on_finish=on_finish), len(ids), skipped
+    rounds, rule = collect_rounds(target, drafter, ids, config, on_finish=on_finish)
+    return rounds, rule, len(ids), skipped
 
 
-def calibrate(rounds: Rounds, drafter: str, grid: Sequence[float] = DEFAULT_GRID,
-              chat_template_kwargs: Mapping[str, Any] | None = None) -> Calibration:
-    """Fit STS on raw-confidence rounds (of prompts rendered with ``chat_template_kwargs``; None: not
-    known); metrics before and after go into the result."""
+def evaluate(fit: RuleFit, rounds: Rounds) -> dict:
+    """Metrics of a fit on raw-confidence rounds: {"before", "sts", "after"} position metrics (raw,
+    its temperatures, what it applies) and "floor", the ECE that perfectly calibrated predictions
+    would show on these rounds (:func:`ece_floor`)."""
+    applied = rounds.calibrated(fit)
+    return {"before": position_metrics(rounds), "sts": position_metrics(rounds.with_temperatures(fit.temperatures)),
+            "after": position_metrics(applied), "floor": ece_floor(applied)}
+
+
+def calibrate(rounds: Rounds, drafter: str, rule: str = RULES[0], grid: Sequence[float] = DEFAULT_GRID,
+              chat_template_kwargs: Mapping[str, Any] | None = None, heldout: bool = True) -> Calibration:
+    """Fit STS and the survival map on raw-confidence rounds verified by ``rule`` (of prompts
+    rendered with ``chat_template_kwargs``; None: not known). The fit's metrics: in-sample
+    "before" (raw), "sts" and "after" (the survival map), and (``heldout``) the k-fold
+    cross-fitted ones (:func:`heldout_metrics`)."""
     if len(rounds) == 0:
         raise DspecError("no verified drafts were recorded: use more prompts or a larger --max-new-tokens")
-    temps = fit_sts(rounds, grid)
-    metrics = {"before": position_metrics(rounds), "after": position_metrics(rounds.with_temperatures(temps))}
+    if rule not in RULES:
+        raise DspecError(f"--verify must be one of {', '.join(RULES)}, got {rule!r}")
+    fit = fit_rule(rounds, grid)
+    fit.metrics = evaluate(fit, rounds)
+    if heldout:
+        fit.metrics["heldout"] = heldout_metrics(rounds, grid=grid)
     kwargs = None if chat_template_kwargs is None else dict(chat_template_kwargs)
-    return Calibration(drafter, rounds.block_size, temps, metrics, chat_template_kwargs=kwargs)
+    return Calibration(drafter, rounds.block_size, {rule: fit}, chat_template_kwargs=kwargs)

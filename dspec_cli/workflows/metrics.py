@@ -1,4 +1,4 @@
-"""Acceptance metrics from engine results: τ, conditional acceptance, survival, throughput."""
+"""Acceptance metrics from engine results: τ, conditional acceptance, survival, predicted τ, throughput."""
 
 from __future__ import annotations
 
@@ -38,6 +38,38 @@ def acceptance(results: Sequence[RequestResult], block_size: int) -> dict:
         "cond_accept": [a / r if r else None for a, r in zip(acc, reach, strict=True)],
         "cond_accept_rounds": reach,  # rounds each cond_accept rests on
         "survival": [a / v if v else None for a, v in zip(acc, ver, strict=True)],
+    }
+
+
+def predicted_tau(results: Sequence[RequestResult]) -> dict:
+    """What the scheduler expected of chain rounds against what they committed: predicted_tau =
+    mean over rounds of 1 + Σ_{k≤ℓ} Π_{j≤k} c_j from the calibrated confidences c the scheduler
+    saw (a round without drafts: 1), beside the observed τ; and both over the rounds that
+    verified at least one draft (``verifying_*``), where they can differ. None where the results
+    do not hold one confidence list per round."""
+    rounds = committed = predicted = 0
+    v_rounds = v_committed = 0
+    v_predicted = 0.0
+    for res in results:
+        if len(res.confidence) != len(res.verified):
+            return {"predicted_tau": None, "verifying_rounds": None, "verifying_tau": None, "verifying_predicted_tau": None}
+        for conf, acc in zip(res.confidence, res.accepted, strict=True):
+            survival, expected = 1.0, 1.0
+            for c in conf:
+                survival *= c
+                expected += survival
+            rounds += 1
+            committed += acc + 1
+            predicted += expected
+            if conf:
+                v_rounds += 1
+                v_committed += acc + 1
+                v_predicted += expected
+    return {
+        "predicted_tau": predicted / rounds if rounds else None,
+        "verifying_rounds": v_rounds,
+        "verifying_tau": v_committed / v_rounds if v_rounds else None,
+        "verifying_predicted_tau": v_predicted / v_rounds if v_rounds else None,
     }
 
 

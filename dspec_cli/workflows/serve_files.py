@@ -1,7 +1,7 @@
 """What ``dspec export`` writes beside the draft weights: SGLang's STS / SPS side files and SERVE.md.
 
 For SGLang's DSpark the export folder gets ``sglang/dspark_sts.json`` (the checkpoint's STS
-temperatures, from ``calibration.json``) and ``sglang/dspark_sps.json`` (from ``--cost-table``,
+temperatures fitted under the token rule, from ``calibration.json``) and ``sglang/dspark_sps.json`` (from ``--cost-table``,
 else the checkpoint's ``cost_table.json``): a dspec table becomes SGLang's diagonal table, an
 SGLang table is copied field by field. Each is left out, with a note, when there is nothing to
 write it from. vLLM's DSpark profiles its cost curves and calibrates at startup, so it gets no
@@ -52,16 +52,22 @@ class Sidecars:
 
 
 def sglang_sidecars(drafter, checkpoint: Path, cost_table: Path | None) -> Sidecars:
-    """STS from ``checkpoint/calibration.json``, SPS from ``cost_table`` (default: the
-    checkpoint's ``cost_table.json``); DspecError if either file does not fit the drafter."""
+    """STS from ``checkpoint/calibration.json`` (its token-rule temperatures: SGLang's DSpark
+    verifies token by token), SPS from ``cost_table`` (default: the checkpoint's
+    ``cost_table.json``); DspecError if either file does not fit the drafter, or the calibration
+    has no token-rule fit."""
 
     gamma = drafter.config.block_size
     out = Sidecars()
     if (checkpoint / CALIBRATION_FILE).is_file():
         cal = Calibration.load(checkpoint / CALIBRATION_FILE, drafter=drafter.name, block_size=gamma)
-        counts = cal.metrics.get("before", {}).get("count") if isinstance(cal.metrics.get("before"), dict) else None
+        before = cal.fit(sglang_sts.SGLANG_RULE).metrics.get("before")  # a file's metrics: any JSON
+        counts = before.get("count") if isinstance(before, dict) else None
         rounds = counts[0] if isinstance(counts, list) and counts and isinstance(counts[0], int) else 0
         out.sts = sglang_sts.sts_dict(cal, dataset=str(checkpoint / CALIBRATION_FILE), num_samples=rounds)
+        if not cal.recorded_rule:
+            out.notes.append(f"{CALIBRATION_FILE} records no verification rule: its temperatures are taken as the "
+                             f"{sglang_sts.SGLANG_RULE} rule's, which SGLang verifies by")
     else:
         out.notes.append(f"no {CALIBRATION_FILE} in the checkpoint: SGLang uses the raw confidences "
                          "(fit one with `dspec calibrate`)")

@@ -1,8 +1,10 @@
 """SGLang DSpark's STS side files: the temperatures file it reads and the collection shards it
 writes (``SGLANG_DSPARK_STS_COLLECT_PATH=<stem>`` -> ``<stem>.N.pt``, a dict of ``logits``, the
 confidence head's raw output, and ``prefix_mask``, 1 where the draft at that position and all
-before it matched the target, both [n, γ] float32), as dspec calibration data. Formats:
-SGLang ``python/sglang/srt/speculative/dspark_components/dspark_sts.py`` (docs/interop.md)."""
+before it matched the target, both [n, γ] float32), as dspec calibration data. SGLang's DSpark
+verifies token by token, so its shards are token-rule rounds and its STS file takes the token
+rule's temperatures. Formats: SGLang ``python/sglang/srt/speculative/dspark_components/dspark_sts.py``
+(docs/interop.md)."""
 
 from __future__ import annotations
 
@@ -11,23 +13,31 @@ from pathlib import Path
 
 import torch
 
-from dspec_cli.core.calibration import Calibration
+from dspec_cli.core.calibration import CONFIDENCE_EPS, Calibration
 from dspec_cli.core.errors import DspecError
-from dspec_cli.workflows.calibrate import CONFIDENCE_EPS, Rounds, load_traces
+from dspec_cli.workflows.calibrate import Rounds, load_traces
 
 STS_FILE = "dspark_sts.json"
+SGLANG_RULE = "token"  # the chain rule SGLang's DSpark verifies by
 
 
 SHARD_KEYS = ("logits", "prefix_mask")
 
 
 def sts_dict(cal: Calibration, *, dataset: str = "", num_samples: int = 0) -> dict:
-    """SGLang's STS file for a calibration: its temperatures and, when every position has one,
-    the per-position ECE before and after (of the survival product, dspec's 20-bin ECE)."""
-    before, after = (cal.metrics.get(k, {}).get("ece") or [] for k in ("before", "after"))
+    """SGLang's STS file from a calibration's token-rule fit (DspecError naming the command when
+    it has none): its temperatures and, when every position has one, the per-position ECE of the
+    survival product before and after them (dspec's 20-bin ECE)."""
+    if SGLANG_RULE not in cal.fits:
+        raise DspecError(f"{cal.source or 'the calibration'} has no fit for the {SGLANG_RULE} rule, which SGLang's "
+                         f"DSpark verifies by (only {' and '.join(cal.rules)}): fit it with `dspec calibrate "
+                         f"--drafter {cal.drafter or 'NAME'} --checkpoint DIR --verify {SGLANG_RULE} --in-place`")
+    fit = cal.fits[SGLANG_RULE]
+    metrics = fit.metrics
+    before, after = (metrics.get(k, {}).get("ece") or [] for k in ("before", "sts" if "sts" in metrics else "after"))
     complete = all(isinstance(v, (int, float)) for v in (*before, *after)) and len(before) == len(after) == len(
-        cal.temperatures)
-    return {"temperatures": [float(t) for t in cal.temperatures], "dataset": dataset, "num_samples": int(num_samples),
+        fit.temperatures)
+    return {"temperatures": [float(t) for t in fit.temperatures], "dataset": dataset, "num_samples": int(num_samples),
             "ece_before": [float(v) for v in before] if complete else [],
             "ece_after": [float(v) for v in after] if complete else []}
 
@@ -82,8 +92,9 @@ def load_sts_shards(path: str | Path, block_size: int | None = None) -> Rounds:
 
 
 def load_rounds(path: str | Path, block_size: int | None = None) -> tuple[Rounds, dict]:
-    """Recorded rounds and their {"drafter", "block_size"}: a dspec trace file (jsonl) or
-    SGLang STS shards (a ``.pt`` file or a collection stem)."""
+    """Recorded rounds and their {"drafter", "block_size", "verify"} (the rule; None when a trace
+    file does not record it): a dspec trace file (jsonl) or SGLang STS shards (a ``.pt`` file or
+    a collection stem: the token rule)."""
     path = Path(path)
     if path.is_file() and path.suffix != ".pt":
         rounds, meta = load_traces(path)
@@ -91,4 +102,4 @@ def load_rounds(path: str | Path, block_size: int | None = None) -> tuple[Rounds
             raise DspecError(f"traces {path}: block size {meta['block_size']}, expected {block_size}")
         return rounds, meta
     rounds = load_sts_shards(path, block_size)
-    return rounds, {"drafter": "", "block_size": rounds.block_size}
+    return rounds, {"drafter": "", "block_size": rounds.block_size, "verify": SGLANG_RULE}

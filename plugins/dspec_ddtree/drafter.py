@@ -267,8 +267,8 @@ class DDTreeDrafter(WrappedDrafter):
         if conf is None:  # no confidence head: the Σq² heuristic of the children's distribution
             conf = q.float().pow(2).sum(-1)
         conf = conf.clamp(1e-4, 1 - 1e-4)
-        if self.calibration is not None:  # STS at the children's position
-            conf = self.calibration.apply(conf[..., None].expand(-1, -1, h.shape[1]).contiguous())
+        if self.calibration is not None:  # STS at the children's position (per node: no chain to map)
+            conf = self.calibration.fit("token").scale(conf[..., None].expand(-1, -1, h.shape[1]).contiguous())
             conf = conf.gather(-1, slot[..., None]).squeeze(-1)
         survival = node_survival(parents, conf, self.config.tree_rescue, depth)
         valid = torch.arange(N, device=tokens.device) < num_nodes[:, None]

@@ -161,7 +161,8 @@ def test_calibration_round_trip(target, tmp_path):
     want = torch.sigmoid(logit / torch.tensor([2.0, 0.5, 1.0, 1.0], dtype=torch.float64)).float()
     torch.testing.assert_close(cal, want, atol=1e-5, rtol=0)
     loaded.save_pretrained(tmp_path / "again")
-    assert json.loads((tmp_path / "again" / "calibration.json").read_text())["temperatures"] == temps
+    again = json.loads((tmp_path / "again" / "calibration.json").read_text())  # rewritten with its rule: token
+    assert again["rules"]["token"]["temperatures"] == temps
     (tmp_path / "calibration.json").write_text(json.dumps({"temperatures": [1.0, -1.0]}))
     with pytest.raises(DspecError, match="calibration.json"):
         type(drafter).from_pretrained(tmp_path, target)
