@@ -146,12 +146,12 @@ def compare(fit: Rounds, heldout: Rounds) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Calibration forms fitted on one trace file, scored on another.")
     p.add_argument("--fit", type=Path, required=True, action="append", help="traces to fit on (repeatable)")
     p.add_argument("--heldout", type=Path, required=True, action="append", help="traces to score on (same order)")
     p.add_argument("--json", type=Path, default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if len(args.fit) != len(args.heldout):
         p.error("give one --heldout per --fit")
     report = []

@@ -9,11 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import drafter_latency, hf_assisted, table, verify, verify_rules
+from benchmarks import (
+    calibration_forms,
+    drafter_latency,
+    hf_assisted,
+    table,
+    verify,
+    verify_rules,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} - {"__init__"}
-SMOKED = {"drafter_latency", "hf_assisted", "table", "verify", "verify_rules", "trace_load", "gpu", "budget"}
+SMOKED = {"drafter_latency", "hf_assisted", "table", "verify", "verify_rules", "trace_load", "gpu", "budget",
+          "calibration_forms"}
 
 
 def test_every_benchmark_has_a_smoke_test():
@@ -38,6 +46,25 @@ def test_hf_assisted(tmp_path):
 def test_table(report, flags, capsys):
     table.main([str(ROOT / "docs" / "results" / report), *flags])
     assert capsys.readouterr().out.startswith("|")
+
+
+def test_calibration_forms(tmp_path):
+    """Every form fitted on one trace file and scored on another (synthetic rounds of one rule)."""
+    import torch
+
+    from dspec_cli.workflows.calibrate import Rounds, save_traces
+
+    g = torch.Generator().manual_seed(0)
+    for name in ("fit", "held"):
+        true = 0.3 + 0.6 * torch.rand(400, 3, generator=g, dtype=torch.float64)
+        accepted = (torch.rand(400, 3, generator=g, dtype=torch.float64) < true).long().cumprod(1).sum(1)
+        rounds = Rounds(true.sqrt(), torch.full((400,), 3), accepted)  # overconfident raw confidences
+        save_traces(tmp_path / f"{name}.jsonl", rounds, drafter="dspark-markov", block_size=3, verify="block")
+    out = tmp_path / "forms.json"
+    calibration_forms.main(["--fit", str(tmp_path / "fit.jsonl"), "--heldout", str(tmp_path / "held.jsonl"),
+                            "--json", str(out)])
+    (row,) = json.loads(out.read_text())
+    assert row["verify"] == "block" and set(calibration_forms.FORMS) <= set(row) and row["floor"] > 0
 
 
 def test_verify(tmp_path):
