@@ -24,6 +24,7 @@ until :meth:`TargetBatch.settle`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -163,11 +164,14 @@ class TargetBatch:
     device (a view of a buffer updated in place), ``lengths`` (host copy of ``committed``: exact
     when ``exact``, else an upper bound), ``layer_ids`` (tapped decoder layers) and
     ``generation`` (bumped whenever buffers are reallocated: graphs captured before read stale
-    memory). Built by ``Target.new_batch``; all mutation goes through ``Target``.
+    memory) and ``window_multiple`` (every :meth:`window` is a multiple of it: what the target's
+    attention needs). Built by ``Target.new_batch``; all mutation goes through ``Target``.
     """
 
-    def __init__(self, layer_ids: Sequence[int], device: torch.device, rows: int = 0, slots: int = 0):
+    def __init__(self, layer_ids: Sequence[int], device: torch.device, rows: int = 0, slots: int = 0,
+                 window_multiple: int = 1):
         self.layer_ids = tuple(int(i) for i in layer_ids)
+        self.window_multiple = window_multiple
         self.device = torch.device(device)
         self.cache = SlotCache()
         self._committed = torch.zeros(0, dtype=torch.long, device=self.device)  # [row capacity]
@@ -215,7 +219,8 @@ class TargetBatch:
 
     def window(self, q: int, bucket: int = 1) -> int:
         """Slots a forward of q new tokens per row attends over: the longest row (host bound) + q,
-        rounded up to a multiple of ``bucket``; the capacity grows to hold it."""
+        rounded up to a multiple of ``bucket`` and of ``window_multiple``; the capacity grows to hold it."""
+        bucket = math.lcm(bucket, self.window_multiple)
         need = max(self.lengths, default=0) + q
         window = -(-need // bucket) * bucket
         self.reserve(self.num_rows, window)

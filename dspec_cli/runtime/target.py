@@ -38,6 +38,7 @@ from dspec_cli.core.hardware import warn_if_slow_half
 from dspec_cli.core.ragged import flatten, to_grid
 from dspec_cli.core.types import PrefillOutput, StepOutput
 from dspec_cli.runtime import attention
+from dspec_cli.runtime.decoder import WINDOW_MULTIPLE, LeanDecoder
 from dspec_cli.runtime.kv_cache import (
     ForwardIO,
     PendingStep,
@@ -75,6 +76,9 @@ class Target:
         _check_positions(model, params)
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._keep_kw = "logits_to_keep" in params
+        # the Llama family on a CPU runs dspec's own forward (runtime/decoder.py), others transformers'
+        self._lean = None if LeanDecoder.unsupported(model) else LeanDecoder(model)
+        self.window_multiple = WINDOW_MULTIPLE if self._lean else 1  # attention windows the engine sizes
         self._hooked: set[int] = set()  # tapped modules with a hook (kept for the target's life)
         self._store: dict[int, torch.Tensor] = {}  # tapped module -> output of the last forward
         if chat_template and (tokenizer is None or tokenizer.chat_template is None):
@@ -148,6 +152,11 @@ class Target:
         return max_context(self.config)
 
     @property
+    def lean(self) -> bool:
+        """Whether forwards run dspec's own decoder (runtime/decoder.py) rather than transformers'."""
+        return self._lean is not None
+
+    @property
     def device(self) -> torch.device:
         return self._param.device
 
@@ -201,7 +210,7 @@ class Target:
         bad = [i for i in layer_ids if not -1 <= int(i) < self.num_layers]
         if bad:
             raise ValueError(f"layer_ids must be in [-1, {self.num_layers}), got {bad}")
-        return TargetBatch(layer_ids, self.device, rows, slots)
+        return TargetBatch(layer_ids, self.device, rows, slots, window_multiple=self.window_multiple)
 
     @torch.no_grad()
     def prefill(self, batch: TargetBatch, prompts: Sequence[Sequence[int]]) -> PrefillOutput:
@@ -418,8 +427,8 @@ class Target:
     def dense(self, batch: TargetBatch, q: int, window: int) -> bool:
         """One row with an exactly known length and a window ending at its q-th new token: slots
         equal positions, so the model's own causal masking is exact and no mask is passed (sdpa's
-        fast path; matters at R = 1 on a CPU)."""
-        return batch.num_rows == 1 and batch.exact and window == batch.lengths[0] + q
+        fast path of transformers' forward; matters at R = 1 on a CPU; the lean forward always masks)."""
+        return self._lean is None and batch.num_rows == 1 and batch.exact and window == batch.lengths[0] + q
 
     @staticmethod
     def keep(batch: TargetBatch, keep: torch.Tensor) -> None:
@@ -477,8 +486,12 @@ class Target:
         """One cached forward of ids [n, q] of rows row0.. at positions pos [n, q], writing slots
         [n, q], attending over ``window`` slots under ``masks`` (None: the model's causal mask);
         returns (logits, taps [n, q, n·d])."""
-        self._hook(batch.layer_ids)
         batch.cache.io = ForwardIO(row0, slots, window)
+        if self._lean is not None:
+            if last_only:  # a prefill: weights changed since the last one are re-read
+                self._lean.sync()
+            return self._lean.forward(batch.cache, ids, pos, window, masks, batch.layer_ids, last_only)
+        self._hook(batch.layer_ids)
         kwargs = {self._cache_kw: batch.cache, "attention_mask": masks, "position_ids": pos, "use_cache": True}
         if last_only and self._keep_kw:
             kwargs["logits_to_keep"] = 1
@@ -487,9 +500,9 @@ class Target:
         return logits, self._collect(batch.layer_ids, ids.shape)
 
     def _as_mask(self, mask: torch.Tensor | None) -> torch.Tensor:
-        """Bool mask for sdpa; additive float mask (0 / dtype min) for eager attention."""
+        """Bool mask for sdpa and the lean forward; additive float mask (0 / dtype min) for eager attention."""
         assert mask is not None  # a sliding mask exists wherever the layout has sliding layers
-        if not self._float_mask:
+        if not self._float_mask or self._lean is not None:
             return mask
         return torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill(
             ~mask, torch.finfo(self.dtype).min
