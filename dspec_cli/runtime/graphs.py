@@ -112,7 +112,7 @@ class GraphRunner:
                 if inputs[0].device.type == "cuda":
                     compiled = torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
                 else:
-                    compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend="eager")
+                    compiled = torch.compile(fn, fullgraph=True, dynamic=None)
                 self._compiled[key] = compiled
                 self.captures += 1
             return compiled(*(_pad(x, rows) for x in inputs))
