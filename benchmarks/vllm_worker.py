@@ -9,17 +9,47 @@ compile), bfloat16, the given ``speculative_config``. Then each stdin line is on
 ``{"prompts": [[ids...]...], "max_new_tokens": N, "temperature": T, "concurrency": R, "seed": S}``:
 the prompts (token ids, rendered by the caller) are generated R at a time, every request exactly N
 tokens (``ignore_eos``), and one line ``@@result {...}`` comes back on stdout with the wall seconds
-of the generation, the token ids and the speculative counters. ``{"quit": true}`` ends it.
+of the generation, the token ids and the speculative counters. With ``"profile": true`` the
+generation runs under ``torch.profiler`` and the result is :func:`step_profile`'s instead; that
+needs the engine in this process (``--in-process``: vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+which also skips its thread binding, so its timings are not the benchmark's). ``{"quit": true}``
+ends it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 MARK = "@@result "
+# op name fragments -> the phase of a decoding step they belong to (first match wins)
+PHASES = (
+    ("linear", ("linear", "mm", "onednn", "gemm")),
+    ("attention", ("attention", "attn", "softmax", "cumsum", "amax", "exp")),
+    ("sampling", ("argmax", "searchsorted", "multinomial", "topk", "sort")),
+    ("kv cache write", ("scatter", "index_put", "reshape_and_cache", "copy_")),
+)
+
+
+def step_profile(events, wall: float, tokens: int) -> dict:
+    """Where a generation's time went, in ms per generated token, from ``torch.profiler`` events:
+    the top-level operators by :data:`PHASES` ("other ops": the rest) and "host (Python, no
+    operator running)": the wall time outside every operator."""
+    out: dict[str, float] = {}
+    for event in events:
+        if event.cpu_parent is not None or event.device_type.name != "CPU" or event.name.startswith("ProfilerStep"):
+            continue
+        name = event.name.lower()
+        phase = next((p for p, keys in PHASES if any(k in name for k in keys)), "other ops")
+        out[phase] = out.get(phase, 0.0) + event.cpu_time_total / 1e3  # µs -> ms
+    ops = sum(out.values())
+    out = {k: round(v / tokens, 4) for k, v in sorted(out.items())}
+    out["host (Python, no operator running)"] = round(max(wall * 1e3 - ops, 0.0) / tokens, 4)
+    out["total"] = round(wall * 1e3 / tokens, 4)
+    return out
 
 
 def main() -> None:
@@ -27,7 +57,11 @@ def main() -> None:
     ap.add_argument("--target", required=True)
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--spec", default=None, help="speculative_config as JSON")
+    ap.add_argument("--in-process", action="store_true", help="the engine in this process (profiling)")
     a = ap.parse_args()
+    if a.in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -47,6 +81,13 @@ def main() -> None:
                                 min_tokens=req["max_new_tokens"], ignore_eos=True, seed=req.get("seed", 0))
         prompts = [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]]
         step = req["concurrency"]
+        if req.get("profile"):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts[:1], params, use_tqdm=False)
+                wall = time.perf_counter() - t0
+            print(MARK + json.dumps(step_profile(prof.events(), wall, len(outs[0].outputs[0].token_ids))), flush=True)
+            continue
         before = counters()
         t0 = time.perf_counter()
         outs = []

@@ -27,10 +27,12 @@ them. ``tests/test_batch_invariance.py`` checks greedy identity for the shipped 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from dspec_cli.nn.linear import PackedWeight
 
@@ -48,30 +50,41 @@ def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-class _Layer:
-    """One decoder layer's tensors, fused where the forward multiplies them together."""
+class _Layer(nn.Module):
+    """One decoder layer's tensors, fused where the forward multiplies them together. A module,
+    so that ``torch.compile`` with freezing (graphs.py, "compile" on a CPU) packs the fused
+    copies as it packs parameters."""
+
+    qkv: torch.Tensor  # buffers (registered below), typed for the checker
+    qkv_bias: torch.Tensor | None
+    qk_norm: torch.Tensor | None
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
 
     def __init__(self, layer, heads: int, kv_heads: int) -> None:
+        super().__init__()
         attn, mlp = layer.self_attn, layer.mlp
         self.norm1, self.norm2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-        self.qkv = torch.cat([p.weight for p in projections])  # [(H + 2·H_kv)·D, d]
+        self.register_buffer("qkv", torch.cat([p.weight for p in projections]), persistent=False)  # [(H + 2·H_kv)·D, d]
         biases = [p.bias for p in projections]
-        self.qkv_bias = None if all(b is None for b in biases) else torch.cat(
-            [b if b is not None else p.weight.new_zeros(p.weight.shape[0]) for b, p in zip(biases, projections, strict=True)])
-        self.qk_norm = None  # [H + H_kv, D]: Qwen3's per-head norm weights, query heads then key heads
+        self.register_buffer("qkv_bias", None if all(b is None for b in biases) else torch.cat(
+            [b if b is not None else p.weight.new_zeros(p.weight.shape[0]) for b, p in zip(biases, projections, strict=True)]),
+            persistent=False)
+        qk_norm = None  # [H + H_kv, D]: Qwen3's per-head norm weights, query heads then key heads
         if hasattr(attn, "q_norm"):
             dim = attn.q_norm.weight.shape[0]
-            self.qk_norm = torch.cat([attn.q_norm.weight.expand(heads, dim), attn.k_norm.weight.expand(kv_heads, dim)])
+            qk_norm = torch.cat([attn.q_norm.weight.expand(heads, dim), attn.k_norm.weight.expand(kv_heads, dim)])
+        self.register_buffer("qk_norm", qk_norm, persistent=False)
         self.o, self.o_bias = attn.o_proj.weight, attn.o_proj.bias
-        self.gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])  # [2·I, d]
-        self.gate_up_bias = None if mlp.gate_proj.bias is None else torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
+        self.register_buffer("gate_up", torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), persistent=False)  # [2·I, d]
+        self.register_buffer("gate_up_bias", None if mlp.gate_proj.bias is None else torch.cat(
+            [mlp.gate_proj.bias, mlp.up_proj.bias]), persistent=False)
         self.down, self.down_bias = mlp.down_proj.weight, mlp.down_proj.bias
         self.packs = {name: PackedWeight() for name in ("qkv", "o", "gate_up", "down")}
 
     def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        bias = getattr(self, f"{name}_bias")
-        return self.packs[name].linear(x, getattr(self, name), bias)
+        return self.packs[name].linear(x, getattr(self, name), getattr(self, f"{name}_bias"))
 
 
 class LeanDecoder:
@@ -173,8 +186,7 @@ class LeanDecoder:
             col = torch.arange(window, device=self.embed.device)
             row = torch.arange(window - q, window, device=self.embed.device)
             mask = (col[None, :] <= row[:, None])[None, None].expand(n, 1, q, window)
-        bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
-        return bias[:, :, None]
+        return torch.where(mask, 0.0, -math.inf)[:, :, None]
 
     def _attention(self, layer: _Layer, idx: int, cache, h, cos, sin, bias) -> torch.Tensor:
         """Self-attention of h [n, q, d] (normed) -> [n, q, d]; writes the new keys and values."""

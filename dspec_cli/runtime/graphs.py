@@ -12,8 +12,9 @@ writes besides its inputs (KV caches, lengths) must keep its storage: it is upda
 :class:`GraphRunner` modes: ``"cuda"`` captures on first use of a key (that call runs eagerly;
 capture itself executes nothing) and replays after; ``"eager"`` just calls the function (CPUs,
 ``--no-cuda-graphs``); ``"compile"`` hands each key's function to ``torch.compile(fullgraph=True)``
-(on CUDA ``mode="reduce-overhead"``: fused kernels replayed as CUDA graphs; elsewhere only traced,
-``backend="eager"``, which proves the function has no graph break, i.e. no host read);
+(on CUDA ``mode="reduce-overhead"``: fused kernels replayed as CUDA graphs; on a CPU inductor's
+C++ code with dynamic shapes, so one compilation serves every window and row count, and with
+freezing, so weights are packed for oneDNN; ``fullgraph`` proves there is no host read);
 ``"check"`` runs eagerly through the same static input buffers and checks on every replay that the
 function touched exactly the tensors its first call did, the property a CUDA graph relies on (CPU
 tests, and plugin authors checking that a drafter is capturable).
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch._inductor.config
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -112,7 +114,7 @@ class GraphRunner:
                 if inputs[0].device.type == "cuda":
                     compiled = torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
                 else:
-                    compiled = torch.compile(fn, fullgraph=True, dynamic=None)
+                    compiled = _frozen(torch.compile(fn, fullgraph=True, dynamic=None))
                 self._compiled[key] = compiled
                 self.captures += 1
             return compiled(*(_pad(x, rows) for x in inputs))
@@ -153,6 +155,19 @@ class GraphRunner:
             if isinstance(old, torch.Tensor):
                 old.copy_(new)
         return entry.outputs
+
+
+def _frozen(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled`` (a CPU function under ``torch.compile``) compiled with inductor's freezing:
+    module parameters and buffers become constants, so linear layers multiply oneDNN-packed weights
+    (as :class:`~dspec_cli.nn.linear.PackedWeight` does eagerly). Weights changed afterwards are not
+    seen by the compiled code."""
+
+    def call(*args):
+        with torch._inductor.config.patch(freezing=True):
+            return compiled(*args)
+
+    return call
 
 
 def _pad(x: torch.Tensor, rows: int) -> torch.Tensor:

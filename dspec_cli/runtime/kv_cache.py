@@ -40,6 +40,7 @@ __all__ = [
     "attention_layout",
     "attention_masks",
     "causal_visibility",
+    "chain_mask",
 ]
 
 MIN_SLOTS = 64  # smallest slot capacity allocated
@@ -327,6 +328,14 @@ def attention_masks(
     key_pos = torch.where(new, pos_q.gather(1, col), slot[None, :])  # [R, S]
     near = (pos_q[:, :, None] - key_pos[:, None, :]) < sliding
     return full[:, None], (full & near)[:, None]
+
+
+def chain_mask(committed: torch.Tensor, q: int, window: int) -> torch.Tensor:
+    """Boolean mask [R, 1, q, window] of causal chains in full-attention layers: new token i of
+    row r sees slot s iff s <= committed[r] + i (:func:`attention_masks` of a causal ``vis``, in
+    three operations)."""
+    last = committed[:, None] + torch.arange(q, device=committed.device)  # [R, q]
+    return (torch.arange(window, device=committed.device) <= last[..., None])[:, None]
 
 
 # -- visibility among the new tokens and per-layer-type layout --------------------------------

@@ -47,6 +47,7 @@ from dspec_cli.runtime.kv_cache import (
     attention_layout,
     attention_masks,
     causal_visibility,
+    chain_mask,
 )
 
 __all__ = ["ASSETS_DIR", "DEFAULT_TARGET_PATH", "PrefillOutput", "StepOutput", "Target", "TargetBatch", "embedded_path", "max_context"]
@@ -414,7 +415,7 @@ class Target:
         committed = batch.committed_rows(rows)
         step = torch.arange(q, device=ids.device)
         if parents is None:
-            vis = torch.ones(q, q, dtype=torch.bool, device=ids.device).tril().expand(rows, q, q)
+            vis = None  # causal
             pos = committed[:, None] + step
         else:
             vis = ancestor_visibility(parents)  # [n, q, q]
@@ -476,7 +477,13 @@ class Target:
         return StepOutput(logits=flatten(logits, flat), hidden=flatten(taps, flat), rows=out_rows)
 
     def _masks(self, committed, pos, vis, window: int):
-        """The model's attention_mask argument: one mask, or a dict per layer type (mixed layouts)."""
+        """The model's attention_mask argument: one mask, or a dict per layer type (mixed layouts).
+        ``vis`` None: causal chains."""
+        if vis is None:
+            if self._layout == "full":
+                return self._as_mask(chain_mask(committed, pos.shape[1], window))
+            q = pos.shape[1]
+            vis = torch.ones(q, q, dtype=torch.bool, device=pos.device).tril().expand(pos.shape[0], q, q)
         full, sliding = attention_masks(committed, pos, vis, window, self._window)
         if self._layout == "mixed":
             return {"full_attention": self._as_mask(full), "sliding_attention": self._as_mask(sliding)}
