@@ -25,12 +25,13 @@ import sys
 import time
 
 MARK = "@@result "
-# op name fragments -> the phase of a decoding step they belong to (first match wins)
+# op name fragments -> the phase of a decoding step they belong to (first match wins; attention's
+# batched matmuls before the linear layers' matmuls)
 PHASES = (
+    ("attention", ("attention", "attn", "softmax", "cumsum", "amax", "bmm", "paged", "exp_")),
     ("linear", ("linear", "mm", "onednn", "gemm")),
-    ("attention", ("attention", "attn", "softmax", "cumsum", "amax", "exp")),
     ("sampling", ("argmax", "searchsorted", "multinomial", "topk", "sort")),
-    ("kv cache write", ("scatter", "index_put", "reshape_and_cache", "copy_")),
+    ("kv cache write", ("scatter", "index_put", "reshape_and_cache", "::copy_")),
 )
 
 
@@ -42,7 +43,7 @@ def step_profile(events, wall: float, tokens: int) -> dict:
     for event in events:
         if event.cpu_parent is not None or event.device_type.name != "CPU" or event.name.startswith("ProfilerStep"):
             continue
-        name = event.name.lower()
+        name = event.name.lower() + "_"  # "aten::exp_" and "aten::exp" alike, not "aten::expand"
         phase = next((p for p, keys in PHASES if any(k in name for k in keys)), "other ops")
         out[phase] = out.get(phase, 0.0) + event.cpu_time_total / 1e3  # µs -> ms
     ops = sum(out.values())

@@ -241,6 +241,28 @@ def table(summary: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def compact_table(summary: list[dict]) -> str:
+    """Markdown, one row per engine: tokens/s (ratio to vLLM plain) and τ per (T, R) cell, and
+    greedy identity with dspec plain (results page)."""
+    cells = sorted({(s["temperature"], s["concurrency"]) for s in summary}, key=lambda c: (c[1], c[0]))
+    names = list(dict.fromkeys(s["engine"] for s in summary))
+    by = {(s["engine"], s["temperature"], s["concurrency"]): s for s in summary}
+    head = "| engine | " + " | ".join(f"T = {t:g}, R = {r}: tok/s (vs vLLM plain), τ" for t, r in cells)
+    lines = [head + " | T = 0 identical to dspec plain |", "|---" * (len(cells) + 2) + "|"]
+    for name in names:
+        row, same = [], "-"
+        for t, r in cells:
+            s = by.get((name, t, r))
+            if s is None:
+                row.append("-")
+                continue
+            ratio = "" if s["vs_vllm_plain"] is None else f" ({s['vs_vllm_plain']:.2f}x)"
+            row.append(f"{s['tokens_per_s']:.0f}{ratio}" + ("" if s["tau"] is None else f", {s['tau']:.2f}"))
+            same = s.get("greedy_identical_to_dspec_plain", same) if t == 0 and r == cells[0][1] else same
+        lines.append(f"| {name} | " + " | ".join(row) + f" | {same} |")
+    return "\n".join(lines)
+
+
 def profile_table(profiles: dict[str, dict]) -> str:
     """Markdown: ms per generated token by phase, one column per profiled engine and T."""
     phases = sorted({k for p in profiles.values() for k in p} - {"total"}) + ["total"]
@@ -360,7 +382,8 @@ def main(argv: list[str] | None = None) -> None:
     a.json.write_text(json.dumps(report, indent=1))
     text = (f"CPU: {report['cpu']}; torch {report['torch']}, {report['threads']} threads, bfloat16; "
             f"{len(prompts)} prompts ({', '.join(s['dataset'] + ' ' + s['prompts'] for s in sets)}) x "
-            f"{a.max_new_tokens} tokens, {a.repeats} interleaved repeats\n\n{table(summary)}\n")
+            f"{a.max_new_tokens} tokens, {a.repeats} interleaved repeats\n\n{compact_table(summary)}\n\n"
+            f"{table(summary)}\n")
     if profiles:
         text += "\n" + profile_table(profiles) + "\n"
     a.json.with_suffix(".md").write_text(text)

@@ -98,21 +98,36 @@ def test_engine_lossless_on_embedded_target(target, exact_by_sampling, name, sam
         assert_continuations_match(samples, exact, name=f"{name} prompt {i} {sampling}")
 
 
-def _greedy_identity(target: Target, new_tokens: int) -> None:
+def _greedy_mismatches(target: Target, new_tokens: int) -> list[str]:
+    """The drafters whose greedy output on PROMPTS differs from plain greedy decoding's."""
     prompts = [target.render_prompt(p) for p in PROMPTS]
     cfg = GenerationConfig(max_new_tokens=new_tokens, temperature=0.0, block_size=5, max_batch=3)
     plain = [r.output_ids for r in SpeculativeEngine(target, None, cfg, stop_ids=[]).generate(prompts)]
-    for name, drafter in _drafters(target):
-        out = [r.output_ids for r in SpeculativeEngine(target, drafter, cfg, stop_ids=[]).generate(prompts)]
-        assert out == plain, name
+    return [name for name, drafter in _drafters(target)
+            if [r.output_ids for r in SpeculativeEngine(target, drafter, cfg, stop_ids=[]).generate(prompts)] != plain]
 
 
 def test_greedy_identity_on_embedded_target(target):
-    _greedy_identity(target, 24)
+    assert _greedy_mismatches(target, 24) == []
 
 
-@pytest.mark.skipif(not cpu_native_half(torch.bfloat16), reason="checked where the CPU multiplies bfloat16 natively")
+BF16 = pytest.mark.skipif(not cpu_native_half(torch.bfloat16), reason="checked where the CPU multiplies bfloat16 natively")
+
+
+@BF16
 def test_greedy_identity_in_bfloat16():
     """Batch-invariant verification (runtime/decoder.py, tests/test_batch_invariance.py): in
     bfloat16 too, every drafter's greedy output is plain greedy decoding's, token for token."""
-    _greedy_identity(Target.load(None, dtype="bfloat16"), 64)
+    assert _greedy_mismatches(Target.load(None, dtype="bfloat16"), 64) == []
+
+
+@BF16
+def test_greedy_identity_fails_without_batch_invariance(monkeypatch):
+    """The variant that must fail the test above: PyTorch's fused attention over exact windows."""
+    from dspec_cli.runtime import decoder
+    from tests.test_batch_invariance import fused_attention
+
+    monkeypatch.setattr(decoder, "attend", fused_attention)
+    target = Target.load(None, dtype="bfloat16")
+    target.window_multiple = 1
+    assert _greedy_mismatches(target, 64) != []

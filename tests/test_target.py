@@ -388,8 +388,10 @@ def test_masked_steps_read_the_cache_in_place_with_one_mask_per_forward(monkeypa
     the slot cache's own K/V buffers with the cache's head count: no step copies K/V per head,
     whatever transformers does for one query token. The layers of one forward share one mask
     (stacked once for several query tokens; for one, the step's mask or, on the dense path,
-    transformers' own), one per layer type."""
+    transformers' own), one per layer type. (transformers' forward: the lean one calls no SDPA.)"""
     import torch.nn.functional as F
+
+    from dspec_cli.runtime.decoder import LeanDecoder
 
     calls: list[tuple] = []
     real = F.scaled_dot_product_attention
@@ -399,6 +401,7 @@ def test_masked_steps_read_the_cache_in_place_with_one_mask_per_forward(monkeypa
         return real(query, key, value, attn_mask=attn_mask, **kwargs)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(LeanDecoder, "unsupported", staticmethod(lambda model: "transformers' forward under test"))
     t = Target(factory())
     kv_heads = t.config.num_key_value_heads
     for rows, lens in ((3, [6, 3, 9]), (1, [5])):
