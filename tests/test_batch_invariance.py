@@ -50,7 +50,7 @@ def test_verify_rows_equal_one_token_steps(target):
     assert all(_same_logits(target, context, seed) for seed, context in enumerate(CONTEXTS))
 
 
-def fused_attention(queries, keys, values, bias, scale):
+def _fused_attention(queries, keys, values, bias, scale):
     """PyTorch's fused CPU attention over the same inputs as decoder.attend."""
     n, q, H, D = queries.shape
     mask = bias[:, :, 0] == 0  # [n, 1, q, S]
@@ -59,6 +59,6 @@ def fused_attention(queries, keys, values, bias, scale):
     return out.transpose(1, 2).reshape(n, q, H * D)
 
 
-def testfused_attention_is_not_invariant(target, monkeypatch):
-    monkeypatch.setattr(decoder, "attend", fused_attention)
+def test_fused_attention_is_not_invariant(target, monkeypatch):
+    monkeypatch.setattr(decoder, "attend", _fused_attention)
     assert not all(_same_logits(target, context, seed) for seed, context in enumerate(CONTEXTS))

@@ -118,16 +118,14 @@ BF16 = pytest.mark.skipif(not cpu_native_half(torch.bfloat16), reason="checked w
 def test_greedy_identity_in_bfloat16():
     """Batch-invariant verification (runtime/decoder.py, tests/test_batch_invariance.py): in
     bfloat16 too, every drafter's greedy output is plain greedy decoding's, token for token."""
-    assert _greedy_mismatches(Target.load(None, dtype="bfloat16"), 64) == []
+    assert _greedy_mismatches(Target.load(None, dtype="bfloat16"), 128) == []
 
 
 @BF16
 def test_greedy_identity_fails_without_batch_invariance(monkeypatch):
-    """The variant that must fail the test above: PyTorch's fused attention over exact windows."""
-    from dspec_cli.runtime import decoder
-    from tests.test_batch_invariance import fused_attention
+    """The variant that must fail the test above: transformers' forward (its attention and
+    matmuls round a token's logits differently in a verify than in a one-token step)."""
+    from dspec_cli.runtime.decoder import LeanDecoder
 
-    monkeypatch.setattr(decoder, "attend", fused_attention)
-    target = Target.load(None, dtype="bfloat16")
-    target.window_multiple = 1
-    assert _greedy_mismatches(target, 64) != []
+    monkeypatch.setattr(LeanDecoder, "unsupported", staticmethod(lambda model: "transformers' forward under test"))
+    assert _greedy_mismatches(Target.load(None, dtype="bfloat16"), 128) != []
