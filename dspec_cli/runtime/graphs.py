@@ -36,6 +36,9 @@ __all__ = ["MODES", "GraphRunner", "GraphSettings", "row_bucket"]
 
 MODES = ("eager", "cuda", "compile", "check")
 _COMPILED_KEYS = 512  # specialisations torch.compile may keep per function ("compile" mode)
+# "compile" mode's backend on a CPU: inductor's C++ code; "eager" only traces (no graph break = no
+# host read) without compiling, which quick tests use
+CPU_COMPILE_BACKEND = "inductor"
 
 
 def row_bucket(rows: int) -> int:
@@ -164,7 +167,8 @@ class GraphRunner:
             if inputs[0].device.type == "cuda":
                 compiled = torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
             else:
-                compiled = _frozen(torch.compile(fn, fullgraph=True, dynamic=None))
+                compiled = torch.compile(fn, fullgraph=True, dynamic=None, backend=CPU_COMPILE_BACKEND)
+                compiled = _frozen(compiled) if CPU_COMPILE_BACKEND == "inductor" else compiled
             self._compiled[key] = compiled
             self.captures += 1
         return compiled
