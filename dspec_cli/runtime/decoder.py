@@ -84,6 +84,7 @@ class _Layer(nn.Module):
         self.packs = {name: PackedWeight() for name in ("qkv", "o", "gate_up", "down")}
 
     def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] times the fused weight ``name`` (qkv, o, gate_up, down) -> [..., out]."""
         return self.packs[name].linear(x, getattr(self, name), getattr(self, f"{name}_bias"))
 
 
