@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dspec_cli.core.hardware import cpu_native_half
 from dspec_cli.core.plugins import registry
 from dspec_cli.runtime.engine import GenerationConfig, SpeculativeEngine
 from dspec_cli.runtime.target import Target
@@ -97,11 +98,34 @@ def test_engine_lossless_on_embedded_target(target, exact_by_sampling, name, sam
         assert_continuations_match(samples, exact, name=f"{name} prompt {i} {sampling}")
 
 
-def test_greedy_identity_on_embedded_target(target):
+def _greedy_mismatches(target: Target, new_tokens: int) -> list[str]:
+    """The drafters whose greedy output on PROMPTS differs from plain greedy decoding's."""
     prompts = [target.render_prompt(p) for p in PROMPTS]
-    cfg = GenerationConfig(max_new_tokens=24, temperature=0.0, block_size=5, max_batch=3)
+    cfg = GenerationConfig(max_new_tokens=new_tokens, temperature=0.0, block_size=5, max_batch=3)
     plain = [r.output_ids for r in SpeculativeEngine(target, None, cfg, stop_ids=[]).generate(prompts)]
-    for name, drafter in _drafters(target):
-        cfg = GenerationConfig(max_new_tokens=24, temperature=0.0, block_size=5, max_batch=3)
-        out = [r.output_ids for r in SpeculativeEngine(target, drafter, cfg, stop_ids=[]).generate(prompts)]
-        assert out == plain, name
+    return [name for name, drafter in _drafters(target)
+            if [r.output_ids for r in SpeculativeEngine(target, drafter, cfg, stop_ids=[]).generate(prompts)] != plain]
+
+
+def test_greedy_identity_on_embedded_target(target):
+    assert _greedy_mismatches(target, 24) == []
+
+
+BF16 = pytest.mark.skipif(not cpu_native_half(torch.bfloat16), reason="checked where the CPU multiplies bfloat16 natively")
+
+
+@BF16
+def test_greedy_identity_in_bfloat16():
+    """Batch-invariant verification (runtime/decoder.py, tests/test_batch_invariance.py): in
+    bfloat16 too, every drafter's greedy output is plain greedy decoding's, token for token."""
+    assert _greedy_mismatches(Target.load(None, dtype="bfloat16"), 128) == []
+
+
+@BF16
+def test_greedy_identity_fails_without_batch_invariance(monkeypatch):
+    """The variant that must fail the test above: transformers' forward (its attention and
+    matmuls round a token's logits differently in a verify than in a one-token step)."""
+    from dspec_cli.runtime.decoder import LeanDecoder
+
+    monkeypatch.setattr(LeanDecoder, "unsupported", staticmethod(lambda model: "transformers' forward under test"))
+    assert _greedy_mismatches(Target.load(None, dtype="bfloat16"), 128) != []

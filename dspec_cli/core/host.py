@@ -5,7 +5,8 @@ costs the read and nothing else. On a GPU the same read waits for every queued k
 synchronisation) and cannot happen inside a captured CUDA graph at all. Code with a cheaper
 data-dependent path on a CPU (sizing a loop by the data, stopping a walk early, cutting an
 attention window to the exact length) asks :func:`reads_free` first, so the path a GPU runs
-never reads. :func:`device_path` turns the cheaper paths off: CPU tests then run (and count the
+never reads. Code being traced by ``torch.compile`` takes the GPU's path on a CPU too (a host
+read there would end the graph). :func:`device_path` turns the cheaper paths off: CPU tests then run (and count the
 host reads of, :func:`dspec_cli.testing.count_host_reads`) exactly what a GPU runs.
 """
 
@@ -23,9 +24,9 @@ _device_path = 0  # > 0 inside device_path()
 
 def reads_free(where: torch.Tensor | torch.device) -> bool:
     """True when reading values of ``where`` (a tensor or a device) on the host needs no device
-    synchronisation: a CPU tensor, outside :func:`device_path`."""
+    synchronisation: a CPU tensor, outside :func:`device_path` and outside ``torch.compile``."""
     device = where.device if isinstance(where, torch.Tensor) else where
-    return device.type == "cpu" and not _device_path
+    return device.type == "cpu" and not _device_path and not torch.compiler.is_compiling()
 
 
 @contextmanager

@@ -12,6 +12,7 @@ round, position, purpose), so a request's output does not depend on what else is
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -257,7 +258,7 @@ class SpeculativeEngine:
         """The running batch of one generate call, on this engine's persistent session (KV
         caches with room for the run, graphs). The room is what the run's widest attention window
         needs (the longest prompt, every new token and the widest verify, rounded up to the window
-        bucket), so no round reallocates a cache; when this reservation reallocates one, the graphs
+        bucket and the target's window multiple), so no round reallocates a cache; when this reservation reallocates one, the graphs
         captured over the old buffers are freed."""
         cfg, dev = self.config, self.target.device
         layer_ids = self.drafter.target_layer_ids if self.drafter is not None else ()
@@ -267,7 +268,7 @@ class SpeculativeEngine:
         session = self._session
         rows = self.graphs.rows(cfg.max_batch)
         widest = self.drafter.verify_tokens(cfg.block_size) if self.drafter is not None else 1
-        bucket = self.graphs.window()
+        bucket = math.lcm(self.graphs.window(), session.batch.window_multiple)
         slots = -(-(longest_prompt + cfg.max_new_tokens + widest) // bucket) * bucket
         grew = session.batch.reserve(rows, slots)
         if self.drafter is not None:

@@ -13,8 +13,9 @@ writes besides its inputs (KV caches, lengths) must keep its storage: it is upda
 on a side stream; capture itself executes nothing) and replays after, every graph in one memory
 pool, inputs and outputs in buffers outside it (see the class); ``"eager"`` just calls the
 function (CPUs, ``--no-cuda-graphs``); ``"compile"`` hands each key's function to ``torch.compile(fullgraph=True)``
-(on CUDA ``mode="reduce-overhead"``: fused kernels replayed as CUDA graphs; elsewhere only traced,
-``backend="eager"``, which proves the function has no graph break, i.e. no host read);
+(on CUDA ``mode="reduce-overhead"``: fused kernels replayed as CUDA graphs; on a CPU inductor's
+C++ code with dynamic shapes, so one compilation serves every window and row count, and with
+freezing, so weights are packed for oneDNN; ``fullgraph`` proves there is no host read);
 ``"check"`` runs eagerly through the same input and output buffers and checks on every replay that
 the function touched exactly the tensors its first call did, the property a CUDA graph relies on
 (CPU tests, and plugin authors checking that a drafter is capturable).
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch._inductor.config
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -34,6 +36,9 @@ __all__ = ["MODES", "GraphRunner", "GraphSettings", "row_bucket"]
 
 MODES = ("eager", "cuda", "compile", "check")
 _COMPILED_KEYS = 512  # specialisations torch.compile may keep per function ("compile" mode)
+# "compile" mode's backend on a CPU: inductor's C++ code; "eager" only traces (no graph break = no
+# host read) without compiling, which quick tests use
+CPU_COMPILE_BACKEND = "inductor"
 
 
 def row_bucket(rows: int) -> int:
@@ -162,7 +167,8 @@ class GraphRunner:
             if inputs[0].device.type == "cuda":
                 compiled = torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
             else:
-                compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend="eager")
+                compiled = torch.compile(fn, fullgraph=True, dynamic=None, backend=CPU_COMPILE_BACKEND)
+                compiled = _frozen(compiled) if CPU_COMPILE_BACKEND == "inductor" else compiled
             self._compiled[key] = compiled
             self.captures += 1
         return compiled
@@ -215,6 +221,19 @@ def _copy_leaves(dst: Any, src: Any) -> None:
     for old, new in zip(pytree.tree_leaves(dst), pytree.tree_leaves(src), strict=True):
         if isinstance(old, torch.Tensor):
             old.copy_(new)
+
+
+def _frozen(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled`` (a CPU function under ``torch.compile``) compiled with inductor's freezing:
+    module parameters and buffers become constants, so linear layers multiply oneDNN-packed weights
+    (as :class:`~dspec_cli.nn.linear.PackedWeight` does eagerly). Weights changed afterwards are not
+    seen by the compiled code."""
+
+    def call(*args):
+        with torch._inductor.config.patch(freezing=True):
+            return compiled(*args)
+
+    return call
 
 
 def _pad(x: torch.Tensor, rows: int) -> torch.Tensor:

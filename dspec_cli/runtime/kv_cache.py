@@ -10,9 +10,10 @@ static cache, with one length per row).
 A forward of q new tokens per row writes them at slots len_r..len_r+q−1 (a scatter into the
 buffer: nothing is concatenated) and its attention reads a leading *window* of S slots of the
 buffer, S >= the longest row + q. Windows are rounded up to a bucket when forwards are captured
-as CUDA graphs (:mod:`dspec_cli.runtime.graphs`), so shapes repeat; on a CPU S is exact. Slots at
-or past len_r are stale: what a rejected draft or a padding token left there is hidden by the
-masks (:func:`attention_masks`) and overwritten later.
+as CUDA graphs (:mod:`dspec_cli.runtime.graphs`), so shapes repeat, and to the target's
+``window_multiple`` (16 for dspec's own forward, :mod:`dspec_cli.runtime.decoder`); else S is
+exact. Slots at or past len_r are stale: what a rejected draft or a padding token left there is
+hidden by the masks (:func:`attention_masks`) and overwritten later.
 
 Commit: a chain's accepted prefix is already in place, so committing only raises len_r; a
 tree's accepted path (node i written at slot len_r + i) is moved down to len_r, len_r+1, ...
@@ -25,6 +26,7 @@ or an upper bound after a commit made without reading the device (the engine's r
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,6 +44,7 @@ __all__ = [
     "attention_layout",
     "attention_masks",
     "causal_visibility",
+    "chain_mask",
 ]
 
 
@@ -159,13 +162,16 @@ class TargetBatch(SlotRows):
     """The KV cache of a batch of requests and the committed length of each row: the slot rows
     (:class:`~dspec_cli.nn.slots.SlotRows`: ``lengths`` on the device, ``bounds`` on the host,
     ``capacity``, ``generation``, ``select_rows``) over the K/V buffers of ``cache``
-    (:class:`SlotCache`), and the tapped decoder layers ``layer_ids``. Built by
+    (:class:`SlotCache`), the tapped decoder layers ``layer_ids`` and ``window_multiple`` (every
+    :meth:`window` is a multiple of it: what the target's attention needs). Built by
     ``Target.new_batch``; all mutation goes through ``Target``.
     """
 
-    def __init__(self, layer_ids: Sequence[int], device: torch.device, rows: int = 0, slots: int = 0):
+    def __init__(self, layer_ids: Sequence[int], device: torch.device, rows: int = 0, slots: int = 0,
+                 window_multiple: int = 1):
         super().__init__(torch.device(device))
         self.layer_ids = tuple(int(i) for i in layer_ids)
+        self.window_multiple = window_multiple
         self.device = torch.device(device)
         self.cache = SlotCache()
         self.reserve(rows, slots)
@@ -178,7 +184,8 @@ class TargetBatch(SlotRows):
 
     def window(self, q: int, bucket: int = 1) -> int:
         """Slots a forward of q new tokens per row attends over: the longest row (host bound) + q,
-        rounded up to a multiple of ``bucket``; the capacity grows to hold it."""
+        rounded up to a multiple of ``bucket`` and of ``window_multiple``; the capacity grows to hold it."""
+        bucket = math.lcm(bucket, self.window_multiple)
         need = max(self.bounds, default=0) + q
         window = -(-need // bucket) * bucket
         self.reserve(self.num_rows, window)
@@ -237,6 +244,14 @@ def attention_masks(
     key_pos = torch.where(new, pos_q.gather(1, col), slot[None, :])  # [R, S]
     near = (pos_q[:, :, None] - key_pos[:, None, :]) < sliding
     return full[:, None], (full & near)[:, None]
+
+
+def chain_mask(committed: torch.Tensor, q: int, window: int) -> torch.Tensor:
+    """Boolean mask [R, 1, q, window] of causal chains in full-attention layers: new token i of
+    row r sees slot s iff s <= committed[r] + i (:func:`attention_masks` of a causal ``vis``, in
+    three operations)."""
+    last = committed[:, None] + torch.arange(q, device=committed.device)  # [R, q]
+    return (torch.arange(window, device=committed.device) <= last[..., None])[:, None]
 
 
 # -- visibility among the new tokens and per-layer-type layout --------------------------------

@@ -41,6 +41,7 @@ from dspec_cli.core.hardware import warn_if_slow_half
 from dspec_cli.core.types import PrefillOutput
 from dspec_cli.nn.backbone import max_context
 from dspec_cli.runtime import attention
+from dspec_cli.runtime.decoder import WINDOW_MULTIPLE, LeanDecoder
 from dspec_cli.runtime.kv_cache import (
     ForwardIO,
     TargetBatch,
@@ -48,6 +49,7 @@ from dspec_cli.runtime.kv_cache import (
     attention_layout,
     attention_masks,
     causal_visibility,
+    chain_mask,
 )
 
 __all__ = ["ASSETS_DIR", "DEFAULT_TARGET_PATH", "PrefillOutput", "Target", "TargetBatch", "embedded_path", "max_context"]
@@ -77,6 +79,9 @@ class Target:
         _check_positions(model, params)
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._keep_kw = "logits_to_keep" in params
+        # the Llama family on a CPU runs dspec's own forward (runtime/decoder.py), others transformers'
+        self._lean = None if LeanDecoder.unsupported(model) else LeanDecoder(model)
+        self.window_multiple = WINDOW_MULTIPLE if self._lean else 1  # attention windows the engine sizes
         self._hooked: set[int] = set()  # tapped modules with a hook (kept for the target's life)
         self._store: dict[int, torch.Tensor] = {}  # tapped module -> output of the last forward
         if chat_template and (tokenizer is None or tokenizer.chat_template is None):
@@ -150,6 +155,11 @@ class Target:
         return max_context(self.config)
 
     @property
+    def lean(self) -> bool:
+        """Whether forwards run dspec's own decoder (runtime/decoder.py) rather than transformers'."""
+        return self._lean is not None
+
+    @property
     def device(self) -> torch.device:
         return self._param.device
 
@@ -203,7 +213,7 @@ class Target:
         bad = [i for i in layer_ids if not -1 <= int(i) < self.num_layers]
         if bad:
             raise ValueError(f"layer_ids must be in [-1, {self.num_layers}), got {bad}")
-        return TargetBatch(layer_ids, self.device, rows, slots)
+        return TargetBatch(layer_ids, self.device, rows, slots, window_multiple=self.window_multiple)
 
     @torch.no_grad()
     def prefill(self, batch: TargetBatch, prompts: Sequence[Sequence[int]]) -> PrefillOutput:
@@ -295,7 +305,7 @@ class Target:
         committed = batch.lengths_rows(rows)
         step = torch.arange(q, device=ids.device)
         if parents is None:
-            vis = torch.ones(q, q, dtype=torch.bool, device=ids.device).tril().expand(rows, q, q)
+            vis = None  # causal
             pos = committed[:, None] + step
         else:
             vis = ancestor_visibility(parents)  # [n, q, q]
@@ -308,8 +318,8 @@ class Target:
     def dense(self, batch: TargetBatch, q: int, window: int) -> bool:
         """One row with an exactly known length and a window ending at its q-th new token: slots
         equal positions, so the model's own causal masking is exact and no mask is passed (sdpa's
-        fast path; matters at R = 1 on a CPU)."""
-        return batch.num_rows == 1 and batch.exact and window == batch.bounds[0] + q
+        fast path of transformers' forward; matters at R = 1 on a CPU; the lean forward always masks)."""
+        return self._lean is None and batch.num_rows == 1 and batch.exact and window == batch.bounds[0] + q
 
     @staticmethod
     def keep(batch: TargetBatch, keep: torch.Tensor) -> None:
@@ -349,7 +359,13 @@ class Target:
     # -- internals -------------------------------------------------------------------------------
 
     def _masks(self, committed, pos, vis, window: int):
-        """The model's attention_mask argument: one mask, or a dict per layer type (mixed layouts)."""
+        """The model's attention_mask argument: one mask, or a dict per layer type (mixed layouts).
+        ``vis`` None: causal chains."""
+        if vis is None:
+            if self._layout == "full":
+                return self._as_mask(chain_mask(committed, pos.shape[1], window))
+            q = pos.shape[1]
+            vis = torch.ones(q, q, dtype=torch.bool, device=pos.device).tril().expand(pos.shape[0], q, q)
         full, sliding = attention_masks(committed, pos, vis, window, self._window)
         if self._layout == "mixed":
             return {"full_attention": self._as_mask(full), "sliding_attention": self._as_mask(sliding)}
@@ -359,8 +375,12 @@ class Target:
         """One cached forward of ids [n, q] of rows row0.. at positions pos [n, q], writing slots
         [n, q], attending over ``window`` slots under ``masks`` (None: the model's causal mask);
         returns (logits, taps [n, q, n·d])."""
-        self._hook(batch.layer_ids)
         batch.cache.io = ForwardIO(row0, slots, window)
+        if self._lean is not None:
+            if last_only:  # a prefill: weights changed since the last one are re-read
+                self._lean.sync()
+            return self._lean.forward(batch.cache, ids, pos, window, masks, batch.layer_ids, last_only)
+        self._hook(batch.layer_ids)
         kwargs = {self._cache_kw: batch.cache, "attention_mask": masks, "position_ids": pos, "use_cache": True}
         if last_only and self._keep_kw:
             kwargs["logits_to_keep"] = 1
@@ -369,9 +389,9 @@ class Target:
         return logits, self._collect(batch.layer_ids, ids.shape)
 
     def _as_mask(self, mask: torch.Tensor | None) -> torch.Tensor:
-        """Bool mask for sdpa; additive float mask (0 / dtype min) for eager attention."""
+        """Bool mask for sdpa and the lean forward; additive float mask (0 / dtype min) for eager attention."""
         assert mask is not None  # a sliding mask exists wherever the layout has sliding layers
-        if not self._float_mask:
+        if not self._float_mask or self._lean is not None:
             return mask
         return torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill(
             ~mask, torch.finfo(self.dtype).min
