@@ -53,13 +53,13 @@ def step_profile(events, wall: float, tokens: int) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", required=True)
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--spec", default=None, help="speculative_config as JSON")
     ap.add_argument("--in-process", action="store_true", help="the engine in this process (profiling)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch

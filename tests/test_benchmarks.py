@@ -1,6 +1,7 @@
 """Every script under benchmarks/ runs, at tiny sizes on the embedded target, so a benchmark that
 breaks fails here (their numbers are the scripts' business; trace_load: tests/test_trace_load.py;
-budget, gpu.py's budgeted driver: tests/test_gpu_benchmark.py)."""
+budget, gpu.py's budgeted driver: tests/test_gpu_benchmark.py; vs_vllm without vLLM, and its
+vllm_worker over a stand-in for vLLM)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,14 @@ from benchmarks import (
     table,
     verify,
     verify_rules,
+    vllm_worker,
+    vs_vllm,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} - {"__init__"}
 SMOKED = {"drafter_latency", "hf_assisted", "table", "verify", "verify_rules", "trace_load", "gpu", "budget",
-          "calibration_forms"}
+          "calibration_forms", "vs_vllm", "vllm_worker"}
 
 
 def test_every_benchmark_has_a_smoke_test():
@@ -94,3 +97,64 @@ def test_gpu_dry_run(tmp_path):
     gpu.main(["--small", "--device", "cpu", "--parts", "kernels", "--json", str(out)])
     report = json.loads(out.read_text())
     assert "kernels" in report and not report["errors"], report.get("errors")
+
+
+def test_vs_vllm_without_vllm(tmp_path, monkeypatch):
+    """dspec's side only (--no-vllm): plain and dspark, one interleaved repeat, the profile and
+    the tables; ratios to vLLM are then absent."""
+    monkeypatch.setattr(vs_vllm, "SETTLE_S", 0.0)
+    out = tmp_path / "vs.json"
+    vs_vllm.main(["--dataset", "builtin", "--num-prompts", "2", "--max-new-tokens", "6", "--concurrency", "1,2",
+                  "--temperature", "0", "--drafter", "dspark", "--no-vllm", "--repeats", "1", "--profile",
+                  "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert {s["engine"] for s in report["summary"]} == {"dspec-plain", "dspec-dspark"}
+    assert all(s["greedy_identical_to_dspec_plain"] == "2/2" for s in report["summary"])
+    assert set(report["step_profile_ms_per_token"]) == {"dspec-plain T=0", "dspec-dspark T=0"}
+    assert out.with_suffix(".md").read_text().startswith("CPU: ")
+
+
+class _FakeVllm:
+    """The part of vLLM's API vllm_worker drives: LLM(...).generate and get_metrics, SamplingParams
+    and TokensPrompt; each request's output is its prompt's first token repeated, and the counter
+    counts generate calls (R = 1: one per prompt; R > 1: one for all)."""
+
+    def __init__(self):
+        self.started: dict = {}
+
+    def LLM(self, **kwargs):  # noqa: N802 (vLLM's name)
+        from types import SimpleNamespace as NS
+
+        self.started = kwargs
+        drafts = NS(name="vllm:spec_decode_num_drafts", value=0.0)
+
+        def generate(prompts, params, use_tqdm=False):
+            drafts.value += 1
+            return [NS(outputs=[NS(token_ids=[p["prompt_token_ids"][0]] * params.max_tokens)]) for p in prompts]
+
+        return NS(generate=generate, get_metrics=lambda: [drafts])
+
+
+def test_vllm_worker_protocol(monkeypatch, capsys):
+    """The worker's stdin/stdout protocol over a stand-in for vLLM (vLLM itself is not in the test
+    environment): ready, one result per request (ids, seconds, speculative counters), a profile, quit."""
+    import io
+    import sys
+    from types import SimpleNamespace as NS
+
+    fake = _FakeVllm()
+    monkeypatch.setitem(sys.modules, "vllm", NS(LLM=fake.LLM, SamplingParams=lambda **kw: NS(**kw)))
+    monkeypatch.setitem(sys.modules, "vllm.inputs", NS(TokensPrompt=lambda **kw: kw))
+    requests = [{"prompts": [[5, 6], [7]], "max_new_tokens": 3, "temperature": 0.0, "concurrency": 1},
+                {"prompts": [[5, 6], [7]], "max_new_tokens": 2, "temperature": 1.0, "concurrency": 2},
+                {"prompts": [[9]], "max_new_tokens": 4, "temperature": 0.0, "concurrency": 1, "profile": True},
+                {"quit": True}, {"prompts": "never read"}]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(json.dumps(r) + "\n" for r in requests)))
+    vllm_worker.main(["--target", "tiny", "--max-batch", "2", "--spec", '{"method": "ngram"}'])
+    lines = [json.loads(line.removeprefix(vllm_worker.MARK)) for line in capsys.readouterr().out.splitlines()
+             if line.startswith(vllm_worker.MARK)]
+    ready, one, two, profile = lines
+    assert ready == {"ready": True} and fake.started["speculative_config"] == {"method": "ngram"}
+    assert one["token_ids"] == [[5, 5, 5], [7, 7, 7]] and one["spec"] == {"num_drafts": 2.0}
+    assert two["token_ids"] == [[5, 5], [7, 7]] and two["spec"] == {"num_drafts": 1.0}
+    assert profile["total"] > 0 and "host (Python, no operator running)" in profile
