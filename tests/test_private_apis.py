@@ -41,11 +41,15 @@ def test_hub_default_client_factory():
 
 
 def test_torch_graph_runner_internals():
-    """``torch.utils._pytree.tree_leaves``, ``torch.utils._python_dispatch.TorchDispatchMode`` and
-    ``torch._dynamo.config.recompile_limit`` (dspec_cli/runtime/graphs.py: check mode and compile mode)."""
+    """``torch.utils._pytree.tree_leaves``, ``torch.utils._python_dispatch.TorchDispatchMode``,
+    ``torch._dynamo.config.recompile_limit`` and ``torch._inductor.config.freezing``
+    (dspec_cli/runtime/graphs.py: check mode and compile mode, inductor's freezing on a CPU)."""
+    import torch._inductor.config
     from torch.utils import _pytree
     from torch.utils._python_dispatch import TorchDispatchMode
 
     assert _pytree.tree_leaves((torch.zeros(1), [torch.ones(2)]))[1].shape == (2,), "update dspec_cli/runtime/graphs.py"
     assert isinstance(TorchDispatchMode, type), "update dspec_cli/runtime/graphs.py"
     assert isinstance(torch._dynamo.config.recompile_limit, int), "update GraphRunner in dspec_cli/runtime/graphs.py"
+    with torch._inductor.config.patch(freezing=True):
+        assert torch._inductor.config.freezing, "update _frozen in dspec_cli/runtime/graphs.py"
