@@ -329,3 +329,12 @@ def run_server_bench(opts: ServerBenchOptions, progress: Callable[[str, int], Ca
     runs, servers = asyncio.run(bench_servers(opts, target, prompt_ids, clock, tick_for, transport))
     return {"target": opts.target or "embedded:tiny-target", "chat_template_kwargs": opts.chat_template_kwargs,
             "env": {**environment(target), "servers": servers}, "runs": runs}
+
+
+def merge(dspec: dict | None, served: dict) -> dict:
+    """One report of dspec's own runs (``dspec bench --drafter``, None without) and the served ones:
+    dspec's rows first, each row naming its engine."""
+    if dspec is None:
+        return served
+    runs = [{**run, "engine": "dspec"} for run in dspec["runs"]] + served["runs"]
+    return {**dspec, "env": {**dspec["env"], "servers": served["env"]["servers"]}, "runs": runs}
