@@ -9,8 +9,9 @@ speculators' default (2, L//2, L−3)), ``target_hidden_size``, the options ``no
 false; speculators defaults ``norm_before_residual`` to false and vLLM's reader of this format to
 true, so :func:`write` writes every one), and ``speculators_config``. Weights: ``fc``,
 ``layers.0.{input_layernorm (on the embedding), hidden_norm, self_attn.*, post_attention_layernorm,
-mlp.*}``, ``norm``, ``lm_head`` [N, d] (trained), and with N < V ``d2t`` [N] / ``t2d`` [V]; the
-embedding comes from the verifier (a copy that is there is checked against the target).
+mlp.*}``, ``norm``, ``lm_head`` [N, d] (trained), with N < V ``d2t`` [N] / ``t2d`` [V], and the
+target's ``embed_tokens`` (speculators' EAGLE-3 loads it from the checkpoint, as its own saves
+keep it; on reading it is checked against the target and dropped).
 """
 
 from __future__ import annotations
@@ -98,4 +99,7 @@ def write(drafter, target) -> tuple[dict, dict]:
         state.update(tensors)
     else:
         state.pop("d2t", None)
+    # speculators' EAGLE-3 takes the embedding from the checkpoint (its loader fills it from the
+    # verifier only when it is missing *and* uninitialised, which from_pretrained never leaves it)
+    state["embed_tokens.weight"] = target.model.get_input_embeddings().weight
     return config, state

@@ -66,6 +66,14 @@ def engine_weights(case: dict, model) -> dict:
     return load_file(str(Path(folder) / "model.safetensors"))  # DeepSpec: speculators' names
 
 
+def without_identity_maps(model, tensors: dict) -> dict:
+    """The engine layout's vocabulary maps of a full vocabulary (d2t all zero, t2d all true) are
+    identities a full-vocabulary speculators model has no buffers for."""
+    identity = getattr(model, "d2t", None) is None and not tensors.get("d2t", torch.zeros(1)).any() \
+        and bool(tensors.get("t2d", torch.ones(1, dtype=torch.bool)).all())
+    return {k: v for k, v in tensors.items() if not (identity and k in ("d2t", "t2d"))}
+
+
 def same_weights(model, tensors: dict) -> list[str]:
     """Names whose values differ from the model's (as loaded from the speculators folder)."""
     own = model.state_dict()
@@ -73,9 +81,10 @@ def same_weights(model, tensors: dict) -> list[str]:
                   and not torch.equal(v.float(), own[k].float()))
 
 
-def block_outputs(model, inputs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+def block_outputs(model, inputs: dict, skip: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Draft logits [γ, V] and raw confidences [γ] of the block at the anchor (the last prompt
-    token), teacher-forced with dspec's drafts, through the model's own training forward."""
+    token), teacher-forced with dspec's drafts, through the model's own training forward; draft
+    slot k is block slot k + ``skip`` (1 in z-lab's block, whose anchor slot predicts nothing)."""
     import speculators.models.dflash.core as dflash_core
     import speculators.models.dspark.core as dspark_core
 
@@ -103,7 +112,6 @@ def block_outputs(model, inputs: dict) -> tuple[torch.Tensor, torch.Tensor | Non
     with torch.no_grad():
         model(hidden_states=hidden, input_ids=seq, loss_mask=loss_mask, verifier_last_hidden_states=last,
               document_ids=torch.zeros(1, T, dtype=torch.long), max_anchors=1)
-    skip = 0 if cfg.sample_from_anchor else 1  # z-lab's block: the anchor slot predicts nothing
     gamma = drafts.numel()
     logits = seen["logits"][0, skip: skip + gamma]
     conf = seen.get("confidence")
@@ -133,22 +141,25 @@ def eagle3_outputs(model, inputs: dict) -> torch.Tensor:
     return logits
 
 
-def outputs(model, kind: str, inputs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return (eagle3_outputs(model, inputs), None) if kind == "eagle3" else block_outputs(model, inputs)
+def outputs(model, kind: str, inputs: dict, skip: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return (eagle3_outputs(model, inputs), None) if kind == "eagle3" else block_outputs(model, inputs, skip)
 
 
 @contextmanager
-def flipped(model, kind: str):
-    """The model with the one convention its format's readers default differently flipped:
-    ``norm_before_residual`` for EAGLE-3, ``sample_from_anchor`` for the block drafters."""
+def flipped(model, kind: str, skip: int):
+    """The model read with the one convention its format's readers default differently flipped:
+    ``norm_before_residual`` for EAGLE-3; ``sample_from_anchor`` for the block drafters, which moves
+    DSpark's Markov inputs by one slot and, for DFlash, which slot predicts. Yields (name, skip)."""
     if kind == "eagle3":
         layer = model.layers[0]
         layer.norm_before_residual = not layer.norm_before_residual
-        yield "norm_before_residual"
+        yield "norm_before_residual", skip
         layer.norm_before_residual = not layer.norm_before_residual
+    elif type(model).__name__ == "DFlashDraftModel":  # no Markov head: the flag only moves the slots
+        yield "sample_from_anchor", 1 - skip
     else:
         model.config.sample_from_anchor = not model.config.sample_from_anchor
-        yield "sample_from_anchor"
+        yield "sample_from_anchor", skip
         model.config.sample_from_anchor = not model.config.sample_from_anchor
 
 
@@ -157,13 +168,14 @@ def check(case: dict) -> dict:
     out = {"speculators": key_diff(model, load_file(str(Path(case["speculators"]) / "model.safetensors"))),
            "class": type(model).__name__}
     if case.get("engine"):
-        weights = engine_weights(case, model)
+        weights = without_identity_maps(model, engine_weights(case, model))
         out["engine"] = {**key_diff(model, weights), "differ": same_weights(model, weights)}
     inputs = load_file(case["inputs"])
-    logits, conf = outputs(model, case["kind"], inputs)
+    skip = 0 if getattr(model.config, "sample_from_anchor", True) else 1  # as the folder says
+    logits, conf = outputs(model, case["kind"], inputs, skip)
     ours = inputs["logits"].float()
-    with flipped(model, case["kind"]) as convention:  # the convention the readers' defaults disagree on
-        wrong, _ = outputs(model, case["kind"], inputs)
+    with flipped(model, case["kind"], skip) as (convention, wrong_skip):  # readers' defaults disagree on it
+        wrong, _ = outputs(model, case["kind"], inputs, wrong_skip)
     out["flipped"] = convention
     out["flipped_max_abs_diff"] = float((wrong - ours)[torch.isfinite(ours)].abs().max())
     finite = torch.isfinite(ours)
