@@ -149,7 +149,7 @@ def dspec_tau(target_bf16: Target, name: str, prompts, temperature: float) -> fl
 @pytest.mark.parametrize("name", SHIPPED)
 def test_greedy_is_token_identical_and_tau_matches_dspec(servers, prompts, name):
     cpu_method(name)
-    ids = prompts[:GREEDY_PROMPTS]
+    ids = prompts[::2][:GREEDY_PROMPTS]  # every 4th built-in prompt: math, code and chat
     plain, _ = serve(servers["plain"].url, ids, 0.0)
     served, acc = serve(servers[name].url, ids, 0.0)
     assert served == plain, f"{name}: {sum(a != b for a, b in zip(served, plain, strict=True))} of {len(ids)} outputs differ"
@@ -199,3 +199,25 @@ def test_the_measure_catches_a_lossy_engine(servers, target, prompts):
     """Plain vLLM sampling at T = 0.7 scored against plain sampling at T = 1: not lossless."""
     check = sampled_check(target, servers["plain"].url, servers["plain"].url, prompts, temperature=0.7)
     assert check["lossless"] is False, check
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_bench_measures_the_served_engine(engine_dir, servers, tmp_path, temperature):
+    """``dspec bench --server`` against the real vLLM: τ from vLLM's counters, greedy outputs identical
+    to the baseline's, and at T = 1 the lossy sampler of vLLM's CPU build flagged (while it has the
+    defect), never reported as a speedup without a warning."""
+    cpu_method("dflash")
+    report = tmp_path / "bench.json"
+    done = subprocess.run([sys.executable, "-m", "dspec_cli", "bench", "--server", servers["dflash"].url,
+                           "--baseline-server", servers["plain"].url, "--num-prompts", "8", "--max-new-tokens", "32",
+                           "--temperature", str(temperature), "--json", str(report)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    (run,) = json.loads(report.read_text())["runs"]
+    assert run["engine"] == "vllm 0.32.0" and run["block_size"] == GAMMA
+    assert len(run["cond_accept"]) == GAMMA and run["speedup"] is not None
+    if temperature == 0:
+        assert run["identical_share"] == 1.0 and run["lossless"] is True and run["tau"] > 1.2, run
+    elif expand_defect(engine_dir):  # nothing accepted, random tokens: flagged
+        assert run["lossless"] is False and "NOT LOSSLESS" in done.stderr, run
+    else:
+        assert run["lossless"] is True and run["tau"] > 1.2, run

@@ -163,3 +163,17 @@ def test_eagle3_variants_dspec_does_not_compute(target, model_dir, tmp_path, cap
     (out / "config.json").write_text(json.dumps({**config, field: value}))
     assert_cli_error(["bench", "--drafter", "eagle3", "--checkpoint", str(out), "--target", str(model_dir),
                       "--num-prompts", "1", "--max-new-tokens", "4"], capsys, message)
+
+
+def test_fine_tuning_starts_from_a_speculators_checkpoint(target, model_dir, tmp_path, capsys):
+    """``dspec train --init-from`` takes a speculators-format folder: its weights, converted."""
+    from dspec_cli.training.loop import _load_initial_weights
+
+    ckpt, out = saved(target, tmp_path / "ckpt", "dspark-markov", markov_rank=16), tmp_path / "out"
+    assert run_cli(["export", str(ckpt), "--format", "speculators", "--output", str(out), "--target",
+                    str(model_dir)], capsys)[0] == 0
+    cls = get_drafter_class("dspark-markov")
+    fresh = cls.build(cls.from_pretrained(ckpt, target).config, target)
+    _load_initial_weights(fresh, out, target)
+    for name, tensor in cls.from_pretrained(ckpt, target).net.state_dict().items():
+        assert torch.equal(fresh.net.state_dict()[name], tensor), name

@@ -30,6 +30,7 @@ from typing import Any, Protocol, cast
 import torch
 import torch.distributed as dist
 
+from dspec_cli.checkpoints.layouts import load_foreign
 from dspec_cli.checkpoints.model_card import write_model_card
 from dspec_cli.checkpoints.native import check_checkpoint_config, weights_fingerprint
 from dspec_cli.checkpoints.serving import describe, serving_methods
@@ -564,16 +565,21 @@ class _Run:
 
 def _load_initial_weights(drafter, path: Path, target) -> None:
     """Fine-tuning: copy a checkpoint's weights into the freshly built drafter. The checkpoint
-    must hold the same drafter for a target of the same sizes and tokenizer, and its tensors
-    must fit the recipe's architecture exactly."""
+    (dspec's, or another project's layout: docs/interop.md) must hold the same drafter for a
+    target of the same sizes and tokenizer, and its tensors must fit the recipe's architecture
+    exactly."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    check_checkpoint_config(drafter.name, path, target)
-    try:
-        weights = load_file(str(path / WEIGHTS_FILE))
-    except (SafetensorError, OSError) as exc:
-        raise DspecError(f"--init-from {path}: cannot read {WEIGHTS_FILE} ({exc})") from None
+    foreign = load_foreign(type(drafter), path, target, {})  # converted in memory, frozen copies checked
+    if foreign is not None:
+        weights = foreign.net.state_dict()
+    else:
+        check_checkpoint_config(drafter.name, path, target)
+        try:
+            weights = load_file(str(path / WEIGHTS_FILE))
+        except (SafetensorError, OSError) as exc:
+            raise DspecError(f"--init-from {path}: cannot read {WEIGHTS_FILE} ({exc})") from None
     own = drafter.net.state_dict()
     missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
     shapes = [k for k in set(own) & set(weights) if own[k].shape != weights[k].shape]

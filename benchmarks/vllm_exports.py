@@ -1,0 +1,104 @@
+"""vLLM (its CPU build) serving the embedded target plain and with the vLLM export of each drafter,
+measured by ``dspec bench --server``, beside dspec's own engine with the same drafter on the same
+prompts: one JSON report and table.
+
+    python -m benchmarks.vllm_exports [--drafter dflash --drafter eagle3] [--dataset FILE ...]
+        [--num-prompts N] [--max-new-tokens N] [--temperature 0 --temperature 1] [--repeats N]
+        [--concurrency R] [--expand-fix] --out DIR
+
+For each drafter: ``dspec export --format vllm`` into DIR/exports/NAME, its server started with the
+serve command the export wrote in SERVE.md (:mod:`benchmarks.vllm_cpu`), then for each temperature
+``dspec bench --server EXPORT --baseline-server PLAIN --drafter NAME`` (dspec's rows: the drafter
+against dspec's plain decoding; vLLM's row: the export against vLLM without speculation, with τ from
+vLLM's counters and the served tokens scored by the target). ``--expand-fix`` adds, at T > 0, each
+export served with vLLM 0.32.0's CPU sampling defect patched in the server process
+(``tests/engine_side/expand_fix``; docs/interop.md): rows with ``"variant": "expand fixed"``.
+Writes DIR/vllm-exports.json (every run, and ``commands``: each command that ran) and prints the
+table. Timed: run it on a quiet machine at normal priority; the servers and the bench share the CPU
+one at a time (paired units).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from benchmarks.vllm_cpu import REPO, VllmServer, server_argv, vllm_env
+from dspec_cli.cli.bench import render_table
+from dspec_cli.core.files import DEFAULT_TARGET_PATH
+
+
+def dspec(*args: str) -> None:
+    """``dspec ARGS`` in this interpreter (as a user runs it); stops the script with its error."""
+    done = subprocess.run([sys.executable, "-m", "dspec_cli", *args], stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        sys.exit(f"dspec {' '.join(args)} failed: {done.stderr.strip().splitlines()[-1:]}")
+
+
+def export(name: str, out: Path) -> str:
+    """The drafter's vLLM export into ``out``; the serve command it wrote."""
+    report = out.parent / f"{name}.export.json"
+    dspec("export", str(DEFAULT_TARGET_PATH.parent / "drafters" / name), "--format", "vllm", "--output", str(out),
+          "--dtype", "bfloat16", "--json", str(report), "--overwrite")
+    return json.loads(report.read_text())["command"]
+
+
+EXPAND_FIX = {"PYTHONPATH": str(REPO / "tests" / "engine_side" / "expand_fix"), "DSPEC_TEST_FIX_VLLM_EXPAND": "1"}
+
+
+def bench_args(a, temperature: float) -> list[str]:
+    args = ["--num-prompts", str(a.num_prompts), "--max-new-tokens", str(a.max_new_tokens), "--temperature",
+            str(temperature), "--repeats", str(a.repeats), "--concurrency", str(a.concurrency)]
+    for dset in a.dataset:
+        args += ["--dataset", dset]
+    return args
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--drafter", action="append", default=None, help="repeatable (default: dflash, eagle3)")
+    ap.add_argument("--dataset", action="append", default=[], help="repeatable (default: the built-in prompts)")
+    ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, action="append", default=None, help="repeatable (default: 0 and 1)")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--expand-fix", action="store_true", help="also serve each export with vLLM's CPU defect patched")
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args()
+    drafters, temperatures = a.drafter or ["dflash", "eagle3"], a.temperature or [0.0, 1.0]
+    a.out.mkdir(parents=True, exist_ok=True)
+    env_dir = vllm_env()
+    runs, commands, env = [], [], {}
+    plain_args = ["--model", str(DEFAULT_TARGET_PATH)]
+    with VllmServer(env_dir, plain_args, a.out / "plain.log") as plain:
+        commands.append(plain.command)
+        for name in drafters:
+            command = export(name, a.out / "exports" / name)
+            variants = [("", {}, temperatures)]
+            if a.expand_fix and any(t > 0 for t in temperatures):
+                variants.append(("expand fixed", EXPAND_FIX, [t for t in temperatures if t > 0]))
+            for variant, extra, temps in variants:
+                log = a.out / f"{name}{'-fixed' if variant else ''}.log"
+                with VllmServer(env_dir, server_argv(command), log, extra, export_command=command) as server:
+                    commands += [command, server.command]
+                    for t in temps:
+                        report = a.out / f"{name}{'-fixed' if variant else ''}-t{t:g}.json"
+                        dspec("bench", "--server", server.url, "--baseline-server", plain.url, "--drafter", name,
+                              *bench_args(a, t), "--json", str(report))
+                        data = json.loads(report.read_text())
+                        env = data["env"]
+                        served = [r for r in data["runs"] if r["engine"] != "dspec"]  # dspec's rows: once
+                        runs += [{**r, "variant": variant} for r in served] if variant else data["runs"]
+    result = {"target": "embedded:tiny-target", "env": env, "commands": commands, "runs": runs}
+    (a.out / "vllm-exports.json").write_text(json.dumps(result, indent=2) + "\n")
+    render_table(result, Console(width=250))
+
+
+if __name__ == "__main__":
+    main()
