@@ -94,10 +94,12 @@ def main() -> None:
                         data = json.loads(report.read_text())
                         env = data["env"]
                         served = [r for r in data["runs"] if r["engine"] != "dspec"]  # dspec's rows: once
-                        runs += [{**r, "variant": variant} for r in served] if variant else data["runs"]
+                        runs += ([{**r, "variant": variant, "engine": f"{r['engine']} ({variant})"} for r in served]
+                                 if variant else data["runs"])
     result = {"target": "embedded:tiny-target", "env": env, "commands": commands, "runs": runs}
     (a.out / "vllm-exports.json").write_text(json.dumps(result, indent=2) + "\n")
-    render_table(result, Console(width=250))
+    for t in temperatures:  # one table per temperature
+        render_table({**result, "runs": [r for r in runs if r["temperature"] == t]}, Console(width=250))
 
 
 if __name__ == "__main__":
