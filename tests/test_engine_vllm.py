@@ -132,8 +132,8 @@ def serve(url: str, prompts, temperature: float, seed0: int = 0) -> tuple[list[l
             ep = Endpoint(url, "--server", http)
             await ep.connect(None)
             before = await ep.metrics()
-            outs = [await ep.complete(p, {"max_tokens": TOKENS, "temperature": temperature}, seed0 + i)
-                    for i, p in enumerate(prompts)]
+            sampling = {"max_tokens": TOKENS, "temperature": temperature, "ignore_eos": True}  # exactly TOKENS
+            outs = [await ep.complete(p, sampling, seed0 + i) for i, p in enumerate(prompts)]
             return [o.tokens for o in outs], (await ep.metrics() - before).acceptance()
 
     return asyncio.run(main())

@@ -1,9 +1,10 @@
 """A serving engine behind an OpenAI-compatible API, as ``dspec bench --server`` reads it.
 
 Requests go to ``POST /v1/completions`` with the prompt as token ids (rendered here with the
-target's chat template, so both servers and dspec's engine see the same tokens) and
-``ignore_eos`` (every request generates exactly ``max_tokens``); ``return_token_ids`` asks vLLM
-for the generated ids (engines without it: the text is tokenized here, which the JSON notes).
+target's chat template, so both servers and dspec's engine see the same tokens); a request ends at
+the target's end-of-sequence token or after ``max_tokens``, as in dspec's engine. ``return_token_ids``
+asks vLLM for the generated ids (engines without it: the text is tokenized here, which the JSON
+notes).
 
 Acceptance comes from the server's Prometheus endpoint (``GET /metrics``):
 
@@ -194,10 +195,10 @@ class Endpoint:
         return count if isinstance(count, int) else None
 
     async def complete(self, prompt: list[int], sampling: dict, seed: int, tokenize=None) -> Completion:
-        """Generate ``sampling["max_tokens"]`` tokens after ``prompt`` (ids) with ``seed``;
-        ``tokenize(text)`` gives ids when the engine returns text only."""
-        body = {"model": self.model, "prompt": prompt, "seed": seed, "ignore_eos": True, "return_token_ids": True,
-                **sampling}
+        """Generate up to ``sampling["max_tokens"]`` tokens after ``prompt`` (ids) with ``seed``
+        (``sampling``: the request's sampling fields, e.g. ``ignore_eos``); ``tokenize(text)`` gives
+        ids when the engine returns text only."""
+        body = {"model": self.model, "prompt": prompt, "seed": seed, "return_token_ids": True, **sampling}
         t0 = time.perf_counter()
         answer = await self.call("POST", "/v1/completions", body)
         seconds = time.perf_counter() - t0
