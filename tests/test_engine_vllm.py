@@ -80,11 +80,11 @@ def cpu_method(name: str) -> str:
     return served["vllm"]
 
 
-def export(name: str, out) -> str:
-    """``dspec export`` of the shipped drafter for vLLM, run as a user runs it; its serve command."""
+def export(name: str, out, fmt: str = "vllm") -> str:
+    """``dspec export`` of the shipped drafter, run as a user runs it; its serve command."""
     report = out.with_suffix(".json")
     done = subprocess.run([sys.executable, "-m", "dspec_cli", "export", str(DEFAULT_TARGET_PATH.parent / "drafters" / name),
-                           "--format", "vllm", "--output", str(out), "--dtype", "bfloat16", "--json", str(report)],
+                           "--format", fmt, "--output", str(out), "--dtype", "bfloat16", "--json", str(report)],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     command = json.loads(report.read_text())["command"]
@@ -93,8 +93,9 @@ def export(name: str, out) -> str:
 
 
 class Servers:
-    """The plain server and one per exported drafter, started on first use with the serve command
-    ``dspec export`` wrote; all stopped at the end of the module."""
+    """The plain server and one per exported drafter (``NAME``: the vLLM export, ``NAME@speculators``:
+    the speculators one), started on first use with the serve command ``dspec export`` wrote; all
+    stopped at the end of the module."""
 
     def __init__(self, engine_dir, root):
         self.engine_dir, self.root, self.started = engine_dir, root, {}
@@ -104,7 +105,8 @@ class Servers:
             if name == "plain":
                 args, command = ["--model", str(DEFAULT_TARGET_PATH)], ""
             else:
-                command = export(name, self.root / name)
+                drafter, _, fmt = name.partition("@")
+                command = export(drafter, self.root / name, fmt or "vllm")
                 args = server_argv(command)
             self.started[name] = VllmServer(self.engine_dir, args, self.root / f"{name}.log", export_command=command)
         return self.started[name]
@@ -155,6 +157,19 @@ def test_greedy_is_token_identical_and_tau_matches_dspec(servers, prompts, name)
     assert served == plain, f"{name}: {sum(a != b for a, b in zip(served, plain, strict=True))} of {len(ids)} outputs differ"
     ours = dspec_tau(Target.load(None, dtype="bfloat16"), name, ids, 0.0)
     assert acc["tau"] == pytest.approx(ours, rel=TAU_TOLERANCE), f"{name}: vLLM τ {acc['tau']:.3f}, dspec τ {ours:.3f}"
+
+
+def test_the_speculators_export_is_served_by_vllm(servers, prompts):
+    """vLLM reads the speculators format's conventions (method, γ, sample_from_anchor, layer ids,
+    the verifier) from ``dspec export --format speculators``: the same greedy tokens and τ as the
+    vLLM layout."""
+    cpu_method("dflash")
+    ids = prompts[::2][:GREEDY_PROMPTS]
+    plain, _ = serve(servers["plain"].url, ids, 0.0)
+    served, acc = serve(servers["dflash@speculators"].url, ids, 0.0)
+    _, native = serve(servers["dflash"].url, ids, 0.0)
+    assert served == plain
+    assert acc["tau"] == pytest.approx(native["tau"], rel=0.01), (acc, native)
 
 
 def expand_defect(engine_dir) -> str | None:

@@ -17,7 +17,9 @@ there is checked against the target).
 
 Defaults differ between the libraries that read this format (speculators' DSpark config defaults
 ``sample_from_anchor`` to true, vLLM's reader of it to false; speculators defaults
-``confidence_head_with_markov`` to true), so :func:`write` writes every such field.
+``confidence_head_with_markov`` to true; ``sliding_window_non_causal`` false means nothing to
+speculators' full-attention layers but a causal block to vLLM), so :func:`write` writes every
+such field.
 """
 
 from __future__ import annotations
@@ -115,7 +117,9 @@ def write(drafter, target) -> tuple[dict, dict]:
         "target_hidden_size": target.hidden_size,
         "block_size": cfg.block_size if anchor else cfg.block_size + 1,
         "sample_from_anchor": anchor,
-        "sliding_window_non_causal": False,
+        # speculators applies it to sliding-window layers only (none here); vLLM's reader makes every
+        # layer's block causal unless it is true, so true keeps the block bidirectional in both
+        "sliding_window_non_causal": True,
         "aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
         "mask_token_id": cfg.mask_token_id,
         "speculators_config": speculators_config(kind, cfg.block_size, target),
