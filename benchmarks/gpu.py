@@ -1,39 +1,47 @@
-"""GPU benchmark (not a test): every figure of dspec's GPU goals, in one JSON.
+"""GPU benchmark (not a test): every figure of dspec's GPU goals, in one JSON, within a time budget.
 
-    python -m benchmarks.gpu --json OUT.json [--device cuda] [--small] [--parts a,b,...]
+    python -m benchmarks.gpu --json OUT.json --budget 300 [--device cuda] [--small] [--parts a,b,...]
 
 Builds a random-init Qwen3-4B-shaped target in memory (bf16, vocabulary 151,936; no download;
-``--small`` a two-layer toy for a CPU dry run) and measures, each part in its own process with
-its own timeout (a part that fails or hangs leaves an entry in ``errors`` and the rest stands):
+``--small`` a two-layer toy for a CPU dry run) and runs the parts below, most valuable first,
+each in its own process within what ``--budget`` has left (benchmarks/budget.py): the JSON is
+rewritten after every part, a part keeps what it measured when it is stopped, and a failed part
+keeps the tail of its output (its traceback) under ``errors``.
 
-* ``bandwidth``: the device's measured read and copy bandwidth;
+* ``correct``: CUDA graphs give the tokens of the same static rounds run eagerly ("check" mode:
+  same shapes, no graphs; CPU: "check" against "eager"), for plain decoding, dspark and ddtree at
+  T = 0, 1 and with top-k / top-p, on the embedded target; and the Triton verifiers' tokens
+  against the torch reference at R = 64, V = 151,936 (from probabilities; from bf16 logits);
 * ``plain``: a plain decode step through dspec's engine at B = 1, 16, 64 and T = 0, 1 (context
   512), against the bound = (weight bytes + KV bytes read per step) / read bandwidth, with and
-  without CUDA graphs;
-* ``widths``: one verify forward of 1, 8, 16, 32 tokens per row at B = 1 (the engine's captured
-  step) against a plain step;
-* ``profile``: ``profile-hardware``'s curve (the engine's captured forward) at 1, 8, 64, 512,
-  1,024 batch tokens, context 512, with its bound;
+  without CUDA graphs at B = 1; one verify forward of 1, 8, 16, 32 tokens per row at B = 1 (the
+  engine's captured step) against a one-token one; then B = 64 at context 4,096 (the KV
+  reserve, peak memory);
 * ``syncs``: host synchronisations per round of the engine (CUDA sync-debug mode; on a CPU the
   host reads :func:`dspec_cli.testing.host_reads.count_host_reads` counts), plain, dspark and
   ddtree at T = 0 and 1, on the embedded target;
-* ``kernels``: verification at R = 1 and 64, γ = 7, V = 151,936 (token and block rules with draft
-  probabilities, one-hot drafts, greedy) on the padded-grid path the engine runs, on the torch
-  reference and on the Triton kernels (what a CUDA round uses), against the time to read the
-  logits once and torch's argmax;
-* ``embedded``: the embedded target, dspark and ddtree against plain decoding at R = 1 and 64.
+* ``kernels``: verification at R = 1 and 64, γ = 7, V = 151,936 on the padded grid the engine
+  runs, each call captured alone as a CUDA graph over fixed tensors (no input copies), against a
+  captured read of the same tensor: token and block rules, one-hot drafts and greedy from fp32
+  probabilities; token and block rules from the bf16 logits (what the engine's verify runs on
+  CUDA) against the path they replace (fp32 copy, softmax, verification of the probabilities);
+* ``embedded``: the embedded target, dspark and ddtree against plain decoding at R = 1 and 64;
+* ``attention``: one layer's masked attention of one query token at B = 1, contexts 512 and
+  4,096 (the target's stacked grouped-query layout), against reading its K/V; and the drafter's
+  block attention, stacked against ``enable_gqa`` under a mask;
+* ``profile``: ``profile-hardware``'s curve (the engine's captured forward) at 1, 8, 64, 512,
+  1,024 batch tokens, context 512, with its bound;
+* ``bandwidth``: the device's read and copy bandwidth (``plain`` measures it too).
 
 ``goals`` sums up each figure against its target (met / missed). Times are medians of timed
-repetitions after warm-up, CUDA synchronised. About 3 to 5 minutes on an H200.
+repetitions after warm-up, CUDA synchronised.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,11 +50,23 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.budget import (
+    GRACE,
+    Outcome,
+    Part,
+    Progress,
+    launch,
+    run_parts,
+    write_json,
+)
+
 CONTEXT = 512
-PARTS = ("bandwidth", "plain", "widths", "profile", "syncs", "kernels", "embedded")
-TIMEOUTS = {"bandwidth": 60, "plain": 150, "widths": 90, "profile": 120, "syncs": 150, "kernels": 90, "embedded": 180}
+PARTS = (  # most valuable first; caps fit a 300 s budget with each part's start-up (~10 s on a GPU, the 4B model ~5 s)
+    Part("correct", 60), Part("plain", 90, least=30), Part("syncs", 40), Part("kernels", 45), Part("embedded", 70),
+    Part("attention", 25), Part("profile", 50, least=30), Part("bandwidth", 20),
+)
 SMALL = dict(hidden_size=128, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-             vocab_size=8192, max_position_embeddings=4096, num_hidden_layers=2, tie_word_embeddings=True)
+             vocab_size=8192, max_position_embeddings=8192, num_hidden_layers=2, tie_word_embeddings=True)
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -69,6 +89,22 @@ def median_ms(fn, device: torch.device, warmup: int = 3, repeats: int = 10) -> f
     return statistics.median(times)
 
 
+def captured_ms(fn, device: torch.device) -> float:
+    """Median ms of ``fn()`` replayed as one CUDA graph over the tensors it closes over (no
+    input copies: the work itself); on a CPU, of ``fn()``."""
+    if device.type != "cuda":
+        return median_ms(fn, device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # warm-up: kernels compiled and chosen outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return median_ms(graph.replay, device)
+
+
 def build_target(args):
     """The random-init Qwen3-4B-shaped target (``--small``: a two-layer toy)."""
     from transformers import AutoModelForCausalLM, Qwen3Config
@@ -84,12 +120,21 @@ def build_target(args):
     return Target(model.eval().requires_grad_(False))
 
 
+def embedded_target(args):
+    from dspec_cli.runtime.target import Target
+
+    return Target.load(None, device=args.device, dtype="bfloat16" if args.device != "cpu" else "float32")
+
+
+def kv_bytes_per_token(target) -> int:
+    cfg = target.config
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * target.dtype.itemsize
+
+
 def bound_ms(target, rows: int, context: int, read_bps: float) -> float:
     """Bytes a decode step must read (every weight once, each row's KV cache) over ``read_bps``."""
-    cfg = target.config
     weights = sum(p.numel() * p.element_size() for p in target.model.parameters())
-    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * target.dtype.itemsize * context * rows
-    return 1e3 * (weights + kv) / read_bps
+    return 1e3 * (weights + kv_bytes_per_token(target) * context * rows) / read_bps
 
 
 def read_bandwidth(device: torch.device) -> dict:
@@ -123,71 +168,147 @@ def engine_round_ms(target, drafter, rows: int, temperature: float, graphs: str,
     st = engine.stats
     tokens = sum(len(r.output_ids) for r in results)
     return {"ms_per_round": 1e3 * (wall - st.prefill_seconds) / max(st.rounds, 1), "rounds": st.rounds,
-            "tokens_per_s": tokens / wall, "tau": tokens / max(st.rounds * rows, 1) if drafter else 1.0}
+            "tokens_per_s": tokens / wall, "tau": tokens / max(st.rounds * rows, 1) if drafter else 1.0,
+            "captures": engine._session.runner.captures if engine._session else 0}
+
+
+def _memory(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {}
+    return {"peak_GB": torch.cuda.max_memory_allocated(device) / 1e9, "total_GB": torch.cuda.mem_get_info(device)[1] / 1e9}
 
 
 # -- parts ----------------------------------------------------------------------------------------
 
-def part_bandwidth(args) -> dict:
-    return read_bandwidth(torch.device(args.device))
+def part_correct(args, progress: Progress) -> dict:
+    from dspec_cli.checkpoints import load_drafter
+    from dspec_cli.runtime.engine import GenerationConfig, SpeculativeEngine
+
+    target = embedded_target(args)
+    prompts = [target.render_prompt(p) for p in ("What is 12 times 7?", "Write a haiku about rain.", "def fib(n):")]
+    graphs, against = ("cuda", "check") if args.device.startswith("cuda") else ("check", "eager")
+    out: dict = {"graphs": graphs, "against": against, "runs": [], "kernels": []}
+    for name in ("plain", "dspark-markov", "ddtree"):
+        drafter = None if name == "plain" else load_drafter(name, target)
+        for settings in (dict(temperature=0.0), dict(temperature=1.0), dict(temperature=1.0, top_k=20, top_p=0.9)):
+            if progress.left() < 5:
+                return progress.save(out)
+            tokens = []
+            for mode in (against, graphs):
+                cfg = GenerationConfig(max_new_tokens=24, max_batch=3, seed=0, graphs=mode, **settings)
+                tokens.append([r.output_ids for r in SpeculativeEngine(target, drafter, cfg, stop_ids=()).generate(prompts)])
+            out["runs"].append({"drafter": name, **settings, "same_tokens": tokens[0] == tokens[1]})
+            print("correct", out["runs"][-1], flush=True)
+            progress.save(out)
+    if args.device.startswith("cuda"):
+        out["kernels"] = _kernel_agreement(torch.device(args.device))
+    return progress.save(out)
 
 
-def part_plain(args) -> dict:
-    target = build_target(args)
-    bw = read_bandwidth(target.device)
+def _kernel_agreement(dev: torch.device) -> list[dict]:
+    """Triton against the torch reference on the padded grid, R = 64, γ = 7, V = 151,936: equal
+    tokens from probabilities (bit for bit by design), the share of equal rows from bf16 logits
+    (equal except where two candidates are within rounding)."""
+    from dspec_cli.core.sampling import CounterNoise
+    from dspec_cli.runtime.verify import verify_chain_grid, verify_chain_logits_grid
+
+    x = _verify_inputs(64, 7, 151_936, dev)
+    noise = CounterNoise(x["seeds"], x["offsets"], 2)
     out = []
-    for rows in (1, 16, 64):
-        prompts = random_prompts(rows, CONTEXT, target.vocab_size, seed=rows)
+    for method in ("token", "block"):
+        for q in (x["q"], None):
+            kw = dict(method=method, uniforms=x["u"], noise=noise)
+            runs = [verify_chain_grid(x["probs"], x["drafts"], q, x["ell"], backend=b, **kw) for b in ("torch", "triton")]
+            logits = [verify_chain_logits_grid(x["logits"], x["drafts"], q, x["ell"], temperature=1.0, backend=b, **kw)
+                      for b in ("torch", "triton")]
+            same = (logits[0].tokens == logits[1].tokens).all(1).float().mean().item()
+            out.append({"method": method, "one_hot": q is None, "probs_equal": bool(torch.equal(runs[0].tokens, runs[1].tokens)),
+                        "logits_rows_equal": same})
+    print("kernel agreement", out, flush=True)
+    return out
+
+
+def _verify_inputs(rows: int, gamma: int, vocab: int, dev: torch.device) -> dict:
+    """Random verification inputs: bf16 logits [R, γ+1, V], their fp32 probabilities, draft
+    probabilities q [R, γ, V] near them, drafts from q, coins, counter keys."""
+    from dspec_cli.core.sampling import logits_to_probs
+
+    g = torch.Generator(device=dev).manual_seed(rows)
+    logits = (torch.randn(rows, gamma + 1, vocab, device=dev, generator=g) * 3).bfloat16()
+    probs = logits_to_probs(logits.flatten(0, 1), 1.0).view(rows, gamma + 1, vocab)
+    noisy = logits[:, :gamma].float() + torch.randn(rows, gamma, vocab, device=dev, generator=g)
+    q = logits_to_probs(noisy.flatten(0, 1), 1.0).view(rows, gamma, vocab)
+    drafts = torch.multinomial(q.flatten(0, 1), 1, generator=g).view(rows, gamma)
+    return dict(logits=logits, probs=probs, q=q, drafts=drafts, ell=torch.full((rows,), gamma, device=dev),
+                u=torch.rand(rows, gamma, device=dev, dtype=torch.float64, generator=g).clamp(1e-9, 1 - 1e-9),
+                seeds=torch.arange(rows, device=dev) + 7, offsets=torch.zeros(rows, dtype=torch.long, device=dev))
+
+
+def part_plain(args, progress: Progress) -> dict:
+    """The target's decode step through the engine against its bound, and (after B = 1) one
+    verify forward of 1, 8, 16, 32 tokens per row against a one-token one."""
+    target = build_target(args)
+    dev = target.device
+    bw = read_bandwidth(dev)
+    out: dict = {"context": CONTEXT, "bandwidth": bw, "steps": [], "widths": []}
+    cases = [(1, 0.0, "auto"), (1, 1.0, "auto"), "widths", (64, 0.0, "auto"), (64, 1.0, "auto"), (1, 0.0, "eager"),
+             (16, 0.0, "auto"), (16, 1.0, "auto"), (64, 0.0, "auto", 1024 if args.small else 4096)]
+    for case in cases:
+        if isinstance(case, str):
+            if progress.left() < 25:
+                break
+            _widths(target, out, progress)
+            continue
+        rows, temperature, graphs, *ctx = case
+        if progress.left() < (25 if rows > 1 else 10):
+            break
+        context = ctx[0] if ctx else CONTEXT
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        prompts = random_prompts(rows, context, target.vocab_size, seed=rows)
+        run = engine_round_ms(target, None, rows, temperature, graphs, args.new_tokens, prompts)
+        bound = bound_ms(target, rows, context + args.new_tokens // 2, bw["read_TBps"] * 1e12)
+        out["steps"].append({"B": rows, "temperature": temperature, "graphs": graphs, "context": context, **run,
+                             "bound_ms": bound, "x_bound": run["ms_per_round"] / bound, **_memory(dev)})
+        print(f"plain B={rows} ctx={context} T={temperature} graphs={graphs}: {run['ms_per_round']:.2f} ms "
+              f"({run['ms_per_round'] / bound:.1f}x bound {bound:.2f} ms)", flush=True)
+        progress.save(out)
+    return out
+
+
+def _widths(target, out: dict, progress: Progress) -> None:
+    rows = out["widths"]
+    for q in (1, 8, 16, 32):
+        rows.append({"B": 1, "tokens": q, "ms": _score_ms(target, 1, q, CONTEXT)})
+        rows[-1]["x_plain"] = rows[-1]["ms"] / rows[0]["ms"]
+        print(f"verify width {q}: {rows[-1]['ms']:.2f} ms ({rows[-1]['x_plain']:.2f}x one token)", flush=True)
+        progress.save(out)
+
+
+def part_syncs(args, progress: Progress) -> dict:
+    from dspec_cli.checkpoints import load_drafter
+    from dspec_cli.runtime.engine import GenerationConfig, SpeculativeEngine
+
+    target = embedded_target(args)
+    prompts = [target.render_prompt(p) for p in ("What is 12 times 7?", "Write a haiku about rain.",
+                                                 "def fib(n):", "Name three rivers.")]
+    out: dict = {"runs": []}
+    for name in ("plain", "dspark-markov", "ddtree"):
+        drafter = None if name == "plain" else load_drafter(name, target)
         for temperature in (0.0, 1.0):
-            for graphs in (("auto", "eager") if rows == 1 else ("auto",)):
-                run = engine_round_ms(target, None, rows, temperature, graphs, args.new_tokens, prompts)
-                bound = bound_ms(target, rows, CONTEXT + args.new_tokens // 2, bw["read_TBps"] * 1e12)
-                out.append({"B": rows, "temperature": temperature, "graphs": graphs, **run, "bound_ms": bound,
-                            "x_bound": run["ms_per_round"] / bound})
-                print(f"plain B={rows} T={temperature} graphs={graphs}: {run['ms_per_round']:.2f} ms "
-                      f"({run['ms_per_round'] / bound:.1f}x bound {bound:.2f} ms)", flush=True)
-    return {"context": CONTEXT, "bandwidth": bw, "steps": out}
-
-
-def _score_ms(target, rows: int, q: int, context: int, cuda_graphs: bool = True) -> float:
-    """One verify forward of q tokens per row as the engine runs it (captured on a GPU)."""
-    from dspec_cli.runtime.graphs import GraphRunner, GraphSettings
-
-    graphs = GraphSettings.for_device(target.device, cuda_graphs)
-    runner = GraphRunner(graphs.mode)
-    padded = graphs.rows(rows)
-    batch = target.new_batch(rows=padded, slots=context + q + graphs.window())
-    target.prefill(batch, random_prompts(1, context, target.vocab_size))
-    target.select_rows(batch, [0] * rows)
-    ids = torch.randint(target.vocab_size, (rows, q), device=target.device)
-    window = batch.window(q, graphs.window())
-    dense = target.dense(batch, q, window)
-    return median_ms(lambda: runner("score", lambda x: target.score(batch, x, None, window, dense), [ids], padded),
-                     target.device)
-
-
-def part_widths(args) -> dict:
-    target = build_target(args)
-    out = [{"B": 1, "tokens": q, "ms": _score_ms(target, 1, q, CONTEXT)} for q in (1, 8, 16, 32)]
-    for row in out:
-        row["x_plain"] = row["ms"] / out[0]["ms"]
-        print(f"verify width {row['tokens']}: {row['ms']:.2f} ms ({row['x_plain']:.2f}x one token)", flush=True)
-    return {"context": CONTEXT, "widths": out}
-
-
-def part_profile(args) -> dict:
-    from dspec_cli.workflows.target_profile import profile_target
-
-    target = build_target(args)
-    bw = read_bandwidth(target.device)
-    tokens = [1, 8, 64, 512, 1024]
-    table = profile_target(target, grid=tokens, contexts=[CONTEXT], repeats=8, warmup=2, model_name="random qwen3-4b")
-    ms = [1e3 / s for s in table.measured[str(CONTEXT)]]
-    bounds = [bound_ms(target, -(-b // 8), CONTEXT, bw["read_TBps"] * 1e12) for b in tokens]
-    for b, m, lo in zip(tokens, ms, bounds, strict=True):
-        print(f"profile B={b}: {m:.2f} ms (bound {lo:.2f})", flush=True)
-    return {"context": CONTEXT, "tokens": tokens, "ms": ms, "bound_ms": bounds, "x_bound": [m / lo for m, lo in
-                                                                                            zip(ms, bounds, strict=True)]}
+            if progress.left() < 8:
+                return out
+            cfg = GenerationConfig(max_new_tokens=24, temperature=temperature, max_batch=4, seed=0)
+            engine = SpeculativeEngine(target, drafter, cfg, stop_ids=())
+            engine.generate(prompts)  # warm
+            per_round = _count_syncs(engine, prompts, target.device)
+            out["runs"].append({"drafter": name, "temperature": temperature, "rounds": len(per_round),
+                                "per_round_mean": sum(per_round) / max(len(per_round), 1),
+                                "per_round_max": max(per_round, default=0)})
+            print(f"syncs {name} T={temperature}: {out['runs'][-1]['per_round_mean']:.2f}/round "
+                  f"(max {out['runs'][-1]['per_round_max']})", flush=True)
+            progress.save(out)
+    return out
 
 
 def _count_syncs(engine, prompts, device: torch.device) -> list[int]:
@@ -233,103 +354,158 @@ def _count_syncs(engine, prompts, device: torch.device) -> list[int]:
     return per_round
 
 
-def part_syncs(args) -> dict:
-    from dspec_cli.checkpoints import load_drafter
-    from dspec_cli.runtime.engine import GenerationConfig, SpeculativeEngine
-    from dspec_cli.runtime.target import Target
-
-    target = Target.load(None, device=args.device, dtype="bfloat16" if args.device != "cpu" else "float32")
-    prompts = [target.render_prompt(p) for p in ("What is 12 times 7?", "Write a haiku about rain.",
-                                                 "def fib(n):", "Name three rivers.")]
-    out = []
-    for name in ("plain", "dspark-markov", "ddtree"):
-        drafter = None if name == "plain" else load_drafter(name, target)
-        for temperature in (0.0, 1.0):
-            cfg = GenerationConfig(max_new_tokens=24, temperature=temperature, max_batch=4, seed=0)
-            engine = SpeculativeEngine(target, drafter, cfg, stop_ids=())
-            engine.generate(prompts)  # warm
-            per_round = _count_syncs(engine, prompts, target.device)
-            out.append({"drafter": name, "temperature": temperature, "rounds": len(per_round),
-                        "per_round_mean": sum(per_round) / max(len(per_round), 1),
-                        "per_round_max": max(per_round, default=0)})
-            print(f"syncs {name} T={temperature}: {out[-1]['per_round_mean']:.2f}/round "
-                  f"(max {out[-1]['per_round_max']})", flush=True)
-    return {"runs": out}
-
-
-def part_kernels(args) -> dict:
-    from dspec_cli.core.sampling import logits_to_probs
-    from dspec_cli.runtime.graphs import GraphRunner
-    from dspec_cli.runtime.verify import (
-        triton_available,
-        verify_chain_grid,
-        verify_greedy_grid,
-    )
+def part_kernels(args, progress: Progress) -> dict:
+    from dspec_cli.core.sampling import CounterNoise
+    from dspec_cli.runtime.verify import triton_available
 
     dev = torch.device(args.device)
     vocab, gamma = (8192 if args.small else 151_936), 7
-    mode = "cuda" if dev.type == "cuda" else "eager"
     backends = ("torch", "triton") if triton_available() and dev.type == "cuda" else ("torch",)
-    out = []
+    out: dict = {"runs": []}
     for rows in (1, 64):
-        g = torch.Generator(device=dev).manual_seed(rows)
-        logits = torch.randn(rows, gamma + 1, vocab, device=dev, generator=g) * 3
-        probs = logits_to_probs(logits.flatten(0, 1), 1.0).view(rows, gamma + 1, vocab)
-        q = logits_to_probs(torch.randn(rows * gamma, vocab, device=dev, generator=g) * 3, 1.0).view(rows, gamma, vocab)
-        drafts = q.flatten(0, 1).argmax(-1).view(rows, gamma)
-        ell = torch.full((rows,), gamma, device=dev)
-        u = torch.rand(rows, gamma, device=dev, dtype=torch.float64, generator=g).clamp(1e-9, 1 - 1e-9)
-        noise = -torch.rand(rows, vocab, device=dev, generator=g).clamp_min(1e-9).log()
-        read_ms = median_ms(lambda probs=probs: probs.sum(), dev)
-        runner = GraphRunner(mode)
-        cases = {
-            "chain": lambda p, x, qq, backend, ell=ell, u=u, noise=noise: verify_chain_grid(
-                p, x, qq, ell, uniforms=u, noise=noise, backend=backend).tokens,
-            "block": lambda p, x, qq, backend, ell=ell, u=u, noise=noise: verify_chain_grid(
-                p, x, qq, ell, method="block", uniforms=u, noise=noise, backend=backend).tokens,
-            "one-hot": lambda p, x, qq, backend, ell=ell, u=u, noise=noise: verify_chain_grid(
-                p, x, None, ell, uniforms=u, noise=noise, backend=backend).tokens,
-            "greedy": lambda p, x, qq, backend, ell=ell: verify_greedy_grid(p, x, ell, backend=backend).tokens,
-        }
-        row = {"R": rows, "gamma": gamma, "vocab": vocab, "read_logits_ms": read_ms,
-               "argmax_ms": median_ms(lambda probs=probs: probs.argmax(-1), dev)}
+        if progress.left() < 10:
+            break
+        x = _verify_inputs(rows, gamma, vocab, dev)
+        noise = CounterNoise(x["seeds"], x["offsets"], 2)
+        row = {"R": rows, "gamma": gamma, "vocab": vocab, "read_probs_ms": captured_ms(x["probs"].sum, dev),
+               "read_logits_ms": captured_ms(x["logits"].sum, dev),
+               "argmax_ms": captured_ms(functools.partial(x["probs"].argmax, -1), dev)}
         for backend in backends:
-            for name, fn in cases.items():
-                step = functools.partial(fn, backend=backend)
-                ms = median_ms(lambda step=step, key=(name, rows, backend), runner=runner, probs=probs, drafts=drafts,
-                               q=q, rows=rows: runner(key, step, [probs, drafts, q], rows), dev)
-                row[f"{backend}_{name}_ms"], row[f"{backend}_{name}_x_read"] = ms, ms / read_ms
-        out.append(row)
+            for name, fn in _verify_cases(x, noise, backend).items():
+                ms = captured_ms(fn, dev)
+                read = row["read_logits_ms"] if "logits" in name or "path" in name else row["read_probs_ms"]
+                row[f"{backend}_{name}_ms"], row[f"{backend}_{name}_x_read"] = ms, ms / read
+        out["runs"].append(row)
         print("kernels", {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
-    return {"runs": out}
+        progress.save(out)
+    return out
 
 
-def part_embedded(args) -> dict:
+def _verify_cases(x: dict, noise, backend: str) -> dict:
+    """The verifications ``part_kernels`` times, as calls on the fixed inputs ``x``: from fp32
+    probabilities (token and block rules, one-hot drafts, greedy); from bf16 logits (token and
+    block rules), and the path the logits path replaces (fp32 copy, softmax, block rule)."""
+    from dspec_cli.core.sampling import logits_to_probs
+    from dspec_cli.runtime.verify import (
+        verify_chain_grid,
+        verify_chain_logits_grid,
+        verify_greedy_grid,
+    )
+
+    probs, logits, drafts, q, ell = x["probs"], x["logits"], x["drafts"], x["q"], x["ell"]
+    kw = dict(uniforms=x["u"], noise=noise, backend=backend)
+    return {
+        "chain": lambda: verify_chain_grid(probs, drafts, q, ell, **kw),
+        "block": lambda: verify_chain_grid(probs, drafts, q, ell, method="block", **kw),
+        "one-hot": lambda: verify_chain_grid(probs, drafts, None, ell, **kw),
+        "greedy": lambda: verify_greedy_grid(probs, drafts, ell, backend=backend),
+        "chain-logits": lambda: verify_chain_logits_grid(logits, drafts, q, ell, temperature=1.0, **kw),
+        "block-logits": lambda: verify_chain_logits_grid(logits, drafts, q, ell, temperature=1.0, method="block", **kw),
+        "block-probs-path": lambda: verify_chain_grid(logits_to_probs(logits.flatten(0, 1).float(), 1.0).view_as(probs),
+                                                      drafts, q, ell, method="block", **kw),
+    }
+
+
+def part_embedded(args, progress: Progress) -> dict:
     from dspec_cli.checkpoints import load_drafter
     from dspec_cli.core.data import load_prompts
-    from dspec_cli.runtime.target import Target
 
-    target = Target.load(None, device=args.device, dtype="bfloat16" if args.device != "cpu" else "float32")
+    target = embedded_target(args)
     texts = [p.text for p in load_prompts("builtin", None)]
-    out = []
+    out: dict = {"runs": []}
     for rows, n_prompts, new_tokens in ((1, 8 if args.small else 12, 64), (64, 64, 32)):
         if args.small and rows > 4:
             rows, n_prompts = 4, 8
         prompts = [target.render_prompt(t) for t in (texts * 4)[:n_prompts]]
         for temperature in (1.0, 0.0):
-            if rows > 1 and temperature == 0.0:
+            if (rows > 1 and temperature == 0.0) or progress.left() < 20:
                 continue
             base = engine_round_ms(target, None, rows, temperature, "auto", new_tokens, prompts)
             for name in ("dspark-markov", "ddtree") if rows == 1 else ("dspark-markov",):
-                drafter = load_drafter(name, target)
-                run = engine_round_ms(target, drafter, rows, temperature, "auto", new_tokens, prompts)
-                out.append({"drafter": name, "R": rows, "temperature": temperature, "tau": run["tau"],
-                            "tokens_per_s": run["tokens_per_s"], "plain_tokens_per_s": base["tokens_per_s"],
-                            "speedup": run["tokens_per_s"] / base["tokens_per_s"],
-                            "ms_per_round": run["ms_per_round"], "plain_ms_per_round": base["ms_per_round"]})
-                print(f"embedded {name} R={rows} T={temperature}: {out[-1]['speedup']:.2f}x (τ {run['tau']:.2f})",
-                      flush=True)
-    return {"runs": out}
+                if progress.left() < 10:
+                    break
+                run = engine_round_ms(target, load_drafter(name, target), rows, temperature, "auto", new_tokens, prompts)
+                out["runs"].append({"drafter": name, "R": rows, "temperature": temperature, "tau": run["tau"],
+                                    "tokens_per_s": run["tokens_per_s"], "plain_tokens_per_s": base["tokens_per_s"],
+                                    "speedup": run["tokens_per_s"] / base["tokens_per_s"],
+                                    "ms_per_round": run["ms_per_round"], "plain_ms_per_round": base["ms_per_round"]})
+                print(f"embedded {name} R={rows} T={temperature}: {out['runs'][-1]['speedup']:.2f}x "
+                      f"(τ {run['tau']:.2f})", flush=True)
+                progress.save(out)
+    return out
+
+
+def _score_ms(target, rows: int, q: int, context: int) -> float:
+    """One verify forward of q tokens per row as the engine runs it (captured on a GPU)."""
+    from dspec_cli.runtime.graphs import GraphRunner, GraphSettings
+
+    graphs = GraphSettings.for_device(target.device)
+    runner = GraphRunner(graphs.mode)
+    padded = graphs.rows(rows)
+    batch = target.new_batch(rows=padded, slots=context + q + graphs.window())
+    target.prefill(batch, random_prompts(1, context, target.vocab_size))
+    target.select_rows(batch, [0] * rows)
+    ids = torch.randint(target.vocab_size, (rows, q), device=target.device)
+    window = batch.window(q, graphs.window())
+    dense = target.dense(batch, q, window)
+    def step(x):  # the engine's verify forward (its outputs unread: the runner copies none)
+        target.score(batch, x, None, window, dense, upcast=target.device.type == "cpu")
+
+    return median_ms(lambda: runner("score", step, [ids], padded), target.device)
+
+
+def part_attention(args, progress: Progress) -> dict:
+    """Masked attention at B = 1 (one layer): is the single query's K/V read near the bandwidth
+    (no split-KV kernel: a few programs per layer), and the drafter's layout choice."""
+    import torch.nn.functional as F
+
+    from dspec_cli.nn.gqa import sdpa_stacked
+
+    dev = torch.device(args.device)
+    heads, kv_heads, dim = (4, 2, 32) if args.small else (32, 8, 128)
+    dtype = torch.float32 if args.small else torch.bfloat16
+    bw = read_bandwidth(dev)
+    out: dict = {"bandwidth": bw, "target": [], "drafter": []}
+    g = torch.Generator(device=dev).manual_seed(0)
+    for context in (512, 4096):
+        k, v = (torch.randn(1, kv_heads, context + 64, dim, device=dev, dtype=dtype, generator=g) for _ in range(2))
+        query = torch.randn(1, heads, 1, dim, device=dev, dtype=dtype, generator=g)
+        mask = torch.arange(context + 64, device=dev)[None, None, None, :] < context  # a window rounded up past the row
+        ms = captured_ms(lambda k=k, v=v, query=query, mask=mask: sdpa_stacked(query, k, v, mask), dev)
+        kv_ms = 1e3 * 2 * k.numel() * k.element_size() / (bw["read_TBps"] * 1e12)
+        out["target"].append({"context": context, "ms": ms, "kv_read_ms": kv_ms, "x_read": ms / kv_ms})
+        print("attention target", out["target"][-1], flush=True)
+        progress.save(out)
+    for rows in (1, 64):  # the drafter: a block of 8 queries over context + block under a bool mask
+        k, v = (torch.randn(rows, kv_heads, CONTEXT + 8, dim, device=dev, dtype=dtype, generator=g) for _ in range(2))
+        query = torch.randn(rows, 8, heads, dim, device=dev, dtype=dtype, generator=g).transpose(1, 2)
+        mask = torch.ones(rows, 1, 1, CONTEXT + 8, dtype=torch.bool, device=dev)
+        gqa = captured_ms(lambda q=query, k=k, v=v, m=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=m,
+                                                                                            enable_gqa=True), dev)
+        stacked = captured_ms(lambda q=query, k=k, v=v, m=mask: sdpa_stacked(q, k, v, m), dev)
+        out["drafter"].append({"R": rows, "enable_gqa_ms": gqa, "stacked_ms": stacked})
+        print("attention drafter", out["drafter"][-1], flush=True)
+        progress.save(out)
+    return out
+
+
+def part_profile(args, progress: Progress) -> dict:
+    from dspec_cli.workflows.target_profile import profile_target
+
+    target = build_target(args)
+    bw = read_bandwidth(target.device)
+    tokens = [1, 8, 64, 512, 1024]
+    table = profile_target(target, grid=tokens, contexts=[CONTEXT], repeats=8, warmup=2, model_name="random qwen3-4b")
+    ms = [1e3 / s for s in table.measured[str(CONTEXT)]]
+    bounds = [bound_ms(target, -(-b // 8), CONTEXT, bw["read_TBps"] * 1e12) for b in tokens]
+    for b, m, lo in zip(tokens, ms, bounds, strict=True):
+        print(f"profile B={b}: {m:.2f} ms (bound {lo:.2f})", flush=True)
+    return {"context": CONTEXT, "tokens": tokens, "ms": ms, "bound_ms": bounds,
+            "x_bound": [m / lo for m, lo in zip(ms, bounds, strict=True)]}
+
+
+def part_bandwidth(args, progress: Progress) -> dict:
+    return read_bandwidth(torch.device(args.device))
 
 
 # -- goals and the driver -------------------------------------------------------------------------
@@ -341,14 +517,18 @@ def goals(report: dict) -> dict:
     def goal(name, value, target, ok):
         out[name] = {"value": value, "target": target, "met": None if value is None else bool(ok(value))}
 
-    steps = {(s["B"], s["temperature"], s["graphs"]): s for s in report.get("plain", {}).get("steps", [])}
+    runs = report.get("correct", {}).get("runs", [])
+    goal("captured rounds give the uncaptured tokens", all(r["same_tokens"] for r in runs) if runs else None, "all",
+         bool)
+    steps = {(s["B"], s["temperature"], s["graphs"], s.get("context", CONTEXT)): s
+             for s in report.get("plain", {}).get("steps", [])}
     for rows in (1, 64):
-        s = steps.get((rows, 0.0, "auto"))
+        s = steps.get((rows, 0.0, "auto", CONTEXT))
         goal(f"plain step B={rows} within 2x bound", s and s["x_bound"], "<= 2", lambda v: v <= 2)
-    t0, t1 = steps.get((1, 0.0, "auto")), steps.get((1, 1.0, "auto"))
+    t0, t1 = steps.get((1, 0.0, "auto", CONTEXT)), steps.get((1, 1.0, "auto", CONTEXT))
     goal("plain step T=1 vs T=0 (B=1)", t0 and t1 and t1["ms_per_round"] / t0["ms_per_round"], "<= 1.05",
          lambda v: v <= 1.05)
-    widths = {w["tokens"]: w for w in report.get("widths", {}).get("widths", [])}
+    widths = {w["tokens"]: w for w in report.get("plain", {}).get("widths", [])}
     goal("verify 8 tokens vs plain step (B=1)", widths.get(8, {}).get("x_plain"), "<= 1.15", lambda v: v <= 1.15)
     syncs = report.get("syncs", {}).get("runs", [])
     goal("host syncs per round (max over runs)", max((r["per_round_max"] for r in syncs), default=None), "<= 1",
@@ -364,19 +544,17 @@ def goals(report: dict) -> dict:
     prof = report.get("profile", {})
     goal("profile B=1 within 2x bound", (prof.get("x_bound") or [None])[0], "<= 2", lambda v: v <= 2)
     for run in report.get("kernels", {}).get("runs", []):
-        for kind in ("chain", "block", "one-hot", "greedy"):
-            for backend in ("torch", "triton"):
-                value = run.get(f"{backend}_{kind}_x_read")
-                if value is not None:
-                    goal(f"verify {kind} {backend} R={run['R']} vs reading the logits", value, "<= 2",
-                         lambda v: v <= 2)
-        goal(f"greedy torch R={run['R']} vs argmax", run["torch_greedy_ms"] / run["argmax_ms"], "<= 1",
-             lambda v: v <= 1)
+        for kind in ("chain", "block", "one-hot", "greedy", "chain-logits", "block-logits"):
+            value = run.get(f"triton_{kind}_x_read", run.get(f"torch_{kind}_x_read"))
+            goal(f"verify {kind} R={run['R']} vs reading its input", value, "<= 2", lambda v: v <= 2)
     return out
 
 
 def machine(device: str) -> dict:
-    info = {"torch": torch.__version__, "device": device, "python": sys.version.split()[0]}
+    import transformers
+
+    info = {"torch": torch.__version__, "transformers": transformers.__version__, "device": device,
+            "python": sys.version.split()[0]}
     if device.startswith("cuda") and torch.cuda.is_available():
         info.update(gpu=torch.cuda.get_device_name(0), cuda=torch.version.cuda)
     try:
@@ -391,38 +569,38 @@ def machine(device: str) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", type=Path, required=True)
+    p.add_argument("--budget", type=float, default=300.0, help="seconds for the whole run (parts that no longer fit are skipped)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--small", action="store_true", help="a two-layer toy target (CPU dry run)")
-    p.add_argument("--parts", default=",".join(PARTS))
+    p.add_argument("--parts", default=",".join(part.name for part in PARTS))
     p.add_argument("--new-tokens", type=int, default=32, help="tokens per request in the plain-step runs")
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)  # one part in this process (the driver's child)
+    p.add_argument("--until", type=float, default=None, help=argparse.SUPPRESS)  # the child's deadline (epoch seconds)
     args = p.parse_args(argv)
     if args.part is not None:
-        result = globals()[f"part_{args.part}"](args)
-        args.json.write_text(json.dumps(result, indent=1))
+        progress = Progress(args.json, args.until)
+        progress.save(globals()[f"part_{args.part}"](args, progress))
         return
-    report: dict = {"machine": machine(args.device), "small": args.small, "errors": {}, "seconds": {}}
-    for part in args.parts.split(","):
-        if part not in PARTS:
-            raise SystemExit(f"--parts: unknown part {part!r} (parts: {', '.join(PARTS)})")
+    names = args.parts.split(",")
+    unknown = [n for n in names if n not in {part.name for part in PARTS}]
+    if unknown:
+        raise SystemExit(f"--parts: unknown part {unknown[0]!r} (parts: {', '.join(part.name for part in PARTS)})")
+    info = {"machine": machine(args.device), "small": args.small}
+
+    def run(part: Part, seconds: float) -> Outcome:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "part.json"
-            cmd = [sys.executable, "-m", "benchmarks.gpu", "--part", part, "--json", str(out), "--device", args.device,
-                   "--new-tokens", str(args.new_tokens)] + (["--small"] if args.small else [])
-            t0 = time.perf_counter()
-            try:
-                proc = subprocess.run(cmd, timeout=TIMEOUTS[part], capture_output=True, text=True)
-                if proc.returncode == 0 and out.exists():
-                    report[part] = json.loads(out.read_text())
-                else:
-                    report["errors"][part] = (proc.stderr or proc.stdout).strip().splitlines()[-12:]
-            except subprocess.TimeoutExpired:
-                report["errors"][part] = f"timed out after {TIMEOUTS[part]} s"
-            report["seconds"][part] = time.perf_counter() - t0
-            print(f"[{part}] {report['seconds'][part]:.0f} s{' ERROR' if part in report['errors'] else ''}", flush=True)
-        report["goals"] = goals(report)
-        args.json.write_text(json.dumps(report, indent=1))  # after every part: a timeout later loses nothing
-    for name, g in report["goals"].items():
+            cmd = [sys.executable, "-m", "benchmarks.gpu", "--part", part.name, "--json", str(out), "--device",
+                   args.device, "--new-tokens", str(args.new_tokens), "--until", str(time.time() + seconds - GRACE)]
+            outcome = launch(cmd + (["--small"] if args.small else []), out, seconds)
+        print(f"[{part.name}] {'ERROR ' + outcome.error if outcome.error else 'done'}", flush=True)
+        return outcome
+
+    def update(report: dict) -> None:
+        write_json(args.json, {**info, **report, "goals": goals(report)})  # after every part: a later stop loses nothing
+
+    report = run_parts([part for part in PARTS if part.name in names], args.budget, run, update)
+    for name, g in goals(report).items():
         print(f"{'met ' if g['met'] else 'MISS' if g['met'] is False else '  - '} {name}: {g['value']} ({g['target']})")
 
 

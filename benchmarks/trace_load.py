@@ -89,8 +89,8 @@ class ReplayTarget(Target):
         self.forced: torch.Tensor | None = None  # [R] accepted drafts for the next verify
 
     def score(self, batch: TargetBatch, ids: torch.Tensor, parents: torch.Tensor | None, window: int,
-              dense: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        logits, taps = super().score(batch, ids, parents, window, dense)
+              dense: bool = False, upcast: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, taps = super().score(batch, ids, parents, window, dense)  # float, whatever ``upcast``: forced exactly
         if self.forced is not None and parents is None:
             force_greedy(logits, ids, self.forced)
             self.forced = None

@@ -4,11 +4,15 @@ buckets, and the same tokens as before the rounds became static."""
 
 from __future__ import annotations
 
+import functools
+import gc
 import json
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
 
 from dspec_cli.core.host import device_path, reads_free
 from dspec_cli.core.plugins import get_drafter_class
@@ -45,9 +49,9 @@ PROMPTS = [[5, 17, 33, 2, 90, 41], [7, 8, 9], [100, 3, 64, 64, 12, 1, 5, 77, 2]]
 
 
 def _run(target, drafter, *, temperature: float, max_batch: int, graphs: str = "eager", engine=None,
-         prompts=PROMPTS, max_new_tokens: int = 10):
+         prompts=PROMPTS, max_new_tokens: int = 10, **sampling):
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, block_size=4, max_batch=max_batch,
-                           seed=3, graphs=graphs)
+                           seed=3, graphs=graphs, **sampling)
     engine = engine or SpeculativeEngine(target, drafter, cfg, stop_ids=[])
     return [r.output_ids for r in engine.generate(prompts)], engine
 
@@ -57,13 +61,17 @@ DEFAULT_RULES = {"plain": {0.0: set(), 1.0: set()}, "dspark-markov": {0.0: {"gre
                  "ddtree": {0.0: {"match"}, 1.0: {"sampled"}}}
 
 
+TOP_K_P = {"top_k": 8, "top_p": 0.9}
+
+
 @pytest.mark.parametrize("name", ["plain", "dspark-markov", "ddtree"])
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_one_host_read_per_round(target, drafters, name, temperature, monkeypatch):
+@pytest.mark.parametrize("temperature,sampling", [(0.0, {}), (1.0, {}), (1.0, TOP_K_P)], ids=["T0", "T1", "top-k-p"])
+def test_one_host_read_per_round(target, drafters, name, temperature, sampling, monkeypatch):
     """On the code paths a GPU runs, a round reads the device once (the accepted tokens), at
     R = 1 and with continuous batching (rows joining, leaving, padded to a bucket); no host data
-    is copied to the device inside a round. The rounds verify by the default rules: block
-    verification of dspark's chains, recursive rejection over ddtree's sampled trees (T = 1)."""
+    is copied to the device inside a round (top-k and top-p included: a copy would break CUDA
+    graph capture). The rounds verify by the default rules: block verification of dspark's
+    chains, recursive rejection over ddtree's sampled trees (T = 1)."""
     reads: list[int] = []
     live: list = []  # the running counter, read by the patched round
     real = SpeculativeEngine._round
@@ -76,11 +84,11 @@ def test_one_host_read_per_round(target, drafters, name, temperature, monkeypatc
     monkeypatch.setattr(SpeculativeEngine, "_round", counted)
     for max_batch in (1, 3):
         with device_path():
-            _, engine = _run(target, drafters[name], temperature=temperature, max_batch=max_batch)  # warm
+            _, engine = _run(target, drafters[name], temperature=temperature, max_batch=max_batch, **sampling)  # warm
         reads.clear()
         with count_host_reads() as counter:
             live.append(counter)
-            _run(target, drafters[name], temperature=temperature, max_batch=max_batch, engine=engine)
+            _run(target, drafters[name], temperature=temperature, max_batch=max_batch, engine=engine, **sampling)
         live.clear()
         assert reads and max(reads) == 1, (max_batch, reads, counter.sites.most_common(5))
         assert set(engine.stats.verify_rules) == DEFAULT_RULES[name][temperature]
@@ -118,6 +126,77 @@ def test_every_round_compiles_without_graph_breaks(target, drafters, name):
     _same_tokens(target, drafters[name], "compile")
 
 
+@pytest.mark.parametrize("name", ["plain", "dspark-markov", "ddtree"])
+def test_a_run_reserves_its_windows_and_captures_each_shape_once(target, drafters, name, monkeypatch):
+    """A run's caches are reserved for its widest attention window (the longest prompt + the new
+    tokens + the widest verify, rounded up to the window bucket; here the last rounds' windows
+    pass the first 64-slot bucket), so no round reallocates a cache (which would re-key, and
+    recapture, every graph); a second run of the same shapes captures nothing; a run that needs
+    more room frees the graphs captured over the old buffers."""
+    seen: list[tuple] = []
+    real = SpeculativeEngine._round
+
+    def watched(self, rows, results):
+        real(self, rows, results)
+        seen.append((rows.batch.generation, None if rows.dstate is None else rows.dstate.cache.generation))
+
+    monkeypatch.setattr(SpeculativeEngine, "_round", watched)
+    prompts = [list(range(3, 3 + n)) for n in (50, 31, 44)]
+    run = dict(temperature=1.0, max_batch=3, max_new_tokens=12, prompts=prompts)
+    with device_path():
+        want, _ = _run(target, drafters[name], **run)
+        got, engine = _run(target, drafters[name], graphs="check", **run)
+        assert got == want and len(set(seen)) == 1, sorted(set(seen))
+        runner = engine._session.runner
+        captured = runner.captures
+        _run(target, drafters[name], graphs="check", engine=engine, **run)
+        assert runner.captures == captured and runner._entries
+        engine._rows(longest_prompt=200)  # the next run needs more room: the caches grow
+        assert not runner._entries
+
+
+@pytest.mark.parametrize("name", ["plain", "dspark-markov", "ddtree"])
+def test_cuda_mode_gives_the_eager_tokens_with_outputs_outside_the_graph_pool(target, drafters, name, monkeypatch):
+    """"cuda" mode's capture and replay on a CPU emulation of CUDA graphs (tests/graph_emulation.py:
+    a replay runs the captured ops only, no Python) give the eager tokens, T = 0 and 1, rows
+    padded to a bucket; and no tensor the runner returns lives in the graphs' shared memory pool,
+    so no graph's replay, in whatever order, writes another graph's outputs."""
+    from dspec_cli.runtime import engine as engine_mod
+    from dspec_cli.runtime.graphs import GraphSettings
+    from tests.graph_emulation import EmulatedGraphs
+
+    emulated = EmulatedGraphs()
+    monkeypatch.setattr(engine_mod, "GraphRunner", functools.partial(GraphRunner, graph_api=emulated))
+    with device_path():
+        for temperature in (0.0, 1.0):
+            want, _ = _run(target, drafters[name], temperature=temperature, max_batch=3)
+            engine = SpeculativeEngine(target, drafters[name], GenerationConfig(
+                max_new_tokens=10, temperature=temperature, block_size=4, max_batch=3, seed=3), stop_ids=[])
+            engine.graphs = GraphSettings("cuda")  # the CUDA path, on the emulation
+            assert [r.output_ids for r in engine.generate(PROMPTS)] == want, temperature
+            runner = engine._session.runner
+            assert runner.captures == emulated.captured > 0
+            owned = {x.untyped_storage().data_ptr() for entry in runner._entries.values()
+                     for x in pytree.tree_leaves(entry.outputs) if isinstance(x, torch.Tensor) and x.numel()}
+            assert owned and not owned & emulated.pool
+            emulated.captured = 0
+
+
+@pytest.mark.parametrize("graphs", ["eager", "check"])
+def test_a_dropped_engine_frees_its_caches_at_once(target, drafters, graphs):
+    """No reference cycle holds an engine's KV caches: dropping the engine frees them without the
+    cycle collector (a GPU's memory comes back when the engine goes)."""
+    engine = _run(target, drafters["dspark-markov"], temperature=1.0, max_batch=2, graphs=graphs)[1]
+    refs = [weakref.ref(engine._session.batch.cache.layers[0].keys), weakref.ref(engine._session.dstate.cache._keys[0])]
+    gc.collect()
+    gc.disable()
+    try:
+        del engine
+        assert [ref() for ref in refs] == [None, None]
+    finally:
+        gc.enable()
+
+
 def test_check_mode_catches_state_made_anew_each_round(target, drafters, monkeypatch):
     """A drafter whose propose reads state reallocated between rounds could not be replayed as a
     graph: "check" mode says so."""
@@ -150,12 +229,18 @@ def test_greedy_tokens_match_the_engine_before_static_rounds():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graphs_give_the_eager_tokens():  # pragma: no cover - GPU machines
+    """Against "check": the same padded shapes run eagerly, so the same kernels (exact-shape eager
+    rounds may pick other GEMM kernels, which can move a near tie)."""
     target = Target(tiny_target("qwen3").model.cuda())
-    drafter = build("dspark-markov", target)
-    for temperature in (0.0, 1.0):
-        want, _ = _run(target, drafter, temperature=temperature, max_batch=3, graphs="eager")
-        got, engine = _run(target, drafter, temperature=temperature, max_batch=3, graphs="cuda")
-        assert got == want and engine._session.runner.captures > 0
+    for name in ("plain", "dspark-markov", "ddtree"):
+        drafter = None if name == "plain" else build("dspark-markov", target)
+        if name == "ddtree":
+            cls = get_drafter_class("ddtree")
+            drafter = cls(cls.config_class(tree_budget=6), target, drafter)
+        for temperature, sampling in ((0.0, {}), (1.0, {}), (1.0, TOP_K_P)):
+            want, _ = _run(target, drafter, temperature=temperature, max_batch=3, graphs="check", **sampling)
+            got, engine = _run(target, drafter, temperature=temperature, max_batch=3, graphs="cuda", **sampling)
+            assert got == want and engine._session.runner.captures > 0, (name, temperature, sampling)
 
 
 def test_row_buckets_and_hole_filling():
@@ -169,8 +254,8 @@ def test_row_buckets_and_hole_filling():
 
 
 def test_graph_runner_pads_rows_and_checks_replays():
-    """Inputs are zero-padded to the bucket; "check" replays reuse the static buffers and the
-    same outputs, and notice state reallocated between calls."""
+    """Inputs are zero-padded to the bucket; "check" calls reuse the input and output buffers (the
+    keys of one role share them) and notice state reallocated between calls."""
     state = {"w": torch.ones(4)}
 
     def fn(x):
@@ -180,13 +265,15 @@ def test_graph_runner_pads_rows_and_checks_replays():
     assert eager("k", fn, [torch.ones(3)], 4) == (torch.tensor([3.0]), 4)
     check = GraphRunner("check")
     first = check("k", fn, [torch.ones(3)], 4)[0]
+    assert first.item() == 3.0
     second = check("k", fn, [torch.full((2,), 2.0)], 4)[0]  # records what a capture would see
-    third = check("k", fn, [torch.full((1,), 5.0)], 4)[0]
-    assert first.item() == 3.0 and third is second and third.item() == 5.0
+    assert second is first and second.item() == 4.0
+    assert check("k", fn, [torch.full((1,), 5.0)], 4)[0] is first and first.item() == 5.0
+    other = check("k2", fn, [torch.ones(2)], 4, role="k")[0]  # another key of the role: the same buffers
+    assert other is first and first.item() == 2.0 and check.captures == 2
     state["w"] = torch.ones(4)  # reallocated: a graph would read the old one
     with pytest.raises(RuntimeError, match="reallocated"):
         check("k", fn, [torch.ones(1)], 4)
-    assert check.captures == 1
 
 
 def test_reads_free_only_on_a_cpu_outside_device_path():

@@ -11,6 +11,7 @@ from dspec_cli.runtime.target import Target
 from tests.tiny_models import (
     FACTORIES,
     VOCAB_SIZE,
+    tiny_gemma3,
     tiny_qwen3,
     tiny_target,
     tiny_tokenizer,
@@ -378,3 +379,39 @@ def test_grouped_query_attention_stacks_query_heads_instead_of_copying_the_cache
     eager = tiny_qwen3()
     eager.set_attn_implementation("eager")
     assert not attention.use_for(eager) and eager.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("factory,masks", [(tiny_qwen3, 1), (tiny_gemma3, 2)])  # gemma3: full and sliding layers
+def test_masked_steps_read_the_cache_in_place_with_one_mask_per_forward(monkeypatch, factory, masks):
+    """Every SDPA call of a static step (one query token or several, under a mask or not) reads
+    the slot cache's own K/V buffers with the cache's head count: no step copies K/V per head,
+    whatever transformers does for one query token. The layers of one forward share one mask
+    (stacked once for several query tokens; for one, the step's mask or, on the dense path,
+    transformers' own), one per layer type."""
+    import torch.nn.functional as F
+
+    calls: list[tuple] = []
+    real = F.scaled_dot_product_attention
+
+    def spy(query, key, value, attn_mask=None, **kwargs):
+        calls.append((key, attn_mask, kwargs.get("enable_gqa", False)))
+        return real(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    t = Target(factory())
+    kv_heads = t.config.num_key_value_heads
+    for rows, lens in ((3, [6, 3, 9]), (1, [5])):
+        batch = t.new_batch(rows=4, slots=64)
+        t.prefill(batch, [list(range(1, n + 1)) for n in lens])
+        buffers = {buf.untyped_storage().data_ptr() for layer in batch.cache.kv_layers() for buf in layer.kv()}
+        for q in (1, 4):
+            for dense in (False, True) if rows == 1 else (False,):
+                calls.clear()
+                window = batch.window(q, bucket=1 if dense else 16)
+                assert t.dense(batch, q, window) == dense
+                t.score(batch, torch.ones(rows if dense else 4, q, dtype=torch.long), None, window, dense)
+                assert len(calls) == t.num_layers
+                for key, mask, gqa in calls:
+                    assert key.shape[1] == kv_heads and key.untyped_storage().data_ptr() in buffers
+                    assert not (gqa and mask is not None)  # enable_gqa under a mask: CUDA's math kernel
+                assert len({id(mask) for _, mask, _ in calls}) <= masks, (rows, q, dense)

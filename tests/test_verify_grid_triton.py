@@ -20,6 +20,7 @@ from dspec_cli.runtime.verify import (  # noqa: E402
     reference,
     triton_block,
     verify_chain_grid,
+    verify_chain_logits_grid,
     verify_greedy_grid,
 )
 from dspec_cli.runtime.verify import block as block_reference  # noqa: E402
@@ -76,6 +77,20 @@ def test_chain_grid_triton_equals_torch(R, W, V, counter):
             assert (res.tokens[past] == PAD).all()
             accepted += int(res.accepted.sum())
     assert R * W < 8 or 0 < accepted < 4 * int(x["ell"].sum())  # accepts and rejects both happen
+
+
+@pytest.mark.parametrize("R,W,V", CASES[1:4])
+def test_chain_grid_from_logits_triton_equals_torch(R, W, V):
+    """The engine's CUDA verify: the kernels read the logits (fp32 or bf16, no probabilities
+    written), token and block rules, one-hot drafts, explicit and counter noise; the torch path
+    computes logits_to_probs first. Same decisions and tokens."""
+    x = make_grid(R, W, V, seed=R * 7 + W + V)
+    logits = torch.log(x["p"]) * 1.3  # softmax(logits / 1.3) = p
+    for dtype, noise in ((torch.float32, x["noise"]), (torch.bfloat16, CounterNoise(x["seeds"], x["offsets"], 5))):
+        for method in ("token", "block"):
+            for q in (x["q"], None):
+                both(verify_chain_logits_grid, logits.to(dtype), x["drafts"], q, x["ell"], temperature=1.3,
+                     method=method, uniforms=x["u"], noise=noise)
 
 
 @pytest.mark.parametrize("R,W,V", CASES)
@@ -136,6 +151,8 @@ def test_grid_calls_never_read_back():
         lambda m, q: verify_chain_grid(x["p"], x["drafts"], q, x["ell"], method=m, uniforms=x["u"], noise=x["noise"],
                                        backend="triton"),
         lambda m, q: verify_greedy_grid(x["p"].log(), x["drafts"], x["ell"], backend="triton"),
+        lambda m, q: verify_chain_logits_grid(x["p"].log(), x["drafts"], q, x["ell"], temperature=0.9, method=m,
+                                              uniforms=x["u"], noise=noise, backend="triton"),
     ]  # fmt: skip
     for call in calls:
         for method in ("token", "block"):
@@ -147,6 +164,48 @@ def test_grid_calls_never_read_back():
                 assert reads.total == 0, reads.sites.most_common(5)
 
 
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="runs a CPU engine on the interpreted kernels")
+def test_engine_rounds_on_the_triton_kernels_give_the_torch_race_tokens(monkeypatch):
+    """A CUDA round's acceptance, on a CPU: the engine's race path (final tokens by counter
+    noise, logits in the model's dtype, as on CUDA) with the grid verifiers' "auto" backend on
+    the (interpreted) Triton kernels, which read the logits, gives the tokens of the same path on
+    the torch reference: plain steps and dspark's chains (block and token rules, T = 0, 0.7, 1),
+    continuous batching of 3 rows."""
+    from dspec_cli.core.plugins import get_drafter_class
+    from dspec_cli.runtime import verify as verify_module
+    from dspec_cli.runtime.engine import GenerationConfig, SpeculativeEngine
+    from tests.tiny_models import tiny_target
+
+    target = tiny_target("qwen3", seed=0)
+    cls = get_drafter_class("dspark-markov")
+    torch.manual_seed(1)
+    dspark = cls.build(cls.config_class(block_size=4, num_layers=2, markov_rank=16), target)
+    prompts = [[5, 17, 33, 2, 90, 41], [7, 8, 9], [100, 3, 64, 64, 12, 1, 5, 77, 2], [4, 4]]
+    real = verify_module._backend
+    called: set[str] = set()
+
+    def spy(module, name):
+        fn = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, **k: called.add(name) or fn(*a, **k))
+
+    spy(triton_backend, "chain_logits"), spy(triton_block, "block_logits"), spy(triton_backend, "draw")
+
+    def run(kernels: bool, drafter, **settings):
+        engine = SpeculativeEngine(target, drafter, GenerationConfig(max_new_tokens=8, block_size=4, max_batch=3, seed=3,
+                                                                     **settings), stop_ids=[])
+        engine._inverse_cdf = False  # the race, as off a CPU
+        with monkeypatch.context() as patch, device_path():
+            if kernels:
+                patch.setattr(verify_module, "_backend", lambda b, d: real("triton" if b == "auto" else b, d))
+            return [r.output_ids for r in engine.generate(prompts)], engine.stats.verify_rules
+
+    for drafter, settings in ((None, dict(temperature=1.0)), (dspark, dict(temperature=1.0)),
+                              (dspark, dict(temperature=0.7, chain_verify="token")), (dspark, dict(temperature=0.0))):
+        want, rules = run(False, drafter, **settings)
+        assert run(True, drafter, **settings) == (want, rules), settings
+    assert called == {"chain_logits", "block_logits", "draw"}
+
+
 # -- lossless on the Triton grid path: chi-square against exact target sampling ---------------
 # 100 requests (the interpreter runs each program in Python, a few seconds a test): coins bent
 # to u³ are rejected at p < 1e-6 while the real path passes at alpha = 1e-4 (p ≈ 0.8 for both rules).
@@ -155,10 +214,11 @@ GAMMA = 3
 PAIR = (torch.tensor([0.6, 0.3, 0.1]), torch.tensor([0.1, 0.3, 0.6]))  # target and a drafter that mostly disagrees
 
 
-def _grid_verifier(target_probs, draft_tokens, draft_probs, num_draft, *, generator, method, bend=None):
+def _grid_verifier(target_probs, draft_tokens, draft_probs, num_draft, *, generator, method, bend=None, logits=False):
     """The ragged round of simulate_speculative laid out as padded rows of GAMMA drafts (junk in
-    the padding) and verified by verify_chain_grid on the Triton backend; ``bend`` maps the coins
-    (a deliberately wrong draw)."""
+    the padding) and verified by verify_chain_grid on the Triton backend (``logits``: by
+    verify_chain_logits_grid on log-probabilities at T = 1, what the engine runs on CUDA);
+    ``bend`` maps the coins (a deliberately wrong draw)."""
     R, V = num_draft.numel(), target_probs.shape[1]
     rows = torch.arange(GAMMA + 1) <= num_draft[:, None]  # [R, GAMMA+1]
     p = torch.softmax(torch.randn(R, GAMMA + 1, V, generator=generator), -1)
@@ -170,8 +230,12 @@ def _grid_verifier(target_probs, draft_tokens, draft_probs, num_draft, *, genera
     u = torch_uniform((R, GAMMA), generator=generator)
     noise = CounterNoise(torch.randint(0, 2**62, (R,), generator=generator).to(DEVICE), torch.zeros(R, dtype=torch.long,
                          device=DEVICE), 7)  # fmt: skip
-    res = verify_chain_grid(p.to(DEVICE), drafts.to(DEVICE), q.to(DEVICE), num_draft.to(DEVICE), method=method,
-                            uniforms=(u if bend is None else bend(u)).to(DEVICE), noise=noise, backend="triton")
+    args = (drafts.to(DEVICE), q.to(DEVICE), num_draft.to(DEVICE))
+    kw = dict(method=method, uniforms=(u if bend is None else bend(u)).to(DEVICE), noise=noise, backend="triton")
+    if logits:
+        res = verify_chain_logits_grid(p.log().to(DEVICE), *args, temperature=1.0, **kw)
+    else:
+        res = verify_chain_grid(p.to(DEVICE), *args, **kw)
     return VerifyResult(res.accepted.cpu(), res.tokens.cpu(), res.num_tokens.cpu())
 
 
@@ -187,11 +251,13 @@ def _p_value(method: str, **verifier_kw) -> float:
     return T.gof_test(tokens, T.exact_target_joint(target, 0, 2)).p_value  # the first two tokens
 
 
+@pytest.mark.parametrize("logits", [False, True], ids=["probs", "logits"])
 @pytest.mark.parametrize("method", ["token", "block"])
-def test_triton_grid_path_is_lossless(method):
-    assert _p_value(method) > 1e-4
+def test_triton_grid_path_is_lossless(method, logits):
+    assert _p_value(method, logits=logits) > 1e-4
 
 
+@pytest.mark.parametrize("logits", [False, True], ids=["probs", "logits"])
 @pytest.mark.parametrize("method", ["token", "block"])
-def test_triton_grid_path_with_bent_coins_is_caught(method):
-    assert _p_value(method, bend=lambda u: u**3) < 1e-6  # coins too small: drafts accepted too often
+def test_triton_grid_path_with_bent_coins_is_caught(method, logits):
+    assert _p_value(method, bend=lambda u: u**3, logits=logits) < 1e-6  # coins too small: drafts accepted too often

@@ -199,6 +199,20 @@ def test_block_kernels_match_reference(R, V, gamma, block, closeness):
     assert_same(triton_block.block(*args, block_v=block), block_reference.block(*args))
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+@pytest.mark.parametrize("R,V,gamma,block", CASES[1:5])
+def test_block_from_logits_matches_reference_on_probs(R, V, gamma, block, temperature):
+    """The block kernels reading logits (probabilities computed where they are read, counter
+    noise in the kernel) decide and draw as the reference on logits_to_probs."""
+    x = make_inputs(R, V, gamma, seed=R * 11 + V + gamma, closeness=0.3)
+    rest = (x["draft_tokens"], x["draft_probs"], x["num_draft"], x["uniforms"], counter_noise(x), x["total"], x["width"])
+    ref = block_reference.block(logits_to_probs(x["target_logits"], temperature), *rest)
+    assert ref.accepted.sum() > 0
+    assert_same(triton_block.block_logits(x["target_logits"], temperature, *rest, block_v=block), ref)
+    half = triton_block.block_logits(x["target_logits"].bfloat16(), temperature, *rest, block_v=block)
+    assert_same(half, block_reference.block(logits_to_probs(x["target_logits"].bfloat16(), temperature), *rest))
+
+
 def test_block_half_precision_and_counter_randomness():
     x = make_inputs(5, 200, 4, seed=9, dtype=torch.bfloat16, closeness=0.3)
     args = chain_args(x)
@@ -235,7 +249,7 @@ SETTINGS = [dict(temperature=1.0), dict(temperature=0.7), dict(temperature=0.0),
             dict(temperature=0.8, top_k=20), dict(temperature=1.0, top_p=0.8)]  # fmt: skip
 
 
-@pytest.mark.parametrize("settings", SETTINGS)
+@pytest.mark.parametrize("settings", SETTINGS + [dict(temperature=0.8, method="block")])
 def test_logits_api_backends_agree(settings):
     x = make_inputs(10, 400, 6, seed=9, closeness=0.2)
     keys = dict(seeds=x["seeds"], offsets=x["offsets"])
@@ -246,6 +260,7 @@ def test_logits_api_backends_agree(settings):
     quiet = verify_chain_logits(*args, backend="triton", max_draft=x["width"], validate=False, **keys, **settings)
     assert_same(quiet, ref)
     logits = x["target_logits"][:7]
+    settings = {k: v for k, v in settings.items() if k != "method"}
     draws = [sample_logits(logits, x["seeds"][:7], x["offsets"][:7], salt=5, backend=b, **settings) for b in BOTH]
     assert torch.equal(*draws)
 

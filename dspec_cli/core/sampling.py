@@ -124,8 +124,7 @@ def _scalar_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     probs = torch.softmax(logits if temperature == 1 else logits / temperature, dim=-1)
     if top_k == 0 and top_p == 1:
         return probs
-    n, dev = logits.shape[0], logits.device
-    return _top_k_top_p(probs, _row_param(top_k, n, dev, torch.long), _row_param(top_p, n, dev, torch.float32))
+    return _top_k_top_p(probs, top_k, top_p)  # python scalars: nothing copied to the device (capturable)
 
 
 def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -133,16 +132,18 @@ def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
 
 
-def _top_k_top_p(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask probs [N, V] to the top-k [N, 1] then nucleus top_p [N, 1] sets and renormalise."""
+def _top_k_top_p(probs: torch.Tensor, k: torch.Tensor | int, top_p: torch.Tensor | float) -> torch.Tensor:
+    """Mask probs [N, V] to the top-k then nucleus top_p sets and renormalise; k and top_p are
+    per-row tensors [N, 1] or python scalars shared by every row (compared on the device as
+    they are: no host-to-device copy, so a captured CUDA graph may run this)."""
     vocab = probs.shape[-1]
     sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab, device=probs.device)
-    keep = rank < torch.where(k > 0, k, vocab)  # [N, V] in sorted order
-    sorted_p = sorted_p * keep
+    keep = rank < (torch.where(k > 0, k, vocab) if isinstance(k, torch.Tensor) else k if k > 0 else vocab)
+    sorted_p = sorted_p * keep  # [N, V] in sorted order
     mass = sorted_p.cumsum(-1)
     before = mass - sorted_p  # mass of strictly better-ranked tokens
-    keep &= (before < top_p * mass[:, -1:]) | (top_p >= 1)
+    keep = keep & ((before < top_p * mass[:, -1:]) | (top_p >= 1))
     kept = torch.zeros_like(probs).scatter_(-1, order, sorted_p * keep)
     return kept / kept.sum(-1, keepdim=True)
 

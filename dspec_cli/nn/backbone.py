@@ -41,6 +41,7 @@ from torch import nn
 
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.host import reads_free
+from dspec_cli.nn.gqa import sdpa_stacked
 from dspec_cli.nn.linear import Linear
 
 __all__ = [
@@ -326,7 +327,12 @@ _FLEX = {}
 def attend(q, k, v, mask, gqa: bool, scale: float | None = None) -> torch.Tensor:
     """Attention of q [b, H, Q, hd] over k, v [b, Hkv, K, hd] (``gqa``: H a multiple of Hkv) under
     a bool mask [b, 1, Q, K] (SDPA; None: every key visible) or a BlockMask (flex) -> [b, H, Q, hd];
-    ``scale`` None = 1/sqrt(head_dim)."""
+    ``scale`` None = 1/sqrt(head_dim). On CUDA, grouped heads under a mask stack their queries
+    (:func:`~dspec_cli.nn.gqa.sdpa_stacked`): SDPA's fused kernels take that layout, where
+    ``enable_gqa`` with a mask falls back to the math kernel. A CPU's SDPA takes grouped heads under
+    a mask natively, so CPUs keep that call (and their numbers)."""
+    if isinstance(mask, torch.Tensor) and gqa and q.is_cuda:
+        return sdpa_stacked(q, k, v, mask, scale=scale)
     if mask is None or isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
     from torch.nn.attention.flex_attention import flex_attention
@@ -421,11 +427,11 @@ class ContextCache:
     def capacity(self) -> int:
         return self._keys[0].shape[2]
 
-    def reserve(self, rows: int, slots: int) -> None:
-        """Room for ``rows`` rows of ``slots`` slots (grows by copying: a new generation)."""
+    def reserve(self, rows: int, slots: int) -> bool:
+        """Room for ``rows`` rows of ``slots`` slots; True when it grew (by copying: a new generation)."""
         have_rows, have_slots = self._keys[0].shape[0], self.capacity
         if rows <= have_rows and slots <= have_slots:
-            return
+            return False
         rows, slots = max(rows, have_rows), max(slots, have_slots)
 
         def grow(t):
@@ -439,6 +445,7 @@ class ContextCache:
         lengths[: self._lengths.shape[0]] = self._lengths
         self._lengths = lengths
         self.generation += 1
+        return True
 
     def add_rows(self, n: int) -> None:
         """n empty rows join at the end."""

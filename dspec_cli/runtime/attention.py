@@ -1,19 +1,23 @@
 """The target's attention: transformers' SDPA, with grouped-query attention over a mask done
 without copying the cache.
 
-transformers' ``sdpa`` attention passes a mask to SDPA for several query tokens after a cache
-(every verify step), and then repeats each KV head for its query heads: a copy of the whole
-K/V cache per layer and step. ``dspec_sdpa`` instead stacks the query heads that share a KV head
-along the query axis, [B, H, q, d] -> [B, H_kv, n·q, d], repeats the mask rows to match, and
-calls SDPA once per KV head: the same attention over the same keys, with no copy of the cache.
-Every other call (one query token, no mask, float masks, position biases) goes to transformers'
-``sdpa_attention_forward`` unchanged. :func:`use_for` switches a model loaded with ``sdpa``.
+transformers' ``sdpa`` attention, given a mask (every masked step: a plain step's one query
+token as well as a verify step's several), repeats each KV head for its query heads, a copy of
+the whole K/V cache per layer and step (recent versions skip the copy for one query token, but
+not under ``torch.compile``). ``dspec_sdpa`` instead stacks the query heads that share a KV head
+along the query axis and calls SDPA once with as many heads as the cache
+(:func:`dspec_cli.nn.gqa.sdpa_stacked`): the same attention over the same keys, for any query
+length and any transformers version, with no copy of the cache; the stacked mask is made once
+per forward, not per layer. Every other call (no mask, float masks, position biases) goes to
+transformers' ``sdpa_attention_forward`` unchanged. :func:`use_for` switches a model loaded
+with ``sdpa``.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from dspec_cli.nn.gqa import sdpa_stacked
 
 __all__ = ["NAME", "use_for"]
 
@@ -26,21 +30,16 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
-    batch, heads, q_len, dim = query.shape
     stack = (
-        groups > 1 and q_len > 1 and isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
+        groups > 1 and isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
         and attention_mask.dim() == 4 and attention_mask.shape[1] == 1 and kwargs.get("position_bias") is None
-        and kwargs.get("softcap") is None and key.shape[1] * groups == heads
+        and kwargs.get("softcap") is None and key.shape[1] * groups == query.shape[1]
     )  # fmt: skip
     if not stack:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    kv_heads, slots = key.shape[1], key.shape[2]
-    q = query.reshape(batch, kv_heads, groups * q_len, dim)  # query heads of one KV head, one after another
-    mask = attention_mask.expand(batch, 1, q_len, slots)[:, :, None].expand(batch, 1, groups, q_len, slots)
-    out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask.reshape(batch, 1, groups * q_len, slots),
-                                         dropout_p=dropout if module.training else 0.0, scale=scaling)
-    return out.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
+    out = sdpa_stacked(query, key, value, attention_mask, scale=scaling, dropout=dropout if module.training else 0.0)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def attn_implementation(model) -> str | None:

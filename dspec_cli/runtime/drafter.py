@@ -215,10 +215,18 @@ class Drafter:
         return state.num_requests
 
     # -- capture (CUDA graphs) --------------------------------------------------------------
-    def reserve(self, state: DraftState, rows: int, slots: int) -> None:
+    def reserve(self, state: DraftState, rows: int, slots: int) -> bool:
         """Room for ``rows`` rows (padding rows of a captured graph included) of up to ``slots``
-        committed tokens each, made before the rounds so that they never reallocate the state.
+        committed tokens each, made before the rounds so that they never reallocate the state;
+        True when state storage was reallocated (graphs captured over it are then stale).
         Default: nothing."""
+        return False
+
+    def verify_tokens(self, max_len: int) -> int:
+        """Most tokens per row a round with proposals of up to ``max_len`` drafts sends to the
+        target, the anchor included (the engine reserves cache room for them): ``max_len + 1``
+        for chains; tree drafters return their node budget + 1."""
+        return max_len + 1
 
     def capture_key(self, state: DraftState, bucket: int) -> Hashable | None:
         """What this round's :meth:`propose` and :meth:`advance_grid` shapes and state storage
@@ -284,8 +292,11 @@ class WrappedDrafter(Drafter):
     def num_rows(self, state: DraftState) -> int:
         return self.base.num_rows(state)
 
-    def reserve(self, state: DraftState, rows: int, slots: int) -> None:
-        self.base.reserve(state, rows, slots)
+    def reserve(self, state: DraftState, rows: int, slots: int) -> bool:
+        return self.base.reserve(state, rows, slots)
+
+    def verify_tokens(self, max_len: int) -> int:
+        return self.base.verify_tokens(max_len)
 
     def capture_key(self, state: DraftState, bucket: int) -> Hashable | None:
         key = self.base.capture_key(state, bucket)

@@ -42,6 +42,7 @@ from dspec_cli.runtime.verify import (
     CHAIN_METHODS,
     sample_logits,
     verify_chain_grid,
+    verify_chain_logits_grid,
     verify_greedy_grid,
     verify_tree_grid,
 )
@@ -201,7 +202,8 @@ class SpeculativeEngine:
         self.stats = RunStats()
         self.graphs = self.config.graph_settings(target.device)
         # CPU: target tokens by inverse CDF with one uniform per row (a vocabulary-wide noise
-        # vector costs ~0.5 ms per step there); elsewhere the exponential race (the Triton verifier's)
+        # vector costs ~0.5 ms per step there), from float logits; elsewhere the exponential race
+        # (the Triton verifier's), from logits in the model's dtype (the kernels upcast as they read)
         self._inverse_cdf = target.device.type == "cpu"
         self._session: _Session | None = None
         self._marks: list[float] = []  # phase boundaries inside an eager verify step
@@ -233,7 +235,10 @@ class SpeculativeEngine:
 
     def _rows(self, longest_prompt: int) -> _Rows:
         """The running batch of one generate call, on this engine's persistent session (KV
-        caches with room for the run, graphs)."""
+        caches with room for the run, graphs). The room is what the run's widest attention window
+        needs (the longest prompt, every new token and the widest verify, rounded up to the window
+        bucket), so no round reallocates a cache; when this reservation reallocates one, the graphs
+        captured over the old buffers are freed."""
         cfg, dev = self.config, self.target.device
         layer_ids = self.drafter.target_layer_ids if self.drafter is not None else ()
         if self._session is None:
@@ -241,10 +246,14 @@ class SpeculativeEngine:
                                      GraphRunner(self.graphs.mode))
         session = self._session
         rows = self.graphs.rows(cfg.max_batch)
-        slots = longest_prompt + cfg.max_new_tokens + 2 * (cfg.block_size + 1)  # + the widest verify
-        session.batch.reserve(rows, slots)
+        widest = self.drafter.verify_tokens(cfg.block_size) if self.drafter is not None else 1
+        bucket = self.graphs.window()
+        slots = -(-(longest_prompt + cfg.max_new_tokens + widest) // bucket) * bucket
+        grew = session.batch.reserve(rows, slots)
         if self.drafter is not None:
-            self.drafter.reserve(session.dstate, rows, slots)
+            grew = self.drafter.reserve(session.dstate, rows, slots) or grew
+        if grew:
+            session.runner.clear()
         return _Rows(session.batch, session.dstate, dev, runner=session.runner)
 
     # -- the cycle -----------------------------------------------------------------------
@@ -314,7 +323,7 @@ class SpeculativeEngine:
         if key is None:  # not capturable: eagerly, unpadded
             fields = self._propose(*inputs)
         else:
-            fields = rows.runner(("propose", padded, key), self._propose, inputs, padded)
+            fields = rows.runner(("propose", padded, self._sampling(), key), self._propose, inputs, padded, role="propose")
         proposal = _proposal(fields, R)
         budget_now = (cfg.max_new_tokens - rows.produced - 1).clamp(0, cfg.block_size)  # = budget, on the device
         ell = sched(proposal, torch.minimum(proposal.lengths, budget_now))
@@ -368,7 +377,7 @@ class SpeculativeEngine:
         inputs = [grid, ell, rows.seeds, rows.rounds, live] + ([q] if q is not None else [])
 
         def step(grid, ell, seeds, rounds, live, q=None):
-            logits, taps = self.target.score(batch, grid, None, window, dense)
+            logits, taps = self.target.score(batch, grid, None, window, dense, upcast=self._inverse_cdf)
             self._mark()
             res = self._accept(logits, grid, ell, q, seeds, rounds, method)
             self._mark()
@@ -376,8 +385,8 @@ class SpeculativeEngine:
             self.target.keep(batch, keep)
             return res.accepted, res.tokens, keep, taps
 
-        key = ("chain", padded, width, window, dense, q is not None, method, batch.generation)
-        accepted, tokens, keep, taps = rows.runner(key, step, inputs, padded)
+        key = ("chain", padded, width, window, dense, q is not None, method, self._sampling(), batch.generation)
+        accepted, tokens, keep, taps = rows.runner(key, step, inputs, padded, role="verify")
         batch.bound(width + 1)
         res = VerifyResult(accepted=accepted, tokens=tokens, num_tokens=accepted + 1)
         hidden = taps if batch.layer_ids else None
@@ -385,10 +394,11 @@ class SpeculativeEngine:
 
     def _accept(self, logits, grid, ell, q, seeds, rounds, method: str) -> VerifyResult:
         """Accept a prefix of each row's drafts by ``method`` ("token" or "block"): logits
-        [n, 1 + W, V] float of grid [n, 1 + W] (anchor, drafts), ℓ [n]; q [n, W, V] or None
-        (one-hot drafts). The grid verifiers' "auto" backend: the Triton kernels on CUDA (final
-        token by the exponential race), the torch reference on a CPU (final token by the inverse
-        CDF)."""
+        [n, 1 + W, V] (float; on CUDA the model's dtype) of grid [n, 1 + W] (anchor, drafts),
+        ℓ [n]; q [n, W, V] or None (one-hot drafts). The grid verifiers' "auto" backend: the
+        Triton kernels on CUDA (final token by the exponential race; with temperature alone they
+        read the logits, no probabilities written), the torch reference on a CPU (final token by
+        the inverse CDF)."""
         cfg = self.config
         width = grid.shape[1] - 1
         base = rounds * ROUND_STRIDE  # [n]
@@ -398,13 +408,16 @@ class SpeculativeEngine:
         if cfg.greedy:
             return verify_greedy_grid(logits, drafts, ell)
         n, _, vocab = logits.shape
-        probs = sampling.logits_to_probs(logits.flatten(0, 1), cfg.temperature, cfg.top_k, cfg.top_p).view(n, -1, vocab)
         col = torch.arange(width + 1, device=base.device)
         salts = torch.where(col == 0, NOISE_SALT, ENGINE_COIN_SALT)  # final draw at base, draft k's coin at base + k
         u = sampling.uniform(seeds[:, None], base[:, None] + col, salt=salts)  # [n, 1 + W]
+        noise = CounterNoise(seeds, base, NOISE_SALT)  # exponential(seeds, base, V, NOISE_SALT), made where it is used
+        if not self._inverse_cdf and cfg.top_k == 0 and cfg.top_p == 1:
+            return verify_chain_logits_grid(logits, drafts, q, ell, temperature=cfg.temperature, method=method,
+                                            uniforms=u[:, 1:], noise=noise)
+        probs = sampling.logits_to_probs(logits.flatten(0, 1), cfg.temperature, cfg.top_k, cfg.top_p).view(n, -1, vocab)
         if self._inverse_cdf:
             return verify_chain_grid(probs, drafts, q, ell, method=method, uniforms=u[:, 1:], final_uniforms=u[:, 0])
-        noise = CounterNoise(seeds, base, NOISE_SALT)  # exponential(seeds, base, V, NOISE_SALT), made where it is used
         return verify_chain_grid(probs, drafts, q, ell, method=method, uniforms=u[:, 1:], noise=noise)
 
     def _verify_tree(self, rows: _Rows, proposal: Proposal, ell: torch.Tensor, padded: int):
@@ -432,7 +445,7 @@ class SpeculativeEngine:
         inputs = [ids, grid_parents, rows.seeds, rows.rounds, live] + ([q] if q is not None else [])
 
         def step(ids, grid_parents, seeds, rounds, live, q=None):
-            logits, taps = self.target.score(batch, ids, grid_parents, window)
+            logits, taps = self.target.score(batch, ids, grid_parents, window, upcast=self._inverse_cdf)
             self._mark()
             n, width, vocab = logits.shape
             probs = sampling.logits_to_probs(logits.flatten(0, 1), cfg.temperature, cfg.top_k, cfg.top_p)
@@ -451,8 +464,8 @@ class SpeculativeEngine:
             hidden = taps.gather(1, on_path[..., None].expand(n, on_path.shape[1], taps.shape[2]))
             return res.accepted, res.tokens, keep, committed, hidden
 
-        key = ("tree", padded, ids.shape[1], window, method, fanout, batch.generation)
-        accepted, tokens, keep, committed, hidden = rows.runner(key, step, inputs, padded)
+        key = ("tree", padded, ids.shape[1], window, method, fanout, self._sampling(), batch.generation)
+        accepted, tokens, keep, committed, hidden = rows.runner(key, step, inputs, padded, role="verify")
         batch.bound(depth + 1)
         res = VerifyResult(accepted=accepted, tokens=tokens, num_tokens=accepted + 1)
         return res, committed, keep, hidden if batch.layer_ids else None, nodes.sum(1)
@@ -471,7 +484,7 @@ class SpeculativeEngine:
         def step(committed, keep, hidden=None):
             drafter.advance_grid(rows.dstate, committed, keep, hidden)
 
-        rows.runner(("advance", padded, committed.shape[1], key), step, inputs, padded)
+        rows.runner(("advance", padded, committed.shape[1], key), step, inputs, padded, role="advance")
 
     def _mark(self) -> None:
         """A phase boundary inside a verify step (recorded when the step runs eagerly)."""
@@ -559,6 +572,11 @@ class SpeculativeEngine:
                 on_finish(results[i])
 
     # -- helpers -------------------------------------------------------------------------
+    def _sampling(self) -> tuple:
+        """What a captured propose or verify step bakes in besides shapes: the sampling settings."""
+        c = self.config
+        return c.temperature, c.top_k, c.top_p, c.block_size
+
     def _count_rule(self, rule: str) -> None:
         self.stats.verify_rules[rule] = self.stats.verify_rules.get(rule, 0) + 1
 

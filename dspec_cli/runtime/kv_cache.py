@@ -24,6 +24,7 @@ until :meth:`TargetBatch.settle`.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -65,14 +66,22 @@ class ForwardIO:
 
 class SlotLayer(CacheLayerMixin):
     """One decoder layer's keys and values [row capacity, H, slot capacity, D]; see the module
-    docstring. Full history is kept for sliding-window layers too (their window is a mask)."""
+    docstring. Full history is kept for sliding-window layers too (their window is a mask). It
+    refers to its cache weakly: no reference cycle, so a dropped cache's buffers are freed at once,
+    not by the cycle collector."""
 
     is_sliding = False
     is_compileable = True
 
     def __init__(self, cache: SlotCache):
         super().__init__()
-        self.cache = cache
+        self._cache = weakref.ref(cache)
+
+    @property
+    def cache(self) -> SlotCache:
+        cache = self._cache()
+        assert cache is not None, "SlotLayer used after its SlotCache was dropped"
+        return cache
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate the buffers from the first forward's key_states, value_states [n, H, q, D]
@@ -199,12 +208,12 @@ class TargetBatch:
 
     # -- capacity ------------------------------------------------------------------------------
 
-    def reserve(self, rows: int, slots: int) -> None:
-        """Make room for ``rows`` rows of ``slots`` slots (buffers grow by copying: a new
-        ``generation``)."""
+    def reserve(self, rows: int, slots: int) -> bool:
+        """Make room for ``rows`` rows of ``slots`` slots; True when the buffers grew (by copying:
+        a new ``generation``)."""
         have_rows, have_slots = self.cache.capacity
         if rows <= have_rows and slots <= have_slots:
-            return
+            return False
         rows = max(rows, have_rows)
         slots = max(slots, int(have_slots * GROWTH), MIN_SLOTS) if slots > have_slots else have_slots
         self.cache.resize(rows, slots)
@@ -212,6 +221,7 @@ class TargetBatch:
         committed[: self._committed.shape[0]] = self._committed
         self._committed = committed
         self.generation += 1
+        return True
 
     def window(self, q: int, bucket: int = 1) -> int:
         """Slots a forward of q new tokens per row attends over: the longest row (host bound) + q,

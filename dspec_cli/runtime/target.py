@@ -393,6 +393,7 @@ class Target:
 
     def score(
         self, batch: TargetBatch, ids: torch.Tensor, parents: torch.Tensor | None, window: int, dense: bool = False,
+        upcast: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward of ids [n, q] after the committed prefix of rows [0, n) (n may exceed the
         batch's rows up to its row capacity: padding rows), attending over ``window`` slots
@@ -400,7 +401,8 @@ class Target:
         see its ancestors at position committed + depth; None: causal chains. ``dense``: one row
         whose window ends at its last new token, so the model's own causal mask is exact
         (:meth:`dense`). Writes the tokens' K/V at slots committed + 0..q-1 and returns (logits
-        [n, q, V] float, taps [n, q, n·d]); the batch's bookkeeping is unchanged."""
+        [n, q, V] float, or in the model's dtype unless ``upcast``: no float copy for readers that
+        upcast as they read, taps [n, q, n·d]); the batch's bookkeeping is unchanged."""
         rows, q = ids.shape
         committed = batch.committed_rows(rows)
         step = torch.arange(q, device=ids.device)
@@ -413,7 +415,7 @@ class Target:
         slots = committed[:, None] + step
         masks = None if dense else self._masks(committed, pos, vis, window)
         logits, taps = self._forward(batch, 0, ids, pos, slots, window, masks, last_only=False)
-        return logits.float(), taps
+        return logits.float() if upcast else logits, taps
 
     def dense(self, batch: TargetBatch, q: int, window: int) -> bool:
         """One row with an exactly known length and a window ending at its q-th new token: slots

@@ -195,6 +195,10 @@ class DDTreeDrafter(WrappedDrafter):
         self.base.save_pretrained(path)
 
     # -- the decoding cycle: the base's state (WrappedDrafter) ------------------------------
+    def verify_tokens(self, max_len: int) -> int:
+        """The anchor and up to ``tree_budget`` nodes."""
+        return self.config.tree_budget + 1
+
     @torch.no_grad()
     def propose(self, state: DraftState, anchors: torch.Tensor, max_len: int, sampler: Sampler) -> Proposal:
         """A tree of up to ``tree_budget`` nodes and depth min(max_len, γ); the chain fields hold

@@ -244,8 +244,8 @@ class DFlashDrafter(TrainableDrafter):
         self._check_taps(hidden)
         self.net.backbone.extend_cache_grid(state.cache, hidden, counts)
 
-    def reserve(self, state: BlockDraftState, rows: int, slots: int) -> None:
-        state.cache.reserve(rows, slots)
+    def reserve(self, state: BlockDraftState, rows: int, slots: int) -> bool:
+        return state.cache.reserve(rows, slots)
 
     def capture_key(self, state: BlockDraftState, bucket: int):
         """The context window (fixed for this round, rounded up to ``bucket``) and the cache's

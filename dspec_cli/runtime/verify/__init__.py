@@ -54,6 +54,7 @@ __all__ = [
     "verify_chain",
     "verify_chain_grid",
     "verify_chain_logits",
+    "verify_chain_logits_grid",
     "verify_greedy",
     "verify_greedy_grid",
     "verify_tree",
@@ -207,14 +208,14 @@ def verify_chain_logits(
     ``method`` as in :func:`verify_chain`.
 
     On the Triton backend with temperature alone (scalar top_k = 0, top_p = 1) the target
-    probabilities are never written: the kernels reduce softmax statistics per row and read the
-    logits of the few entries and the one row each request needs. Otherwise the probabilities
-    come from ``logits_to_probs`` (the torch reference, and top-k / top-p everywhere).
+    probabilities are never written: the kernels reduce softmax statistics per row and compute
+    the probabilities they read from the logits (the token rule reads the drafts' entries and one
+    row per request, the block rule every draft row). Otherwise the probabilities come from
+    ``logits_to_probs`` (the torch reference, and top-k / top-p everywhere).
     """
     if _scalar(temperature) and float(temperature) == 0:
         return _greedy(target_logits, draft_tokens, num_draft, backend, validate, max_draft)
     fused = _scalar(temperature) and _scalar(top_k) and _scalar(top_p) and int(top_k) == 0 and float(top_p) == 1
-    fused = fused and (method == "token" or draft_probs is None)  # the block kernels read probabilities
     if fused and final_uniforms is None and _backend(backend, target_logits.device) is not reference:
         checks.positive("temperature", float(temperature))
         target, temp = target_logits, float(temperature)
@@ -298,9 +299,10 @@ def _chain(
                                final_uniforms=fu)
     noise = _chain_noise(R, vocab, noise, generator, seeds, offsets, device)
     if block_q is not None:
-        if isinstance(noise, CounterNoise):
-            noise = noise.tensor(vocab)
-        return _block_backend(impl).block(target, draft_tokens, block_q, num_draft, uniforms, noise, total, width)
+        args = (draft_tokens, block_q, num_draft, uniforms, noise, total, width)
+        if temperature is not None:  # the Triton backend (verify_chain_logits chose it)
+            return _block_backend(impl).block_logits(target, temperature, *args)
+        return _block_backend(impl).block(target, *args)
     rest = (draft_tokens, draft_probs, num_draft, uniforms, noise, total, width)
     if temperature is not None:  # the Triton backend (verify_chain_logits chose it)
         return impl.chain_logits(target, temperature, *rest)
@@ -439,10 +441,50 @@ def verify_chain_grid(
     assert noise is not None  # final_uniforms took the reference above
     cu = impl.grid_ends(ell, W)
     if block_q is not None:
-        if isinstance(noise, CounterNoise):
-            noise = noise.tensor(vocab)
         return _block_backend(impl).block(probs, drafts, block_q, ell, coins, noise, R * W, W, cu=cu)
     return impl.chain(probs, drafts, q, ell, coins, noise, R * W, W, cu=cu)
+
+
+def verify_chain_logits_grid(
+    target_logits: torch.Tensor,  # [R, W+1, V], any float dtype
+    draft_tokens: torch.Tensor,  # [R, W]
+    draft_probs: torch.Tensor | None,  # [R, W, V] or None (one-hot drafts)
+    num_draft: torch.Tensor,  # [R], each <= W
+    *,
+    temperature: float,  # > 0
+    method: str = "token",
+    uniforms: torch.Tensor,  # [R, W] float64 in (0, 1): draft k's coin
+    noise: torch.Tensor | CounterNoise,  # [R, V] Exp(1) (or its keys): final token by the race
+    backend: str = "auto",
+) -> VerifyResult:
+    """:func:`verify_chain_grid` against ``logits_to_probs(target_logits, temperature)``. On the
+    Triton backend the probabilities are never written (nor an fp32 copy of the logits): the
+    kernels read the logits as they are and compute the probabilities where they use them, which
+    saves a few vocabulary-wide passes per target row (the engine's verify step on CUDA; tokens
+    equal the reference's except where two candidates are within rounding). The torch reference
+    computes the probabilities first. No host reads."""
+    R, W = _grid_shapes(target_logits, "target_logits", draft_tokens, num_draft)
+    vocab = target_logits.shape[2]
+    impl = _backend(backend, target_logits.device)
+    if impl is reference:
+        probs = logits_to_probs(target_logits.flatten(0, 1), temperature).view(R, W + 1, vocab)
+        return verify_chain_grid(probs, draft_tokens, draft_probs, num_draft, method=method, uniforms=uniforms,
+                                 noise=noise, backend="torch")
+    if method not in CHAIN_METHODS:
+        raise ValueError(f"method: expected one of {CHAIN_METHODS}, got {method!r}")
+    checks.positive("temperature", float(temperature))
+    if draft_probs is not None:
+        checks.shape("draft_probs", draft_probs, (R, W, vocab))
+    checks.shape("uniforms", uniforms, (R, W))
+    if isinstance(noise, torch.Tensor):
+        noise = noise.float()
+    logits, drafts, ell = target_logits.flatten(0, 1), draft_tokens.flatten().long(), num_draft.long()
+    q = None if draft_probs is None else draft_probs.flatten(0, 1)
+    args = (drafts, q, ell, uniforms.flatten().double(), noise, R * W, W)
+    cu = impl.grid_ends(ell, W)
+    if method == "block" and q is not None:  # one-hot drafts: block = token in law
+        return _block_backend(impl).block_logits(logits, float(temperature), *args, cu=cu)
+    return impl.chain_logits(logits, float(temperature), *args, cu=cu)
 
 
 def verify_greedy_grid(

@@ -123,9 +123,12 @@ def _noise_args(noise: torch.Tensor | CounterNoise, dummy: torch.Tensor) -> tupl
     return noise, noise.stride(0), dummy, dummy, 0, False
 
 
-def _race(target, from_logits: bool, temperature: float, draft_tokens, draft_probs, num_draft, cu, uniforms,
-          noise, accepted, fin_stats, width: int, block_v: int | None) -> VerifyResult:
-    """The final token's race partials and the per-request decision (shared by both chains)."""
+def _race(target, temperature: float | None, draft_tokens, draft_probs, num_draft, cu, uniforms, noise, accepted,
+          decided: bool, fin_stats, scale, width: int, block_v: int | None) -> VerifyResult:
+    """The final token's race partials and the per-request decision (shared by the chains and
+    the block rule): ``temperature`` None reads probabilities, else logits with ``fin_stats``;
+    ``decided``: ``accepted`` holds the decision already (else the token rule makes it here);
+    ``scale`` [R] float32 or None: the block rule's weight ρ_τ of the target row."""
     R, vocab, dev = num_draft.numel(), target.shape[1], target.device
     block = _block(vocab, R, block_v)
     n_blocks = triton.cdiv(vocab, block)
@@ -136,9 +139,11 @@ def _race(target, from_logits: bool, temperature: float, draft_tokens, draft_pro
     fin_max, fin_sum = fin_stats if fin_stats is not None else (target, target)
     _run(
         K.race_partials_kernel, (R, n_blocks),
-        target, draft_tokens, q, num_draft, cu, uniforms, noise_t, seeds, offsets, accepted, fin_max, fin_sum, *parts,
-        target.stride(0), q.stride(0), noise_stride, vocab, n_blocks, temperature, salt,
-        FROM_LOGITS=from_logits, HAS_Q=draft_probs is not None, HASHED=hashed, WIDTH=_width(width + 1), block_v=block,
+        target, draft_tokens, q, num_draft, cu, uniforms, noise_t, seeds, offsets, accepted,
+        scale if scale is not None else target, fin_max, fin_sum, *parts,
+        target.stride(0), q.stride(0), noise_stride, vocab, n_blocks, 1.0 if temperature is None else temperature, salt,
+        FROM_LOGITS=temperature is not None, DECIDED=decided, SCALED=scale is not None, HAS_Q=draft_probs is not None,
+        HASHED=hashed, WIDTH=_width(width + 1), block_v=block,
     )  # fmt: skip
     _run(
         K.race_decide_kernel, (R,),
@@ -169,8 +174,8 @@ def chain(
     if not R:
         return _empty(width, target_probs.device)
     accepted = _scratch(R, torch.long, target_probs.device)
-    return _race(_rows_2d(target_probs), False, 1.0, draft_tokens, draft_probs, num_draft, draft_ends(num_draft, cu),
-                 uniforms, noise, accepted, None, width, block_v)  # fmt: skip
+    return _race(_rows_2d(target_probs), None, draft_tokens, draft_probs, num_draft, draft_ends(num_draft, cu),
+                 uniforms, noise, accepted, False, None, None, width, block_v)  # fmt: skip
 
 
 def chain_logits(
@@ -196,12 +201,7 @@ def chain_logits(
     if not R:
         return _empty(width, dev)
     logits = _rows_2d(target_logits)
-    rows, vocab = logits.shape
-    block = _block(vocab, rows, block_v)
-    n_blocks = triton.cdiv(vocab, block)
-    part_max, part_sum = (_scratch((rows, n_blocks), torch.float32, dev) for _ in range(2))
-    _run(K.row_stats_kernel, (rows, n_blocks), logits, part_max, part_sum, logits.stride(0), vocab, n_blocks,
-         temperature, block_v=block)  # fmt: skip
+    part_max, part_sum, n_blocks = row_partials(logits, temperature, block_v)
     cu = draft_ends(num_draft, cu)
     q = logits if draft_probs is None else _rows_2d(draft_probs)
     accepted = _scratch(R, torch.long, dev)
@@ -212,8 +212,20 @@ def chain_logits(
         logits.stride(0), q.stride(0), n_blocks, temperature,
         HAS_Q=draft_probs is not None, WIDTH=_width(width + 1), NB=_width(n_blocks),
     )  # fmt: skip
-    return _race(logits, True, temperature, draft_tokens, draft_probs, num_draft, cu, uniforms, noise, accepted,
-                 (fin_max, fin_sum), width, block_v)  # fmt: skip
+    return _race(logits, temperature, draft_tokens, draft_probs, num_draft, cu, uniforms, noise, accepted, True,
+                 (fin_max, fin_sum), None, width, block_v)  # fmt: skip
+
+
+def row_partials(logits: torch.Tensor, temperature: float, block_v: int | None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Softmax partials of logits [rows, V] (unit stride along V) at ``temperature``: per
+    (row, block) max(z / T) and Σ exp(z / T - max), [rows, n_blocks] each, and n_blocks."""
+    rows, vocab = logits.shape
+    block = _block(vocab, rows, block_v)
+    n_blocks = triton.cdiv(vocab, block)
+    part_max, part_sum = (_scratch((rows, n_blocks), torch.float32, logits.device) for _ in range(2))
+    _run(K.row_stats_kernel, (rows, n_blocks), logits, part_max, part_sum, logits.stride(0), vocab, n_blocks,
+         temperature, block_v=block)  # fmt: skip
+    return part_max, part_sum, n_blocks
 
 
 def _argmax_rows(logits, temperature: float, noise: CounterNoise | None, block_v: int | None):

@@ -251,6 +251,36 @@ def chain_accept_kernel(
     tl.store(fin_sum_ptr + r, tl.sum(tl.where(k == accepted, s, 0.0), 0))
 
 
+@triton.jit
+def target_probs(target_ptr, stride, row, cols, valid, m, s, temperature, FROM_LOGITS: tl.constexpr):
+    """Target probabilities of ``row`` at ``cols`` (0 where not ``valid``), float32: read, or from
+    logits exp(z / T - m) / s with the row's softmax statistics m, s (unused otherwise)."""
+    at = target_ptr + row.to(tl.int64) * stride + cols
+    if FROM_LOGITS:
+        z = tl.load(at, mask=valid, other=-float("inf")).to(tl.float32)
+        return tl.where(valid, tl.exp(z / temperature - m) / s, 0.0)
+    return tl.load(at, mask=valid, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def row_softmax_kernel(
+    part_max_ptr,  # [rows, n_blocks] from row_stats_kernel
+    part_sum_ptr,  # [rows, n_blocks]
+    stat_max_ptr,  # [rows] float32: max(z / T)
+    stat_sum_ptr,  # [rows] float32: Σ exp(z / T - max)
+    rows,
+    n_blocks,
+    BLOCK_R: tl.constexpr,
+    NB: tl.constexpr,
+):
+    """Per BLOCK_R rows: the softmax statistics of each row from its blocks' partials."""
+    row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = row < rows
+    m, s = _softmax_stats(part_max_ptr, part_sum_ptr, row, ok, n_blocks, NB)
+    tl.store(stat_max_ptr + row, m, mask=ok)
+    tl.store(stat_sum_ptr + row, s, mask=ok)
+
+
 @triton.jit(do_not_specialize=["salt"])
 def race_partials_kernel(
     target_ptr,  # [Σ(ℓ+1), V] probabilities, or logits with FROM_LOGITS (row stride target_stride)
@@ -258,12 +288,13 @@ def race_partials_kernel(
     draft_prob_ptr,  # [Σℓ, V] (row stride q_stride; unused unless HAS_Q)
     num_draft_ptr,  # [R] int64
     cu_ptr,  # [R] int64, where each request's drafts end (module docstring)
-    uniform_ptr,  # [Σℓ] float64 coins (unused with FROM_LOGITS)
+    uniform_ptr,  # [Σℓ] float64 coins (unused when DECIDED)
     noise_ptr,  # [R, V] float32 Exp(1) (row stride noise_stride; unused with HASHED)
     seed_ptr,  # [R] int64 (HASHED only)
     offset_ptr,  # [R] int64 (HASHED only)
-    acc_ptr,  # [R] int64: written here, or read with FROM_LOGITS (chain_accept_kernel)
-    fin_max_ptr,  # [R] float32 (FROM_LOGITS only)
+    acc_ptr,  # [R] int64: written here, or read when DECIDED (chain_accept_kernel, the block rule's decision)
+    scale_ptr,  # [R] float32: the residual's weight of the target row (SCALED only: the block rule's ρ_τ)
+    fin_max_ptr,  # [R] float32 (FROM_LOGITS only): softmax statistics of the row the final token comes from
     fin_sum_ptr,  # [R] float32 (FROM_LOGITS only)
     part_res_ptr,  # [R, n_blocks] float32: best residual race score
     part_res_idx_ptr,  # [R, n_blocks] int32
@@ -278,23 +309,26 @@ def race_partials_kernel(
     temperature,
     salt,
     FROM_LOGITS: tl.constexpr,
+    DECIDED: tl.constexpr,
+    SCALED: tl.constexpr,
     HAS_Q: tl.constexpr,
     HASHED: tl.constexpr,
     WIDTH: tl.constexpr,  # power of 2 >= max ℓ + 1
     BLOCK_V: tl.constexpr,
 ):
     """Per (request, block) of the row the final token comes from (the first rejected draft's,
-    else the bonus row): exponential-race partials of the residual max(p - q, 0) and of p.
+    else the bonus row): exponential-race partials of the residual max(ρ·p - q, 0) (ρ = 1 unless
+    SCALED) and of p.
 
-    From probabilities the accepted prefix is computed here (cheap: one load per draft) and
-    stored by block 0; from logits it was computed by chain_accept_kernel. Race scores are
-    IEEE divisions (tl.div_rn), as the torch reference."""
+    Unless DECIDED the accepted prefix is computed here by the token rule (cheap: one load per
+    draft) and stored by block 0. Race scores are IEEE divisions (tl.div_rn), as the torch
+    reference."""
     r = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     n = tl.load(num_draft_ptr + r)
     d_start = tl.load(cu_ptr + r) - n
     p_start = d_start + r
-    if FROM_LOGITS:
+    if DECIDED:
         accepted = tl.load(acc_ptr + r)
     else:
         k = tl.arange(0, WIDTH)
@@ -306,13 +340,11 @@ def race_partials_kernel(
 
     offs = b * BLOCK_V + tl.arange(0, BLOCK_V)
     valid = offs < vocab
-    row = p_start + accepted
     if FROM_LOGITS:
-        z = tl.load(target_ptr + row * target_stride + offs, mask=valid, other=-float("inf")).to(tl.float32)
-        p = tl.exp(z / temperature - tl.load(fin_max_ptr + r)) / tl.load(fin_sum_ptr + r)
-        p = tl.where(valid, p, 0.0)
+        m, s = tl.load(fin_max_ptr + r), tl.load(fin_sum_ptr + r)
     else:
-        p = tl.load(target_ptr + row * target_stride + offs, mask=valid, other=0.0).to(tl.float32)
+        m, s = 0.0, 1.0
+    p = target_probs(target_ptr, target_stride, p_start + accepted, offs, valid, m, s, temperature, FROM_LOGITS)
     if HAS_Q:
         q_len = tl.where(rejected, vocab, 0)  # q's row is read only after a rejection
         q_row = (d_start + accepted) * q_stride
@@ -320,7 +352,10 @@ def race_partials_kernel(
     else:
         x_rej = tl.load(draft_tok_ptr + d_start + accepted, mask=rejected, other=-1)
         q = tl.where(offs == x_rej, 1.0, 0.0)
-    res = tl.maximum(p - q, 0.0)
+    if SCALED:
+        res = tl.maximum(tl.load(scale_ptr + r) * p - q, 0.0)
+    else:
+        res = tl.maximum(p - q, 0.0)
     if HASHED:
         e = _exp_noise(_key_state(tl.load(seed_ptr + r), tl.load(offset_ptr + r), salt), offs)
     else:
