@@ -85,7 +85,7 @@ def summary(result: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--drafter", action="append", default=None, help="repeatable (default: dflash, eagle3)")
     ap.add_argument("--dataset", action="append", default=[], help="repeatable (default: the built-in prompts)")
     ap.add_argument("--num-prompts", type=int, default=4, help="the first N of each dataset")

@@ -119,9 +119,9 @@ def test_speculators_round_trip(target, model_dir, tmp_path, capsys, variant):
     to identical proposals; speculators' own loader is checked in tests/test_engine_speculators.py."""
     name, overrides, arch, kind = SPECULATORS[variant]
     ckpt, out = saved(target, tmp_path / "ckpt", name, **overrides), tmp_path / "out"
-    code, stdout, _ = run_cli(["export", str(ckpt), "--format", "speculators", "--output", str(out),
+    code, stdout, err = run_cli(["export", str(ckpt), "--format", "speculators", "--output", str(out),
                                "--target", str(model_dir)], capsys)
-    assert code == 0
+    assert code == 0, err
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == [arch] and config["speculators_model_type"] == kind
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == GAMMA
@@ -163,6 +163,23 @@ def test_eagle3_variants_dspec_does_not_compute(target, model_dir, tmp_path, cap
     (out / "config.json").write_text(json.dumps({**config, field: value}))
     assert_cli_error(["bench", "--drafter", "eagle3", "--checkpoint", str(out), "--target", str(model_dir),
                       "--num-prompts", "1", "--max-new-tokens", "4"], capsys, message)
+
+
+@pytest.mark.parametrize("draft_vocab", [0, 100])
+def test_eagle3_vocabulary_maps_only_with_a_reduced_vocabulary(target, model_dir, tmp_path, capsys, draft_vocab):
+    """vLLM's EAGLE-3 has no ``d2t`` parameter with the full vocabulary and refuses one: the maps
+    are written only for a reduced draft vocabulary (as SpecForge and SGLang read them)."""
+    from safetensors import safe_open
+
+    ckpt = saved(target, tmp_path / "ckpt", "eagle3", qk_norm=False, draft_vocab_size=draft_vocab)
+    out = tmp_path / "out"
+    assert run_cli(["export", str(ckpt), "--format", "vllm", "--output", str(out), "--target", str(model_dir)],
+                   capsys)[0] == 0
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        maps = {"d2t", "t2d"} & set(f.keys())
+    assert maps == (set() if draft_vocab == 0 else {"d2t", "t2d"})
+    back = get_drafter_class("eagle3").from_pretrained(out, target)
+    assert torch.equal(proposal(target, back)[0], proposal(target, get_drafter_class("eagle3").from_pretrained(ckpt, target))[0])
 
 
 def test_fine_tuning_starts_from_a_speculators_checkpoint(target, model_dir, tmp_path, capsys):

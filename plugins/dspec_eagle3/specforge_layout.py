@@ -7,9 +7,10 @@ embeddings; absent = EAGLE's default layers), at the top level (vLLM reads it th
 ``eagle_config`` (SGLang reads it there; export writes both). Weights: ``embed_tokens`` (frozen copy of the
 target's), ``fc`` [d, 3·d], ``midlayer.{input_layernorm (on the embedding), hidden_norm,
 self_attn.{q,k,v,o}_proj (q/k/v read 2d; no q/k norms), post_attention_layernorm,
-mlp.*}``, ``norm``, ``lm_head`` [N, d] (trained), ``d2t`` [N] (target id = draft id +
-d2t[draft id]) and ``t2d`` [V] bool (SpecForge ``specforge/modeling/draft/llama3_eagle.py``). It loads as our
-``eagle3`` with ``qk_norm = false``.
+mlp.*}``, ``norm``, ``lm_head`` [N, d] (trained), and with a reduced draft vocabulary (N < V)
+``d2t`` [N] (target id = draft id + d2t[draft id]) and ``t2d`` [V] bool (SpecForge
+``specforge/modeling/draft/llama3_eagle.py``; vLLM's ``llama_eagle3.py`` has no ``d2t`` parameter
+when N = V and refuses one). It loads as our ``eagle3`` with ``qk_norm = false``.
 """
 
 from __future__ import annotations
@@ -115,7 +116,10 @@ def write(drafter, target) -> tuple[dict, dict]:
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True},  # SGLang here
         "tie_word_embeddings": False,
     }
-    tensors = {**foreign_state(net.state_dict(), RULES), **maps}
+    tensors = foreign_state(net.state_dict(), RULES)
+    tensors.pop("d2t", None)
+    if ids.numel() < V:  # the maps of a reduced draft vocabulary; with the full one vLLM has no
+        tensors.update(maps)  # parameter for d2t (a load error) and SGLang drafts over every id
     tensors["embed_tokens.weight"] = target.model.get_input_embeddings().weight
     return config, tensors
 
