@@ -116,16 +116,16 @@ def main() -> None:
                     commands += [command, server.command]
                     for t in temps:
                         report = a.out / f"{name}{'-fixed' if variant else ''}-t{t:g}.json"
-                        args = ["bench", "--server", server.url, "--baseline-server", plain.url, "--drafter", name,
+                        ours = [] if variant else ["--drafter", name]  # dspec's engine: once per temperature
+                        args = ["bench", "--server", server.url, "--baseline-server", plain.url, *ours,
                                 *bench_args(a, prompts, t), "--json", str(report)]
                         commands.append(" ".join(["dspec", *args]))
                         dspec(*args)
                         data = json.loads(report.read_text())
-                        env = data["env"]
-                        ours = [r for r in data["runs"] if r["engine"] == "dspec"]
+                        env = env if variant else data["env"]  # dspec's (the served-only report's dtype is the scorer's)
                         served = [{**r, "drafter": name} for r in data["runs"] if r["engine"] != "dspec"]
                         runs += ([{**r, "variant": variant, "engine": f"{r['engine']} ({variant})"} for r in served]
-                                 if variant else ours + served)  # dspec's rows: once
+                                 if variant else [r for r in data["runs"] if r["engine"] == "dspec"] + served)
     result = {"target": "embedded:tiny-target", "cpu": cpu_description(), "env": env,
               "datasets": a.dataset or [BUILTIN], "commands": commands, "runs": runs}
     report = a.json or a.out / "vllm-exports.json"

@@ -94,22 +94,38 @@ def export(name: str, out, fmt: str = "vllm") -> str:
 
 class Servers:
     """The plain server and one per exported drafter (``NAME``: the vLLM export, ``NAME@speculators``:
-    the speculators one), started on first use with the serve command ``dspec export`` wrote; all
-    stopped at the end of the module."""
+    the speculators one), started on first use with the serve command ``dspec export`` wrote; at most
+    ``RUNNING`` speculative ones at a time (the least recently used is stopped first: each holds ~2 GB);
+    all stopped at the end of the module."""
+
+    RUNNING = 2
 
     def __init__(self, engine_dir, root):
-        self.engine_dir, self.root, self.started = engine_dir, root, {}
+        self.engine_dir, self.root, self.started, self.commands = engine_dir, root, {}, {}
 
     def __getitem__(self, name: str) -> VllmServer:
-        if name not in self.started:
-            if name == "plain":
-                args, command = ["--model", str(DEFAULT_TARGET_PATH)], ""
-            else:
+        if name in self.started:
+            self.started[name] = self.started.pop(name)  # most recently used last
+            return self.started[name]
+        if name == "plain":
+            args = ["--model", str(DEFAULT_TARGET_PATH)]
+        else:
+            if name not in self.commands:
                 drafter, _, fmt = name.partition("@")
-                command = export(drafter, self.root / name, fmt or "vllm")
-                args = server_argv(command)
-            self.started[name] = VllmServer(self.engine_dir, args, self.root / f"{name}.log", export_command=command)
+                self.commands[name] = export(drafter, self.root / name, fmt or "vllm")
+            args = server_argv(self.commands[name])
+            running = [n for n in self.started if n != "plain"]
+            for old in running[:max(0, len(running) - self.RUNNING + 1)]:
+                self.started.pop(old).stop()
+        self.started[name] = VllmServer(self.engine_dir, args, self.root / f"{name}.log",
+                                        export_command=self.commands.get(name, ""))
         return self.started[name]
+
+    def export_command(self, name: str) -> str:
+        """The serve command of ``name``'s export (exported on first use)."""
+        if name not in self.commands:
+            self[name]
+        return self.commands[name]
 
     def stop(self) -> None:
         for server in self.started.values():
@@ -199,7 +215,7 @@ def test_sampling_is_lossless(engine_dir, servers, target, prompts, name, reques
 def test_the_loss_is_upstream(engine_dir, servers, target, prompts, tmp_path):
     """With vLLM's expand defect patched in the server, the dflash export samples losslessly at
     T = 1 (and drafts are accepted), so the export is not what loses."""
-    args = server_argv(servers["dflash"].export_command)
+    args = server_argv(servers.export_command("dflash"))
     fixed = VllmServer(engine_dir, args, tmp_path / "fixed.log", extra_env={"PYTHONPATH": str(ENGINE_SIDE / "expand_fix"),
                                               "DSPEC_TEST_FIX_VLLM_EXPAND": "1"})
     try:
