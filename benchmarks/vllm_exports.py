@@ -80,7 +80,7 @@ def summary(result: dict) -> str:
         ratio = "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x"
         lines.append(f"| {r['temperature']:g} | {r.get('engine', 'dspec')} | {r['drafter']} | {r['tokens_per_s']:.0f} | "
                      f"{r['baseline_tokens_per_s']:.0f} | {ratio} | {r['tau']:.2f} | "
-                     f"{verdict[r.get('lossless')] if 'engine' in r else 'yes (tested)'} |")
+                     f"{'-' if r.get('engine', 'dspec') == 'dspec' else verdict[r.get('lossless')]} |")
     return "\n".join(lines) + "\n"
 
 
