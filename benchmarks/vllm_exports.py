@@ -84,7 +84,7 @@ def summary(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--drafter", action="append", default=None, help="repeatable (default: dflash, eagle3)")
     ap.add_argument("--dataset", action="append", default=[], help="repeatable (default: the built-in prompts)")
@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--expand-fix", action="store_true", help="also serve each export with vLLM's CPU defect patched")
     ap.add_argument("--out", type=Path, required=True, help="work folder: exports, server logs, each bench's JSON")
     ap.add_argument("--json", type=Path, default=None, help="the report (default: OUT/vllm-exports.json)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     drafters, temperatures = a.drafter or ["dflash", "eagle3"], a.temperature or [0.0, 1.0]
     a.out.mkdir(parents=True, exist_ok=True)
     prompts = pooled_prompts(a.dataset or [BUILTIN], a.num_prompts, a.out / "prompts.jsonl")
