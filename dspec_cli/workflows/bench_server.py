@@ -39,6 +39,7 @@ from dspec_cli.core.chat_template import default_kwargs
 from dspec_cli.core.data import BUILTIN, dataset_name, load_prompts
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.http import PROBE, base_url
+from dspec_cli.core.sampling import SamplingConfig
 from dspec_cli.runtime.target import Target
 from dspec_cli.workflows.bench import (
     environment,
@@ -56,8 +57,10 @@ TARGET_PROBE_TOKENS = 8  # greedy tokens of the baseline checked against the tar
 NEAR_TIE = 0.1  # nats: a served greedy token this close to the target's argmax still counts as the argmax
 
 
-@dataclass
-class ServerBenchOptions:
+@dataclass(frozen=True, kw_only=True)
+class ServerBenchOptions(SamplingConfig):
+    """What ``dspec bench --server`` was asked for: sampling (the inherited fields) and the rest."""
+
     server: str
     baseline_server: str
     target: str | None = None
@@ -65,10 +68,6 @@ class ServerBenchOptions:
     datasets: Sequence[str] = ()
     num_prompts: int | None = None
     max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
     concurrency: Sequence[int] = (1,)
     repeats: int = 1
     chat_template_kwargs: dict = field(default_factory=default_kwargs)
@@ -301,8 +300,6 @@ def check_options(opts: ServerBenchOptions) -> None:
     base_url(opts.baseline_server, "--baseline-server")
     if opts.max_new_tokens < 1:
         raise DspecError(f"--max-new-tokens must be >= 1, got {opts.max_new_tokens}")
-    if opts.temperature < 0 or not 0 < opts.top_p <= 1 or opts.top_k < 0:
-        raise DspecError("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0")
     if opts.repeats < 1 or any(c < 1 for c in opts.concurrency):
         raise DspecError("--repeats and --concurrency values must be >= 1")
 
