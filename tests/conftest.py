@@ -15,6 +15,17 @@ if os.environ.get("DSPEC_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``engine`` (a real vLLM, minutes each) run only when ``-m`` names them
+    (``pytest -m engine``); any other selection, ``-m "not slow"`` included, deselects them."""
+    if "engine" in (config.option.markexpr or ""):
+        return
+    engine = [item for item in items if item.get_closest_marker("engine")]
+    if engine:
+        config.hook.pytest_deselected(items=engine)
+        items[:] = [item for item in items if not item.get_closest_marker("engine")]
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     """A saved tiny random Qwen3 target with the ChatML tokenizer (loadable by path)."""

@@ -17,6 +17,8 @@ from benchmarks import (
     table,
     verify,
     verify_rules,
+    vllm_cpu,
+    vllm_exports,
     vllm_worker,
     vs_vllm,
 )
@@ -24,7 +26,7 @@ from benchmarks import (
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} - {"__init__"}
 SMOKED = {"drafter_latency", "hf_assisted", "table", "verify", "verify_rules", "trace_load", "gpu", "budget",
-          "calibration_forms", "vs_vllm", "vllm_worker"}
+          "calibration_forms", "vs_vllm", "vllm_worker", "vllm_cpu", "vllm_exports"}
 
 
 def test_every_benchmark_has_a_smoke_test():
@@ -158,3 +160,30 @@ def test_vllm_worker_protocol(monkeypatch, capsys):
     assert one["token_ids"] == [[5, 5, 5], [7, 7, 7]] and one["spec"] == {"num_drafts": 2.0}
     assert two["token_ids"] == [[5, 5], [7, 7]] and two["spec"] == {"num_drafts": 1.0}
     assert profile["total"] > 0 and "host (Python, no operator running)" in profile
+
+
+def test_vllm_cpu_without_vllm(tmp_path):
+    """The parts of the vLLM launcher that need no vLLM: the CPU named, an export's serve command
+    as the api_server's arguments, the server's environment (the engine tests start the servers)."""
+    assert "vCPUs" in vllm_cpu.cpu_description()
+    assert vllm_cpu.server_argv("vllm serve /t --speculative-config '{\"a\": 1}'") == [
+        "--model", "/t", "--speculative-config", '{"a": 1}']
+    with pytest.raises(ValueError, match="not a vLLM serve command"):
+        vllm_cpu.server_argv("sglang serve /t")
+    env = vllm_cpu.engine_env(tmp_path, {"X": "1"})
+    assert env["LD_PRELOAD"] == str(tmp_path / "lib" / "libiomp5.so") and env["X"] == "1" and "PYTHONPATH" not in env
+
+
+def test_vllm_exports_without_vllm(tmp_path, capsys):
+    """vllm_exports' options, pooled prompts and summary table, without starting vLLM (the timed run
+    needs the engine environment: tests/test_engine_vllm.py covers the servers)."""
+    with pytest.raises(SystemExit) as done:
+        vllm_exports.main(["--help"])
+    assert done.value.code == 0 and "--expand-fix" in capsys.readouterr().out
+    prompts = vllm_exports.pooled_prompts(["builtin"], 2, tmp_path / "prompts.jsonl")
+    assert len(prompts.read_text().splitlines()) == 2
+    row = {"temperature": 0.0, "drafter": "dflash", "tokens_per_s": 20.0, "baseline_tokens_per_s": 10.0,
+           "speedup": 2.0, "tau": 2.5, "num_prompts": 2, "max_new_tokens": 8, "concurrency": 1, "repeats": 1}
+    table = vllm_exports.summary({"cpu": "a CPU", "env": {"torch": "2", "dtype": "float32"},
+                                  "runs": [row, {**row, "engine": "vllm 0.32.0", "lossless": True}]})
+    assert table.startswith("a CPU;") and "| 0 | vllm 0.32.0 | dflash | 20 | 10 | 2.00x | 2.50 | yes |" in table

@@ -46,10 +46,42 @@ def _interrupted_training(opts, progress):
     return TrainResult(Path(opts.output or "runs/x"), 3, 10, False, {"loss": 1.0}, interrupted=True)
 
 
+def _served(speculating: bool = True, metrics: int = 200, probe_tokens: int | None = None):
+    """``run_server_bench`` against fake servers (an httpx transport): ``spec.test`` answers
+    /v1/models, /version, /metrics (vLLM's spec-decode counters unless not ``speculating``, HTTP
+    ``metrics`` otherwise) and counts the tokenizer probe as ``probe_tokens`` (None: no usage);
+    ``base.test`` likewise without speculation; every other host is unreachable."""
+    import functools
+
+    import httpx
+
+    from dspec_cli.workflows import bench_server
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        spec = request.url.host == "spec.test"
+        if request.url.host not in ("spec.test", "base.test"):
+            raise httpx.ConnectError("Connection refused", request=request)
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "tiny", "owned_by": "vllm"}]})
+        if request.url.path == "/version":
+            return httpx.Response(200, json={"version": "0.32.0"})
+        if request.url.path == "/metrics":
+            counters = "vllm:spec_decode_num_drafts_total 0.0\n" if spec and speculating else ""
+            status = metrics if spec else 200
+            return httpx.Response(status, text="# TYPE vllm:num_requests_running gauge\n"
+                                               "vllm:num_requests_running 0.0\n" + counters)
+        usage = {} if probe_tokens is None or spec else {"usage": {"prompt_tokens": probe_tokens}}
+        return httpx.Response(200, json={"choices": [{"text": "x"}], **usage})
+
+    return {"dspec_cli.workflows.bench_server:run_server_bench":
+            functools.partial(bench_server.run_server_bench, transport=httpx.MockTransport(handler))}
+
+
 REPO = Path(__file__).resolve().parents[1]
 BENCH = "bench -d prompt-lookup --num-prompts 1 --max-new-tokens 4"
 CAL = "calibrate -d dspark --num-prompts 1 --max-new-tokens 4"
 SCHED = "schedule --cost-table {d}/cost.json --traces {d}/traces.jsonl"
+SERVED = "bench --server http://spec.test:1 --baseline-server http://base.test:2 --num-prompts 1 --max-new-tokens 4"
 REGEN = "data regenerate --dataset {d}/good.jsonl -o {t}/r.jsonl"
 TRAIN = "train --recipe {r}/recipes/tiny/dspark-markov.toml"
 PROC = "/proc/no/such"  # a path no process can create (not even root): writability is proven, not assumed
@@ -116,7 +148,21 @@ CASES = [
     Case("schedule-steps-zero", SCHED + " --steps 0", "Invalid value for '--steps'", usage=True),
     Case("schedule-layout", SCHED + " --layout ragged", "layout"),
     Case("export-format", "export {d}/folder --format tensorrt --output {t}/e", "--format must be one of"),
-    Case("missing-required", "bench", "Missing option '--drafter'", usage=True),
+    Case("missing-required", "calibrate", "Missing option '--drafter'", usage=True),
+    Case("bench-nothing-to-measure", "bench", "give --drafter (dspec's engine) or --server with --baseline-server"),
+    Case("bench-server-unreachable", SERVED.replace("spec.test", "nowhere.test") + " --json {t}/r.json",
+         "--server http://nowhere.test:1: unreachable", patch=_served(), loads=True),
+    Case("bench-server-no-speculation", SERVED, "exposes no speculative-decoding metrics",
+         patch=_served(speculating=False), loads=True),
+    Case("bench-server-no-metrics", SERVED, "no metrics endpoint (GET /metrics answered HTTP 404)",
+         patch=_served(metrics=404), loads=True),
+    Case("bench-server-other-tokenizer", SERVED, "--baseline-server http://base.test:2 serves another tokenizer",
+         patch=_served(probe_tokens=1), loads=True),
+    Case("bench-server-without-baseline", "bench --server http://spec.test:1", "--server needs --baseline-server"),
+    Case("bench-server-not-a-url", "bench --server spec.test --baseline-server http://base.test:2",
+         "--server 'spec.test': expected an http:// or https:// URL"),
+    Case("na-bench-server-model-without-server", BENCH + " --server-model m", "--server-model has no effect without --server"),
+    Case("na-bench-server-with-scheduler", SERVED + " -s threshold", "--scheduler has no effect without --drafter"),
     Case("unknown-flag", "bench -d prompt-lookup --bogus", "No such option: --bogus", usage=True),
     Case("not-an-integer", "bench -d prompt-lookup --num-prompts many", "Invalid value for '--num-prompts'", usage=True),
     Case("unknown-command", "benchmark", "No such command 'benchmark'. Did you mean 'bench'? (see 'dspec -h')", usage=True),

@@ -63,7 +63,7 @@ def measured_section(folder: Path) -> str:
         ]
         for r in runs:
             cells = [r.get("dataset"), r.get("drafter"), r.get("scheduler"), r.get("concurrency"),
-                     _fmt(r.get("temperature"), "g"), _fmt(r.get("tau"), ".2f"), _fmt(r.get("speedup"), ".2f") + "x"]
+                     _fmt(r.get("temperature"), "g"), _fmt(r.get("tau"), ".2f"), "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x"]
             lines.append("| " + " | ".join(map(str, cells)) + " |")
         lines.append("")
     if (folder / CALIBRATION_FILE).is_file():

@@ -96,6 +96,23 @@ def load_trained(cls: type[T], path: str | Path, target: Target, overrides: dict
     return drafter
 
 
+def trained_weights(cls: type[T], path: Path, target: Target, where: str) -> dict[str, torch.Tensor]:
+    """The trainable weights a checkpoint folder holds for a ``cls`` drafter (fine-tuning's start):
+    a foreign layout converted in memory (frozen copies checked), or dspec's own format checked
+    against ``target``; one-line errors starting with ``where`` (e.g. ``--init-from PATH``)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    raw = read_config(path)
+    if (foreign := load_foreign(cls, path, raw, target, {})) is not None:
+        return foreign.net.state_dict()
+    check_fits(CheckpointConfig.parse(raw, path), cls.name, path, target)
+    try:
+        return load_file(str(path / WEIGHTS_FILE))
+    except (SafetensorError, OSError) as exc:
+        raise DspecError(f"{where}: cannot read {WEIGHTS_FILE} ({exc})") from None
+
+
 def load_embedded(cls: type[D], target: Target, overrides: dict[str, Any]) -> D:
     """The embedded checkpoint ``assets/drafters/<name>/`` of a trained drafter (``load_default``),
     loaded through the class's own ``from_pretrained``; one-line errors when none is embedded, the

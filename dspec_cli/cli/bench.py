@@ -41,21 +41,32 @@ def _bound(run: dict) -> str:
     return "-" if bound is None else f"{bound:.2f}x"
 
 
+def _served(run: dict) -> list[str]:
+    """The columns of a served engine's row (``bench --server``): engine, log-likelihood difference
+    against the baseline's and the verdict."""
+    lossless = {True: "yes", False: "NO", None: "-"}[run.get("lossless")]
+    return [run.get("engine", "dspec"), _fmt(run.get("loglik_delta"), "+.2f"), lossless]
+
+
 def render_table(report: dict, console: Console) -> None:
     from dspec_cli.workflows.bench import drafted_share, format_speedup
 
+    served = any("engine" in run for run in report["runs"])
     table = Table(title=f"dspec bench · target {report['target']} · {report['env']['device']} · {report['env']['dtype']}")
-    for col in ("dataset", "prompts", "drafter", "scheduler", "verify", "R", "τ", "pred. τ", "tok/s", "per user", "base tok/s", "speedup", "bound", "budget", "cond. accept by position", "draft %", "drafted"):
-        left = col in ("dataset", "drafter", "scheduler", "verify", "cond. accept by position")
-        table.add_column(col, justify="left" if left else "right", no_wrap=col in ("dataset", "drafter", "scheduler"))
+    columns = ["dataset", "prompts", "drafter", "scheduler", "verify", "R", "τ", "pred. τ", "tok/s", "per user", "base tok/s", "speedup", "bound", "budget", "cond. accept by position", "draft %", "drafted"]
+    for col in columns + (["engine", "loglik Δ", "lossless"] if served else []):
+        left = col in ("dataset", "drafter", "scheduler", "verify", "cond. accept by position", "engine")
+        table.add_column(col, justify="left" if left else "right", no_wrap=col in ("dataset", "drafter", "scheduler", "engine"))
     for run in report["runs"]:
         cond = " ".join(_fmt(c, ".2f") for c in run["cond_accept"])
+        share = run.get("draft_time_share")
         table.add_row(
             run["dataset"], _prompts(run), run["drafter"], run["scheduler"], run.get("verify", "-"),
             str(run["concurrency"]), _fmt(run["tau"]), _fmt(run.get("predicted_tau")),
             _fmt(run["tokens_per_s"], ".1f"), _fmt(run["per_user_tokens_per_s"], ".1f"),
             _fmt(run["baseline_tokens_per_s"], ".1f"), format_speedup(run), _bound(run), _fmt(run["mean_verify_budget"]), cond,
-            _fmt(100 * run["draft_time_share"], ".0f"), _percent(drafted_share(run)),
+            _fmt(None if share is None else 100 * share, ".0f"), _percent(drafted_share(run)),
+            *(_served(run) if served else []),
         )
     console.print(table)
 
@@ -71,7 +82,8 @@ def render_domains(rows: list[dict], console: Console) -> None:
 
 @app.command("bench")
 def bench_command(
-    drafter: list[str] = typer.Option(..., "--drafter", "-d", help="Drafter (repeatable): NAME[:BASE][,KEY=VALUE...] with config options, e.g. ddtree:dspark,tree_budget=64 (see `dspec drafters`)."),
+    ctx: typer.Context,
+    drafter: list[str] = typer.Option([], "--drafter", "-d", help="Drafter (repeatable): NAME[:BASE][,KEY=VALUE...] with config options, e.g. ddtree:dspark,tree_budget=64 (see `dspec drafters`)."),
     target: Optional[str] = opt.target(),
     checkpoint: list[str] = typer.Option([], "--checkpoint", metavar="PATH|HUB_ID", help="Drafter checkpoint, one per --drafter in order ('' for a drafter's default)."),
     dataset: list[str] = opt.dataset(),
@@ -95,10 +107,24 @@ def bench_command(
     chat_template_kwargs: Optional[str] = opt.chat_template_kwargs(),
     suite: Optional[str] = typer.Option(None, "--suite", help="paper = the paper's nine evaluation sets with their caps (see `dspec datasets`); prints τ per domain."),
     verify: list[str] = typer.Option([], "--verify", help="Verification rule (repeatable): token or block for chains with draft probabilities (default block), sampled or traversal for trees of sampled siblings (default sampled). See docs/verification.md."),
+    server: Optional[str] = typer.Option(None, "--server", metavar="URL", help="An OpenAI-compatible server of the target with speculation (vLLM, SGLang): measured like dspec's engine against --baseline-server, τ from its metrics endpoint, served tokens scored by the target (docs/bench.md)."),
+    baseline_server: Optional[str] = typer.Option(None, "--baseline-server", metavar="URL", help="The same target served without speculation (needed with --server)."),
+    server_model: Optional[str] = typer.Option(None, "--server-model", help="The model name to request from the servers (default: the one each lists)."),
 ) -> None:
     """Measure τ, acceptance by position and speedup over plain decoding of the same target."""
     from dspec_cli.workflows.bench import BenchOptions, run_bench
 
+    if server is None:
+        opt.refuse(ctx, ("server_model",), "without --server", "with --server")
+    elif not drafter:
+        opt.refuse(ctx, ("checkpoint", "scheduler", "block_size", "cost_table", "verify", "cuda_graphs"),
+                   "without --drafter", "to dspec's engine (--drafter)")
+    if baseline_server is not None and server is None:
+        raise DspecError("--baseline-server is the baseline of --server; give --server too")
+    if server is not None and baseline_server is None:
+        raise DspecError("--server needs --baseline-server: the same target served without speculation")
+    if not drafter and server is None:
+        raise DspecError("give --drafter (dspec's engine) or --server with --baseline-server (a served engine)")
     if suite is not None:
         from dspec_cli.core.datasets import PAPER_SUITE
 
@@ -117,6 +143,16 @@ def bench_command(
         chat_template_kwargs=opt.template_kwargs(chat_template_kwargs),
         verify=verify,
     )
+    sopts = None
+    if server is not None and baseline_server is not None:
+        from dspec_cli.workflows.bench_server import ServerBenchOptions, check_options
+
+        sopts = ServerBenchOptions(
+            server=server, baseline_server=baseline_server, target=target, model=server_model, datasets=dataset,
+            num_prompts=num_prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+            top_k=top_k, seed=seed, concurrency=opts.concurrency, repeats=repeats, device=device,
+            chat_template_kwargs=opts.chat_template_kwargs)
+        check_options(sopts)  # before dspec's own runs: a bad URL fails first
     err = Console(stderr=True)
     with CommandProgress(err, unit="requests") as bar:
 
@@ -124,7 +160,12 @@ def bench_command(
             task = bar.add_task(desc, total=total)
             return lambda _res: bar.advance(task)
 
-        report = run_bench(opts, progress)
+        report = run_bench(opts, progress) if drafter else None
+        if sopts is not None:
+            from dspec_cli.workflows.bench_server import merge, run_server_bench
+
+            report = merge(report, run_server_bench(sopts, progress))
+    assert report is not None
     skipped = {r["dataset"]: r["skipped_prompts"] for r in report["runs"] if r.get("skipped_prompts")}
     for name, n in skipped.items():
         warnings.warn(f"{name}: skipped {n} prompt(s) that do not fit the target's context with --max-new-tokens "

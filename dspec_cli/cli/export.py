@@ -19,7 +19,7 @@ from dspec_cli.core.run_paths import RunPaths
 @app.command("export")
 def export_command(
     checkpoint: str = typer.Argument(..., help="Drafter checkpoint: folder or Hub id (dspec's or a foreign layout)."),
-    fmt: str = typer.Option(..., "--format", help="Serving engine: vllm or sglang."),
+    fmt: str = typer.Option(..., "--format", help="vllm or sglang (the layout each engine loads), or speculators (vllm-project/speculators' format, which vLLM serves too)."),
     output: Path = typer.Option(..., "--output", metavar="DIR", help="Folder for the engine's draft checkpoint (it holds that export only)."),
     target: Optional[str] = opt.target(),
     dtype: str = opt.dtype(),

@@ -30,15 +30,15 @@ from typing import Any, Protocol, cast
 import torch
 import torch.distributed as dist
 
-from dspec_cli.checkpoints.config import CheckpointConfig
 from dspec_cli.checkpoints.model_card import write_model_card
-from dspec_cli.checkpoints.native import check_fits, weights_fingerprint
+from dspec_cli.checkpoints.native import weights_fingerprint
+from dspec_cli.checkpoints.persist import trained_weights
 from dspec_cli.checkpoints.serving import describe, serving_methods
 from dspec_cli.core import plugins
 from dspec_cli.core.chat_template import warn_if_other
 from dspec_cli.core.devices import resolve_device
 from dspec_cli.core.errors import DspecError
-from dspec_cli.core.files import CHECKPOINT_READS, EMBEDDED, WEIGHTS_FILE, expect_folder
+from dspec_cli.core.files import CHECKPOINT_READS, EMBEDDED, expect_folder
 from dspec_cli.core.jsonl import write_line
 from dspec_cli.core.outputs import ensure_folder, is_special, open_append
 from dspec_cli.core.process_exit import request_exit_without_finalization
@@ -585,16 +585,10 @@ class _Run:
 
 def _load_initial_weights(drafter, path: Path, target) -> None:
     """Fine-tuning: copy a checkpoint's weights into the freshly built drafter. The checkpoint
-    must hold the same drafter for a target of the same sizes and tokenizer, and its tensors
-    must fit the recipe's architecture exactly."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    check_fits(CheckpointConfig.read(path), drafter.name, path, target)
-    try:
-        weights = load_file(str(path / WEIGHTS_FILE))
-    except (SafetensorError, OSError) as exc:
-        raise DspecError(f"--init-from {path}: cannot read {WEIGHTS_FILE} ({exc})") from None
+    (dspec's, or another project's layout: docs/interop.md) must hold the same drafter for a
+    target of the same sizes and tokenizer, and its tensors must fit the recipe's architecture
+    exactly."""
+    weights = trained_weights(type(drafter), path, target, f"--init-from {path}")
     own = drafter.net.state_dict()
     missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
     shapes = [k for k in set(own) & set(weights) if own[k].shape != weights[k].shape]

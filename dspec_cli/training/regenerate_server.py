@@ -42,6 +42,9 @@ import httpx
 from dspec_cli.core.data import Conversation
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import DEFAULT_TARGET_PATH
+from dspec_cli.core.http import PROBE, base_url
+from dspec_cli.core.http import error_detail as _detail
+from dspec_cli.core.http import first_line as _first_line
 from dspec_cli.core.jsonl import split_lines, write_line
 from dspec_cli.core.outputs import is_special, is_stdout, open_append
 from dspec_cli.nn.backbone import max_context
@@ -53,11 +56,6 @@ from dspec_cli.training.regenerate import (
     turn_seed,
 )
 
-PROBE = (
-    "Probe 1: the quick brown fox jumps over 13 lazy dogs; 3.14159 × 2 = 6.28318. "
-    "def f(x):\n    return x ** 2  # ok\n"
-    "Über straße, façade, naïve — 你好，世界！こんにちは。Привет, мир! 🙂 <b>tags</b> & {json: [1, 2]}"
-)
 RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
 REASONING_FIELDS = ("reasoning_content", "reasoning")  # where a reasoning parser puts the thinking (SGLang, vLLM)
 _MAX_BACKOFF_S = 60.0
@@ -76,13 +74,6 @@ class ServerOptions:
 
 class RequestFailed(Exception):
     """A request that cannot succeed (a 4xx answer) or that exhausted its retries."""
-
-
-def base_url(url: str) -> str:
-    url = url.strip().rstrip("/")
-    if not url.startswith(("http://", "https://")):
-        raise DspecError(f"--server {url!r}: expected an http:// or https:// URL")
-    return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
 def errors_path(output: str | Path) -> Path | None:
@@ -129,24 +120,6 @@ class _Client:
             delay = min(_MAX_BACKOFF_S, self.sopts.backoff * 2**attempt) * random.uniform(0.5, 1.0)
             await _sleep(wait if wait is not None else delay)
         raise RequestFailed(problem + (f" ({retries + 1} tries)" if retries else ""))
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""
-
-
-def _detail(resp: httpx.Response) -> str:
-    try:
-        body = resp.json()
-    except ValueError:
-        return (resp.text.strip().splitlines() or [resp.reason_phrase])[0][:300]
-    if isinstance(body, dict):
-        err = body.get("error", body.get("detail", body.get("message", body)))
-        if isinstance(err, dict):
-            err = err.get("message", err)
-        return str(err).splitlines()[0][:300] if str(err) else resp.reason_phrase
-    return str(body)[:300]
 
 
 def _retry_after(resp: httpx.Response) -> float | None:

@@ -96,7 +96,8 @@ def sglang_sidecars(drafter, checkpoint: Path, cost_table: Path | None) -> Sidec
 
 def serve_markdown(report: dict, notes: list[str]) -> str:
     """SERVE.md: the command, the settings and files it uses, and the notes."""
-    lines = [f"# Serving this drafter with {report['format']}", "",
+    engine = "vLLM (speculators format)" if report["format"] == "speculators" else report["format"]
+    lines = [f"# Serving this drafter with {engine}", "",
              f"Drafter `{report['drafter']}` in the `{report['layout']}` layout (method `{report['method']}`), "
              f"for the target `{report['target']}`.", "", "```", report["command"], "```", ""]
     if report.get("chat_template_kwargs"):
@@ -104,7 +105,7 @@ def serve_markdown(report: dict, notes: list[str]) -> str:
         lines += [(f"Requests without their own `chat_template_kwargs` are rendered with `{served}` "
                    "(`--default-chat-template-kwargs`); the drafter accepts most in the mode its training data "
                    "was rendered in."), ""]
-    if report["format"] == "vllm":
+    if report["format"] in ("vllm", "speculators"):
         lines += ["`speculative_config`:", "", "```json", json.dumps(report["speculative_config"], indent=2), "```", ""]
     else:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in report.get("env", {}).items())

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dspec_cli import hookimpl
 from dspec_cli.checkpoints.layouts import Layout
-from dspec_dflash import deepspec_layout, zlab_layout
+from dspec_dflash import deepspec_layout, speculators_layout, zlab_layout
 from dspec_dflash.drafter import (
     BlockDrafterConfig,
     BlockDraftState,
@@ -42,3 +42,6 @@ def dspec_register_layouts(register):
         register(Layout(arch, deepspec_layout.read, deepspec_layout.write, _deepspec_exports(style)))
     register(Layout(zlab_layout.ARCHITECTURES[0], zlab_layout.read, zlab_layout.write,
                     lambda d: type(d) is DFlashDrafter and not d.config.anchor_predicts))
+    for arch in speculators_layout.ARCHITECTURES:
+        register(Layout(arch, speculators_layout.read, speculators_layout.write, speculators_layout.exports(arch),
+                        family="speculators"))

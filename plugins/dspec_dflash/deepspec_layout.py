@@ -55,6 +55,9 @@ RULES = BACKBONE_RULES + (
 SHARED = ("embed_tokens.weight", "lm_head.weight")
 IGNORED = ("rotary_emb",)
 HEADS = {"vanilla": ("dspark-markov", "markov"), "rnn": ("dspark-rnn", "rnn")}  # markov_head_type -> ours
+# DeepSpec's block: the anchor slot is the first prediction (vLLM's DSpark speculator reads these; its
+# reader of the speculators format defaults sample_from_anchor to false, so they are written)
+ANCHOR_FIELDS = {"sample_from_anchor": True, "dspark_bonus_anchor": False}
 
 
 def check_layer_types(config: dict, where: str) -> None:
@@ -108,6 +111,9 @@ def read(config: dict, tensors: dict, where: str) -> Converted:
     kind = str(value(config, "markov_head_type", "vanilla"))
     if rank and kind not in HEADS:
         raise DspecError(f"{where}: markov_head_type {kind!r} is not supported (dspec has {', '.join(HEADS)})")
+    if any(value(config, key, want) not in (want, None) for key, want in ANCHOR_FIELDS.items()):
+        raise DspecError(f"{where}: sample_from_anchor = false / dspark_bonus_anchor = true (the anchor as a bonus "
+                         "token) is not supported: DeepSpec's block predicts from the anchor slot")
     drafter, head = HEADS[kind] if rank else ("dflash", "none")
     confidence = bool(value(config, "enable_confidence_head", False))
     if confidence and bool(value(config, "confidence_head_with_markov", False)) != bool(rank):
@@ -149,10 +155,10 @@ def _dspark_fields(cfg, target) -> dict:
         "enable_confidence_head": cfg.confidence_head,
         "markov_rank": rank,
     }
-    if cfg.confidence_head:
-        out["confidence_head_with_markov"] = bool(rank)
+    out["confidence_head_with_markov"] = bool(cfg.confidence_head) and bool(rank)  # vLLM's default is false
     if rank:
         out["markov_head_type"] = {ours: kind for kind, (_, ours) in HEADS.items()}[cfg.head]
+        out.update(ANCHOR_FIELDS)  # the anchor slot predicts (readers' defaults differ)
     return out
 
 

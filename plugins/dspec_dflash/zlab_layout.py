@@ -31,7 +31,10 @@ from dspec_dflash.deepspec_layout import (
 ARCHITECTURES = ("DFlashDraftModel",)
 RULES = BACKBONE_RULES
 # dflash_config options of later z-lab / JetSpec drafts that change the computation
-UNSUPPORTED = {"causal_head": False, "is_causal": False, "input_embedding_scale": 1.0, "output_multiplier": 1.0}
+UNSUPPORTED = {"causal_head": False, "is_causal": False, "input_embedding_scale": 1.0, "output_multiplier": 1.0,
+               "causal": False, "sample_from_anchor": False}
+# written explicitly: the block attends both ways and only the masks predict (vLLM reads both from dflash_config)
+CONVENTIONS = {"sample_from_anchor": False, "causal": False}
 
 
 def read(config: dict, tensors: dict, where: str) -> Converted:
@@ -74,6 +77,7 @@ def write(drafter, target) -> tuple[dict, dict]:
         "layer_types": ["full_attention"] * cfg.num_layers,
         "tie_word_embeddings": False,
         "block_size": cfg.block_size + 1,
-        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
+        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids),
+                          **CONVENTIONS},
     }
     return config, foreign_state(drafter.net.state_dict(), RULES)

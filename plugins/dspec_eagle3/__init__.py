@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dspec_cli import hookimpl
 from dspec_cli.checkpoints.layouts import Layout
-from dspec_eagle3 import specforge_layout
+from dspec_eagle3 import specforge_layout, speculators_layout
 from dspec_eagle3.drafter import (
     Eagle3Config,
     Eagle3Drafter,
@@ -40,3 +40,5 @@ def dspec_register_drafters(register):
 def dspec_register_layouts(register):
     register(Layout(specforge_layout.ARCHITECTURES[0], specforge_layout.read, specforge_layout.write,
                     lambda d: isinstance(d, Eagle3Drafter)))
+    register(Layout(speculators_layout.ARCHITECTURES[0], speculators_layout.read, speculators_layout.write,
+                    lambda d: isinstance(d, Eagle3Drafter), family="speculators"))

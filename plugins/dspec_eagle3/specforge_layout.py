@@ -7,9 +7,10 @@ embeddings; absent = EAGLE's default layers), at the top level (vLLM reads it th
 ``eagle_config`` (SGLang reads it there; export writes both). Weights: ``embed_tokens`` (frozen copy of the
 target's), ``fc`` [d, 3·d], ``midlayer.{input_layernorm (on the embedding), hidden_norm,
 self_attn.{q,k,v,o}_proj (q/k/v read 2d; no q/k norms), post_attention_layernorm,
-mlp.*}``, ``norm``, ``lm_head`` [N, d] (trained), ``d2t`` [N] (target id = draft id +
-d2t[draft id]) and ``t2d`` [V] bool (SpecForge ``specforge/modeling/draft/llama3_eagle.py``). It loads as our
-``eagle3`` with ``qk_norm = false``.
+mlp.*}``, ``norm``, ``lm_head`` [N, d] (trained), and with a reduced draft vocabulary (N < V)
+``d2t`` [N] (target id = draft id + d2t[draft id]) and ``t2d`` [V] bool (SpecForge
+``specforge/modeling/draft/llama3_eagle.py``; vLLM's ``llama_eagle3.py`` has no ``d2t`` parameter
+when N = V and refuses one). It loads as our ``eagle3`` with ``qk_norm = false``.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ RULES = (
 )
 SHARED = ("embed_tokens.weight",)
 TAPS = 3  # low / mid / high target layers
+# EAGLE-3 variants dspec does not compute, written false (vLLM's reader of the speculators format
+# defaults norm_before_residual to true)
+OPTIONS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 
 def read(config: dict, tensors: dict, where: str) -> Converted:
@@ -50,6 +54,9 @@ def read(config: dict, tensors: dict, where: str) -> Converted:
     N = int(config.get("draft_vocab_size") or V)
     if config.get("target_hidden_size") not in (None, d):
         raise DspecError(f"{where}: target_hidden_size {config['target_hidden_size']} differs from hidden_size {d}")
+    for option in OPTIONS:
+        if config.get(option):
+            raise DspecError(f"{where}: {option} = true is not supported")
     nested = config["eagle_config"] if isinstance(config.get("eagle_config"), dict) else {}
     aux = config.get("eagle_aux_hidden_state_layer_ids") or nested.get("eagle_aux_hidden_state_layer_ids")
     t2d = tensors.pop("t2d", None)
@@ -59,7 +66,7 @@ def read(config: dict, tensors: dict, where: str) -> Converted:
         if d2t is None:
             raise DspecError(f"{where}: tensor 'd2t' is missing (draft_vocab_size {N} < vocab_size {V})")
         state["d2t"] = d2t.long()
-        _check_t2d(t2d, state["d2t"], V, where)
+        check_t2d(t2d, state["d2t"], V, where)
     elif d2t is not None and bool(d2t.any()):
         raise DspecError(f"{where}: d2t must be all zero with the full vocabulary (draft_vocab_size = vocab_size)")
     values = {
@@ -74,7 +81,7 @@ def read(config: dict, tensors: dict, where: str) -> Converted:
     return Converted(ARCHITECTURES[0], "eagle3", values, state, RULES, shared)
 
 
-def _check_t2d(t2d: torch.Tensor | None, d2t: torch.Tensor, vocab: int, where: str) -> None:
+def check_t2d(t2d: torch.Tensor | None, d2t: torch.Tensor, vocab: int, where: str) -> None:
     """t2d [V] bool must mark exactly the target ids d2t maps to (when present)."""
     if t2d is None:
         return
@@ -94,8 +101,7 @@ def write(drafter, target) -> tuple[dict, dict]:
                          f"{len(cfg.target_layer_ids)}")
     V = cfg.vocab_size
     aux = [i + 1 for i in cfg.target_layer_ids]
-    ids = net.draft_ids()
-    ids = torch.arange(V, device=net.fc.weight.device) if ids is None else ids
+    ids, maps = draft_tensors(net, V)
     config = {
         "architectures": list(ARCHITECTURES),
         "model_type": "llama",
@@ -104,14 +110,25 @@ def write(drafter, target) -> tuple[dict, dict]:
         "num_hidden_layers": 1,
         "vocab_size": V,
         "draft_vocab_size": ids.numel(),
+        "target_hidden_size": cfg.hidden_size,
+        **dict.fromkeys(OPTIONS, False),
         "eagle_aux_hidden_state_layer_ids": aux,  # vLLM reads it here,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True},  # SGLang here
         "tie_word_embeddings": False,
     }
     tensors = foreign_state(net.state_dict(), RULES)
-    tensors["d2t"] = ids - torch.arange(ids.numel(), device=ids.device)
-    t2d = torch.zeros(V, dtype=torch.bool, device=ids.device)
-    t2d[ids] = True
-    tensors["t2d"] = t2d
+    tensors.pop("d2t", None)
+    if ids.numel() < V:  # the maps of a reduced draft vocabulary; with the full one vLLM has no
+        tensors.update(maps)  # parameter for d2t (a load error) and SGLang drafts over every id
     tensors["embed_tokens.weight"] = target.model.get_input_embeddings().weight
     return config, tensors
+
+
+def draft_tensors(net, vocab: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The target id of every draft id [N] (N = V for the full vocabulary) and the maps engines read:
+    ``d2t`` [N] (target id = draft id + d2t) and ``t2d`` [V] bool (the target ids drafted)."""
+    ids = net.draft_ids()
+    ids = torch.arange(vocab, device=net.fc.weight.device) if ids is None else ids
+    t2d = torch.zeros(vocab, dtype=torch.bool, device=ids.device)
+    t2d[ids] = True
+    return ids, {"d2t": ids - torch.arange(ids.numel(), device=ids.device), "t2d": t2d}

@@ -3,7 +3,10 @@
 Each layout is a :class:`Layout`, registered by the plugin that owns the drafter through the
 ``dspec_register_layouts`` hook (docs/plugins.md, docs/interop.md); the built-in ones:
 DeepSpec's ``Qwen3DSparkModel`` / ``Gemma4DSparkModel`` and z-lab's ``DFlashDraftModel``
-(``dspec_dflash``), SpecForge's ``LlamaForCausalLMEagle3`` (``dspec_eagle3``).
+(``dspec_dflash``), SpecForge's ``LlamaForCausalLMEagle3`` (``dspec_eagle3``) — the layouts the
+engines load (family ``engines``) — and vllm-project/speculators' ``DFlashSpeculator`` /
+``DSparkSpeculator`` (``dspec_dflash``) and ``Eagle3Speculator`` (``dspec_eagle3``), family
+``speculators``.
 
 A folder is foreign when its config.json has no ``"drafter"`` key (ours always has one) and
 names an ``architectures`` entry. :func:`load_foreign` is the one hook in the loader of trained
@@ -37,6 +40,13 @@ from dspec_cli.checkpoints.layouts.common import (
     save,
     value,
 )
+from dspec_cli.checkpoints.layouts.speculators import (
+    VERIFIER_OWNED,
+    read_speculators_layers,
+    speculators_config,
+    speculators_header,
+    speculators_layers,
+)
 from dspec_cli.core import plugins
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.files import read_config
@@ -50,6 +60,7 @@ __all__ = [
     "ARCH_FIELDS", "Converted", "Layout", "Rules", "arch_config", "arch_values", "checkpoint_drafter", "convert",
     "detect_layout", "dtype_fields", "export_layout", "foreign_state", "layouts", "load_foreign", "read_tensors",
     "rename", "rename_state", "require", "save", "to_foreign", "value", "write",
+    "VERIFIER_OWNED", "read_speculators_layers", "speculators_config", "speculators_header", "speculators_layers",
 ]
 
 
@@ -60,7 +71,8 @@ class Layout:
     architecture: str
     read: Callable[[dict, dict, str], Converted]  # (config, tensors, where) -> our names
     write: Callable[[Any, Any], tuple[dict, dict]]  # (drafter, target) -> (config, tensors)
-    exports: Callable[[Any], bool]  # whether this is the layout a drafter is exported in
+    exports: Callable[[Any], bool]  # whether this is the layout a drafter is exported in (within its family)
+    family: str = "engines"  # the export formats it is written for: "engines" (vllm, sglang) or "speculators"
 
 
 def layouts() -> dict[str, Layout]:
@@ -177,19 +189,20 @@ def _load_state(net: torch.nn.Module, conv: Converted, where: str) -> None:
     net.load_state_dict(conv.state)
 
 
-def export_layout(drafter) -> str:
-    """The foreign architecture :func:`write` uses for ``drafter`` (DspecError if none)."""
-    found = [arch for arch, layout in layouts().items() if layout.exports(drafter)]
+def export_layout(drafter, family: str = "engines") -> str:
+    """The foreign architecture of ``family`` that :func:`write` uses for ``drafter`` (DspecError if none)."""
+    known = {arch: layout for arch, layout in layouts().items() if layout.family == family}
+    found = [arch for arch, layout in known.items() if layout.exports(drafter)]
     if not found:
-        exportable = ", ".join(sorted(layouts())) or "none"
+        exportable = ", ".join(sorted(known)) or "none"
         raise DspecError(f"drafter {drafter.name!r} has no foreign checkpoint layout (layouts: {exportable})")
     return found[0]
 
 
-def to_foreign(drafter, target: Target) -> tuple[str, dict, dict]:
-    """(architecture, config.json dict, tensors) of ``drafter`` in its foreign layout, in the
-    drafter's dtype (load the target with the dtype wanted)."""
-    layout = export_layout(drafter)
+def to_foreign(drafter, target: Target, family: str = "engines") -> tuple[str, dict, dict]:
+    """(architecture, config.json dict, tensors) of ``drafter`` in its foreign layout of ``family``,
+    in the drafter's dtype (load the target with the dtype wanted)."""
+    layout = export_layout(drafter, family)
     config, tensors = layouts()[layout].write(drafter, target)
     return layout, config, tensors
 
