@@ -2,9 +2,10 @@
 
 One loop serves R concurrent requests: finished requests leave, queued ones join. Each
 round: the drafter proposes, the scheduler picks ℓ_r, the target verifies all rows in one
-ragged forward, the verifier accepts a prefix plus one correction/bonus token per row, and
-target and drafter caches keep only committed tokens. With no drafter the same loop is
-plain autoregressive decoding (ℓ_r = 0): the baseline shares sampler and target path.
+padded-grid forward (R rows × the round's width), the verifier accepts a prefix plus one
+correction/bonus token per row, and target and drafter caches keep only committed tokens.
+With no drafter the same loop is plain autoregressive decoding (ℓ_r = 0): the baseline
+shares sampler and target path.
 
 Randomness is counter-based per request: every draw is keyed by (request seed, request
 round, position, purpose), so a request's output does not depend on what else is batched.
