@@ -259,8 +259,8 @@ class SpeculativeEngine:
         """The running batch of one generate call, on this engine's persistent session (KV
         caches with room for the run, graphs). The room is what the run's widest attention window
         needs (the longest prompt, every new token and the widest verify, rounded up to the window
-        bucket and the target's window multiple), so no round reallocates a cache; when this reservation reallocates one, the graphs
-        captured over the old buffers are freed."""
+        bucket and the target's window multiple), so no round reallocates a cache; when this
+        reservation reallocates one, the graphs captured over the old buffers are freed."""
         cfg, dev = self.config, self.target.device
         layer_ids = self.drafter.target_layer_ids if self.drafter is not None else ()
         if self._session is None:
