@@ -42,7 +42,7 @@ from dspec_cli.core.errors import DspecError
 from dspec_cli.core.host import reads_free
 from dspec_cli.nn.gqa import sdpa_stacked
 from dspec_cli.nn.linear import Linear
-from dspec_cli.nn.slots import SlotRows
+from dspec_cli.nn.slots import SlotRows, write_slots
 
 __all__ = [
     "BackboneConfig",
@@ -463,12 +463,9 @@ class ContextCache(SlotRows):
     def write_grid(self, pos: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], counts: torch.Tensor) -> None:
         """Store kv, per layer (K, V) [n, W, Hkv, hd], at positions pos [n, W] (each row's length + 0..W-1)
         of rows [0, n), of which the first ``counts`` [n] per row become context (no host reads)."""
-        n, width = pos.shape
-        index = pos[:, None, :, None]  # [n, 1, W, 1]
         for keys, values, (k, v) in zip(self._keys, self._values, kv, strict=True):
-            for buf, new in ((keys, k), (values, v)):
-                part = buf[:n]
-                part.scatter_(2, index.expand(n, part.shape[1], width, part.shape[3]), new.transpose(1, 2).to(buf.dtype))
+            write_slots(keys, 0, pos, k.transpose(1, 2))
+            write_slots(values, 0, pos, v.transpose(1, 2))
         self.advance(counts)
         self._fixed = None
 

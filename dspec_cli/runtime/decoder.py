@@ -221,9 +221,9 @@ def attend(
     Hkv, S = keys.shape[1], keys.shape[2]
     g = H // Hkv
     stacked = queries.transpose(1, 2).reshape(n * Hkv, g * q, D)
-    scores = torch.bmm(stacked, keys.reshape(n * Hkv, S, D).transpose(1, 2))  # [n·H_kv, g·q, S]
+    scores = torch.bmm(stacked, keys.view(n * Hkv, S, D).transpose(1, 2))  # [n·H_kv, g·q, S]
     scores = torch.add(bias, scores.view(n, Hkv, g, q, S), alpha=scale)  # float
     weights = scores.sub_(scores.amax(-1, keepdim=True)).exp_()
     weights = weights.div_(weights.cumsum(-1)[..., -1:]).to(values.dtype)
-    out = torch.bmm(weights.view(n * Hkv, g * q, S), values.reshape(n * Hkv, S, D))  # [n·H_kv, g·q, D]
+    out = torch.bmm(weights.view(n * Hkv, g * q, S), values.view(n * Hkv, S, D))  # [n·H_kv, g·q, D]
     return out.view(n, H, q, D).transpose(1, 2).reshape(n, q, H * D)

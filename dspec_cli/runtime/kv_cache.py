@@ -7,8 +7,8 @@ the per-row lengths are the whole bookkeeping: slot j of row r is committed cont
 j < len_r. No validity or position arrays, no holes, no compaction (the model of gpt-fast's
 static cache, with one length per row).
 
-A forward of q new tokens per row writes them at slots len_r..len_r+q−1 (a scatter into the
-buffer: nothing is concatenated) and its attention reads a leading *window* of S slots of the
+A forward of q new tokens per row writes them at slots len_r..len_r+q−1 (copied into the
+buffer in place: nothing is concatenated) and its attention reads a leading *window* of S slots of the
 buffer, S >= the longest row + q. Windows are rounded up to a bucket when forwards are captured
 as CUDA graphs (:mod:`dspec_cli.runtime.graphs`), so shapes repeat, and to the target's
 ``window_multiple`` (16 for dspec's own forward, :mod:`dspec_cli.runtime.decoder`); else S is
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from dspec_cli.nn.slots import SlotRows
+from dspec_cli.nn.slots import SlotRows, write_slots
 
 __all__ = [
     "SlotCache",
@@ -96,14 +96,12 @@ class SlotLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         io = self.cache.forward_io()
-        n, heads, q, _ = key_states.shape
-        rows = slice(io.row0, io.row0 + n)
+        n = key_states.shape[0]
         all_keys, all_values = self.kv()
-        keys, values = all_keys[rows], all_values[rows]
-        index = io.slots[:, None, :, None]  # [n, 1, q, 1]
-        keys.scatter_(2, index.expand(n, heads, q, keys.shape[3]), key_states)
-        values.scatter_(2, index.expand(n, values.shape[1], q, values.shape[3]), value_states)
-        return keys[:, :, : io.window], values[:, :, : io.window]
+        write_slots(all_keys, io.row0, io.slots, key_states)
+        write_slots(all_values, io.row0, io.slots, value_states)
+        rows = slice(io.row0, io.row0 + n)
+        return all_keys[rows, :, : io.window], all_values[rows, :, : io.window]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.cache.forward_io().window, 0
@@ -188,8 +186,8 @@ class TargetBatch(SlotRows):
         bucket = math.lcm(bucket, self.window_multiple)
         need = max(self.bounds, default=0) + q
         window = -(-need // bucket) * bucket
-        self.reserve(self.num_rows, window)
-        return window
+        self.reserve(self.num_rows, window + 1)  # a window never spans the whole buffer: a compiled
+        return window  # forward sees one layout (a strict slice) and is not compiled again for the other
 
     def commit_prefill(self, row0: int, lengths: Sequence[int]) -> None:
         """Rows row0.. now hold prompts of ``lengths`` tokens at slots 0..."""
