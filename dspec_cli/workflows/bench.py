@@ -67,9 +67,14 @@ class BenchOptions(SamplingConfig):
     warmup: bool = True
     repeats: int = 1  # passes over the prompts, every unit paired with plain decoding
     cuda_graphs: bool = True  # rounds as CUDA graphs on a CUDA device (GenerationConfig.graphs "auto")
+    compile: bool = False  # rounds under torch.compile (GenerationConfig.graphs "compile"; wins over cuda_graphs)
     chat_template_kwargs: dict = field(default_factory=default_kwargs)  # how prompts are rendered
     verify: Sequence[str] = ()  # verification rules by name (verify_config); () = the engine's defaults
     extra: dict = field(default_factory=dict)
+
+    def graphs(self) -> str:
+        """GenerationConfig.graphs of these options."""
+        return "compile" if self.compile else "auto" if self.cuda_graphs else "eager"
 
 
 CHAIN_RULES = ("token", "block", "greedy")  # what chain rounds report as their rule
@@ -466,7 +471,7 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
         for conc in opts.concurrency:
             cfg = GenerationConfig(
                 **opts.sampling(), max_new_tokens=opts.max_new_tokens, block_size=opts.block_size, max_batch=conc,
-                graphs="auto" if opts.cuda_graphs else "eager", **rules,
+                graphs=opts.graphs(), **rules,
             )
             engines = [("baseline", "-", SpeculativeEngine(target, None, cfg))]
             engines += [
@@ -510,5 +515,6 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
         "target": opts.target or "embedded:tiny-target",
         "chat_template_kwargs": opts.chat_template_kwargs,
         "env": environment(target),
+        "graphs": opts.graphs(),
         "runs": runs,
     }
