@@ -32,10 +32,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.vs_vllm import cpu_description
+from benchmarks.vs_vllm import cpu_description, held_out_prompts
 from dspec_cli.checkpoints.loading import load_drafter
 from dspec_cli.core.cpu_load import busy_seconds
-from dspec_cli.core.data import load_prompts
 from dspec_cli.runtime.engine import GenerationConfig, SpeculativeEngine
 from dspec_cli.runtime.target import Target
 
@@ -129,11 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     rows_list = [int(r) for r in a.concurrency.split(",")]
 
     target = Target.load(None, dtype="bfloat16")
-    prompts, sets = [], []
-    for path in a.dataset:
-        chosen = load_prompts(path)[a.skip : a.skip + a.num_prompts]
-        prompts += [target.render_prompt(p.text) for p in chosen]
-        sets.append({"dataset": Path(path).name, "prompts": f"{a.skip}..{a.skip + len(chosen) - 1}"})
+    prompts, sets = held_out_prompts(target, a.dataset, a.skip, a.num_prompts)
     drafters = {PLAIN: None} | {spec: load_drafter(spec, target, None, 7) for spec in a.drafter or ["dspark-markov"]}
     engines = {}  # (drafter, setting, T, R) -> engine: its caches persist across runs
     for name, drafter in drafters.items():
