@@ -97,10 +97,11 @@ class GenerationConfig(SamplingConfig):
         """Whether this run's target forwards are batch-invariant (runtime/decoder.py: a token's
         logits are the same bit for bit in a one-token step and in a verify of ℓ + 1 tokens, so at
         T = 0 every drafter's output is plain decoding's, in half precision too): ``batch_invariant``
-        where given, else the default rule, kept here alone: on wherever dspec's own forward runs
-        (the embedded target and the Llama family on a CPU), where it costs little against what
-        identical greedy output is worth. Only that forward has the invariant attention, so True
-        where transformers' forward runs is an error."""
+        where given, else the default rule, kept here alone. The rule: on wherever dspec's own
+        forward runs (the embedded target and the Llama family on a CPU), because a user comparing
+        runs expects greedy output not to depend on the drafter; what it costs there against fused
+        attention is what ``benchmarks/batch_invariance.py`` measures. Only that forward has the
+        invariant attention, so True where transformers' forward runs is an error."""
         if self.batch_invariant and not target.lean:
             raise DspecError(f"batch-invariant verification needs dspec's own forward; this target runs "
                              f"transformers' forward ({target.lean_unsupported})")

@@ -12,8 +12,9 @@ buffer: nothing is concatenated) and its attention reads a leading *window* of S
 buffer, S >= the longest row + q. Windows are rounded up to a bucket when forwards are captured
 as CUDA graphs (:mod:`dspec_cli.runtime.graphs`), so shapes repeat, and to the batch's
 ``window_multiple`` (16 for the batch-invariant attention of dspec's own forward,
-:mod:`dspec_cli.runtime.decoder`); else S is exact. Slots at or past len_r are stale: what a rejected draft or a padding token left there is
-hidden by the masks (:func:`attention_masks`) and overwritten later.
+:mod:`dspec_cli.runtime.decoder`); else S is exact. Slots at or past len_r are stale: what a
+rejected draft or a padding token left there is hidden by the masks (:func:`attention_masks`) and
+overwritten later.
 
 Commit: a chain's accepted prefix is already in place, so committing only raises len_r; a
 tree's accepted path (node i written at slot len_r + i) is moved down to len_r, len_r+1, ...

@@ -216,9 +216,9 @@ class Target:
                   batch_invariant: bool | None = None) -> TargetBatch:
         """An empty batch tapping the raw outputs of ``layer_ids`` (-1 = embedding output), with
         room for ``rows`` rows of ``slots`` slots (more is allocated when needed). Its forwards
-        attend batch-invariantly (runtime/decoder.py; windows a multiple of its
-        ``WINDOW_MULTIPLE``) when ``batch_invariant`` (dspec's own forward only; None: wherever
-        that forward runs), else with fused attention over exact windows."""
+        attend batch-invariantly (runtime/decoder.py; windows are multiples of WINDOW_MULTIPLE)
+        when ``batch_invariant`` (dspec's own forward only; None: wherever that forward runs),
+        else with fused attention over exact windows."""
         bad = [i for i in layer_ids if not -1 <= int(i) < self.num_layers]
         if bad:
             raise ValueError(f"layer_ids must be in [-1, {self.num_layers}), got {bad}")
