@@ -73,6 +73,17 @@ def cpu_description() -> str:
             f"{info.get('model', '?')}, {' + '.join(isa) or 'no AVX'}, {os.cpu_count()} vCPUs")
 
 
+def held_out_prompts(target: Target, paths: list[str], skip: int, num: int) -> tuple[list[list[int]], list[dict]]:
+    """Prompts ``skip``.. ``skip + num - 1`` of each set, rendered by the target's chat template, and
+    what was taken from each set (for the report)."""
+    prompts, sets = [], []
+    for path in paths:
+        chosen = load_prompts(path)[skip : skip + num]
+        prompts += [target.render_prompt(p.text) for p in chosen]
+        sets.append({"dataset": Path(path).name, "prompts": f"{skip}..{skip + len(chosen) - 1}"})
+    return prompts, sets
+
+
 def _tree_cpu_seconds(pid: int) -> float:
     """CPU seconds of process ``pid`` and its descendants (Linux /proc; 0 elsewhere)."""
     tick = os.sysconf("SC_CLK_TCK")
@@ -344,11 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     rows_list = [int(r) for r in a.concurrency.split(",")]
 
     target = Target.load(None, dtype="bfloat16")
-    prompts, sets = [], []
-    for path in a.dataset:
-        chosen = load_prompts(path)[a.skip : a.skip + a.num_prompts]
-        prompts += [target.render_prompt(p.text) for p in chosen]
-        sets.append({"dataset": Path(path).name, "prompts": f"{a.skip}..{a.skip + len(chosen) - 1}"})
+    prompts, sets = held_out_prompts(target, a.dataset, a.skip, a.num_prompts)
     drafters = {spec: load_drafter(spec, target, None, 7) for spec in a.drafter}
     engines: list = [DspecEngine(f"dspec-{spec}{COMPILED if mode == 'compile' else ''}", target, drafters.get(spec), mode)
                      for mode in a.graphs.split(",") for spec in (PLAIN, *a.drafter)]

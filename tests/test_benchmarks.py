@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import (
+    batch_invariance,
     calibration_forms,
     drafter_latency,
     hf_assisted,
@@ -26,7 +27,7 @@ from benchmarks import (
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} - {"__init__"}
 SMOKED = {"drafter_latency", "hf_assisted", "table", "verify", "verify_rules", "trace_load", "gpu", "budget",
-          "calibration_forms", "vs_vllm", "vllm_worker", "vllm_cpu", "vllm_exports"}
+          "calibration_forms", "vs_vllm", "vllm_worker", "vllm_cpu", "vllm_exports", "batch_invariance"}
 
 
 def test_every_benchmark_has_a_smoke_test():
@@ -113,6 +114,21 @@ def test_vs_vllm_without_vllm(tmp_path, monkeypatch):
     assert {s["engine"] for s in report["summary"]} == {"dspec-plain", "dspec-dspark"}
     assert all(s["greedy_identical_to_dspec_plain"] == "2/2" for s in report["summary"])
     assert set(report["step_profile_ms_per_token"]) == {"dspec-plain T=0", "dspec-dspark T=0"}
+    assert out.with_suffix(".md").read_text().startswith("CPU: ")
+
+
+def test_batch_invariance(tmp_path, monkeypatch):
+    """Both settings of plain and dspark, one repeat per cell, at T = 0 and 1: the paired ratio
+    and, at T = 0, greedy identity per setting (the invariant one: every output plain's)."""
+    monkeypatch.setattr(batch_invariance, "SETTLE_S", 0.0)
+    out = tmp_path / "bi.json"
+    batch_invariance.main(["--dataset", "builtin", "--num-prompts", "2", "--max-new-tokens", "6", "--concurrency", "1",
+                           "--temperature", "0,1", "--drafter", "dspark", "--repeats", "1", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert len(report["runs"]) == 2 * 2 * 2  # drafters x settings x temperatures
+    dspark = {s["temperature"]: s for s in report["summary"] if s["drafter"] == "dspark"}
+    assert dspark[0.0]["invariant_greedy_identical_to_plain"] == "2/2" and dspark[0.0]["fused_over_invariant"] > 0
+    assert "invariant_greedy_identical_to_plain" not in dspark[1.0]
     assert out.with_suffix(".md").read_text().startswith("CPU: ")
 
 

@@ -46,6 +46,14 @@ def _interrupted_training(opts, progress):
     return TrainResult(Path(opts.output or "runs/x"), 3, 10, False, {"loss": 1.0}, interrupted=True)
 
 
+class _AsOnAGpu:
+    """Stands in for LeanDecoder: the target runs transformers' forward, as on a GPU."""
+
+    @staticmethod
+    def unsupported(model) -> str:
+        return "device cuda"
+
+
 def _served(speculating: bool = True, metrics: int = 200, probe_tokens: int | None = None):
     """``run_server_bench`` against fake servers (an httpx transport): ``spec.test`` answers
     /v1/models, /version, /metrics (vLLM's spec-decode counters unless not ``speculating``, HTTP
@@ -163,6 +171,11 @@ CASES = [
          "--server 'spec.test': expected an http:// or https:// URL"),
     Case("na-bench-server-model-without-server", BENCH + " --server-model m", "--server-model has no effect without --server"),
     Case("na-bench-server-with-scheduler", SERVED + " -s threshold", "--scheduler has no effect without --drafter"),
+    Case("na-bench-server-batch-invariant", SERVED + " --no-batch-invariant",
+         "--no-batch-invariant has no effect without --drafter"),
+    Case("batch-invariant-transformers-forward", BENCH + " --batch-invariant",
+         "batch-invariant verification needs dspec's own forward; this target runs transformers' forward "
+         "(device cuda)", patch={"dspec_cli.runtime.target:LeanDecoder": _AsOnAGpu}, loads=True),
     Case("unknown-flag", "bench -d prompt-lookup --bogus", "No such option: --bogus", usage=True),
     Case("not-an-integer", "bench -d prompt-lookup --num-prompts many", "Invalid value for '--num-prompts'", usage=True),
     Case("unknown-command", "benchmark", "No such command 'benchmark'. Did you mean 'bench'? (see 'dspec -h')", usage=True),
@@ -338,6 +351,10 @@ CASES += [
          "--temperature, --seed have no effect with --traces"),
     Case("na-regenerate-server-with-device", REGEN + " --server http://x --device cpu", "--device has no effect with --server"),
     Case("na-regenerate-model-without-server", REGEN + " --model m", "--model has no effect without --server"),
+    Case("na-regenerate-server-batch-invariant", REGEN + " --server http://x --batch-invariant",
+         "--batch-invariant has no effect with --server"),
+    Case("na-calibrate-traces-batch-invariant", "calibrate -d dspark --traces {d}/traces.jsonl -o {t}/c --no-batch-invariant",
+         "--no-batch-invariant has no effect with --traces"),
     Case("na-schedule-threshold-unused", SCHED + " --threshold 0.3", "--threshold has no effect without --scheduler threshold"),
     Case("msg-push-file-not-folder", "push {d}/afile.txt --repo-id alice/x", "checkpoint {d}/afile.txt: is a file, not a checkpoint folder"),
     Case("msg-init-from-file", TRAIN + " -o {t}/run --init-from {d}/afile.txt", "--init-from {d}/afile.txt: is a file, not a checkpoint folder"),

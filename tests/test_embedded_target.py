@@ -98,10 +98,10 @@ def test_engine_lossless_on_embedded_target(target, exact_by_sampling, name, sam
         assert_continuations_match(samples, exact, name=f"{name} prompt {i} {sampling}")
 
 
-def _greedy_mismatches(target: Target, new_tokens: int) -> list[str]:
+def _greedy_mismatches(target: Target, new_tokens: int, **config) -> list[str]:
     """The drafters whose greedy output on PROMPTS differs from plain greedy decoding's."""
     prompts = [target.render_prompt(p) for p in PROMPTS]
-    cfg = GenerationConfig(max_new_tokens=new_tokens, temperature=0.0, block_size=5, max_batch=3)
+    cfg = GenerationConfig(max_new_tokens=new_tokens, temperature=0.0, block_size=5, max_batch=3, **config)
     plain = [r.output_ids for r in SpeculativeEngine(target, None, cfg, stop_ids=[]).generate(prompts)]
     return [name for name, drafter in _drafters(target)
             if [r.output_ids for r in SpeculativeEngine(target, drafter, cfg, stop_ids=[]).generate(prompts)] != plain]
@@ -122,9 +122,15 @@ def test_greedy_identity_in_bfloat16():
 
 
 @BF16
-def test_greedy_identity_fails_without_batch_invariance(monkeypatch):
-    """The variant that must fail the test above: transformers' forward (its attention and
-    matmuls round a token's logits differently in a verify than in a one-token step)."""
+def test_greedy_identity_fails_without_batch_invariance():
+    """The variant that must fail the test above: the setting off (PyTorch's fused attention
+    rounds a token's logits differently in a verify than in a one-token step)."""
+    assert _greedy_mismatches(Target.load(None, dtype="bfloat16"), 128, batch_invariant=False) != []
+
+
+@BF16
+def test_greedy_identity_fails_with_transformers_forward(monkeypatch):
+    """And with transformers' forward (its attention and matmuls), where the setting cannot apply."""
     from dspec_cli.runtime.decoder import LeanDecoder
 
     monkeypatch.setattr(LeanDecoder, "unsupported", staticmethod(lambda model: "transformers' forward under test"))

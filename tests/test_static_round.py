@@ -113,13 +113,19 @@ def test_replays_touch_the_tensors_their_capture_did(target, drafters, name):
     _same_tokens(target, drafters[name], "check")
 
 
-def test_round_compiles_without_graph_breaks(target, drafters, monkeypatch):
+@pytest.mark.parametrize("invariant", [True, False], ids=["invariant", "fused"])
+def test_round_compiles_without_graph_breaks(target, drafters, invariant, monkeypatch):
     """The same steps trace under torch.compile(fullgraph=True): no graph break, so no host read
     (dspark's chain at T = 1, one request, traced only; the other drafters, T = 0 and batches,
-    compiled by inductor, in the slow suite)."""
+    compiled by inductor, in the slow suite), with either attention of dspec's own forward."""
     monkeypatch.setattr("dspec_cli.runtime.graphs.CPU_COMPILE_BACKEND", "eager")
     _same_tokens(target, drafters["dspark-markov"], "compile", temperatures=(1.0,), max_batch=1, prompts=PROMPTS[:1],
-                 max_new_tokens=8)
+                 max_new_tokens=8, batch_invariant=invariant)
+
+
+def test_fused_attention_replays_touch_the_tensors_their_capture_did(target, drafters):
+    """With batch invariance off (fused attention over exact windows) the steps are as capturable."""
+    _same_tokens(target, drafters["dspark-markov"], "check", batch_invariant=False)
 
 
 @pytest.mark.slow

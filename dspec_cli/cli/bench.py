@@ -103,6 +103,7 @@ def bench_command(
     dtype: str = opt.dtype(),
     cuda_graphs: bool = opt.cuda_graphs(),
     compile_rounds: bool = opt.compile_rounds(),
+    batch_invariant: Optional[bool] = opt.batch_invariant(),
     json_path: Optional[Path] = opt.json_path("the full report"),
     plots: Optional[Path] = opt.plots("acceptance.png; with several concurrencies also load.png"),
     chat_template_kwargs: Optional[str] = opt.chat_template_kwargs(),
@@ -118,7 +119,8 @@ def bench_command(
     if server is None:
         opt.refuse(ctx, ("server_model",), "without --server", "with --server")
     elif not drafter:
-        opt.refuse(ctx, ("checkpoint", "scheduler", "block_size", "cost_table", "verify", "cuda_graphs", "compile_rounds"),
+        opt.refuse(ctx, ("checkpoint", "scheduler", "block_size", "cost_table", "verify", "cuda_graphs", "compile_rounds",
+                   "batch_invariant"),
                    "without --drafter", "to dspec's engine (--drafter)")
     if baseline_server is not None and server is None:
         raise DspecError("--baseline-server is the baseline of --server; give --server too")
@@ -140,7 +142,7 @@ def bench_command(
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, block_size=block_size,
         seed=seed, concurrency=opt.int_list(concurrency, "--concurrency", maximum=opt.MAX_CONCURRENCY), device=device, dtype=dtype,
         schedulers=scheduler, cost_table=str(cost_table) if cost_table else None, strict=strict, repeats=repeats,
-        cuda_graphs=cuda_graphs, compile=compile_rounds,
+        cuda_graphs=cuda_graphs, compile=compile_rounds, batch_invariant=batch_invariant,
         chat_template_kwargs=opt.template_kwargs(chat_template_kwargs),
         verify=verify,
     )

@@ -83,6 +83,7 @@ def calibrate_command(
     seed: int = opt.seed(),
     device: str = opt.device(),
     dtype: str = opt.dtype(),
+    batch_invariant: Optional[bool] = opt.batch_invariant(),
     output: Optional[Path] = typer.Option(None, "--output", "-o", metavar="DIR", help="Write a complete calibrated copy of the checkpoint here."),
     in_place: bool = typer.Option(False, "--in-place", help="Rewrite calibration.json in the local --checkpoint folder instead."),
     overwrite: bool = opt.overwrite("a non-empty --output folder or an existing --save-traces file"),
@@ -103,15 +104,15 @@ def calibrate_command(
 
     if traces is not None:  # recorded rounds: nothing runs
         opt.refuse(ctx, ("num_prompts", "max_new_tokens", "temperature", "top_p", "top_k", "concurrency", "seed", "target",
-                         "device", "dtype", "strict", "chat_template_kwargs"), "with --traces (recorded rounds)",
+                         "device", "dtype", "batch_invariant", "strict", "chat_template_kwargs"), "with --traces (recorded rounds)",
                    "when the drafter runs")
     opts = CalibrateOptions(
         drafter=drafter, checkpoint=checkpoint, datasets=dataset, traces=traces, sglang_sts=sglang_sts, verify=verify,
         evaluate=evaluate,
         num_prompts=num_prompts, max_new_tokens=max_new_tokens, target=target, block_size=block_size,
         temperature=temperature, top_p=top_p, top_k=top_k, concurrency=concurrency, seed=seed, device=device,
-        dtype=dtype, output=output, in_place=in_place, overwrite=overwrite, force=force, strict=strict, plots=plots,
-        sweep_threshold=sweep_threshold, save_traces=save_traces,
+        dtype=dtype, batch_invariant=batch_invariant, output=output, in_place=in_place, overwrite=overwrite, force=force,
+        strict=strict, plots=plots, sweep_threshold=sweep_threshold, save_traces=save_traces,
         chat_template_kwargs=opt.template_kwargs(chat_template_kwargs),
     )
     paths = RunPaths().read("--dataset", *dataset).read("--traces", *opt.trace_files(traces)).read("--target", target)

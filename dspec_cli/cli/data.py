@@ -41,6 +41,7 @@ def regenerate_command(
     block_size: int = opt.block_size(7, "γ of --drafter (>= 1)."),
     device: str = opt.device(),
     dtype: str = opt.dtype(),
+    batch_invariant: Optional[bool] = opt.batch_invariant(),
     json_path: Optional[Path] = opt.json_path("the counts (written, already done, shortened, truncated, skipped, tokens)"),
     server: list[str] = typer.Option([], "--server", help="OpenAI-compatible server URL (vllm serve, SGLang, TGI, transformers serve) instead of the built-in engine; repeatable: servers share the work."),
     server_concurrency: int = opt.int_option(32, "--server-concurrency", minimum=1, maximum=opt.MAX_CONCURRENCY, help="Conversations in flight per --server."),
@@ -56,8 +57,8 @@ def regenerate_command(
 
     hf_logging.disable_progress_bar()
     if server:
-        opt.refuse(ctx, ("drafter", "checkpoint", "concurrency", "block_size", "device", "dtype"), "with --server",
-                   "to the built-in engine (with --server use --server-concurrency)")
+        opt.refuse(ctx, ("drafter", "checkpoint", "concurrency", "block_size", "device", "dtype", "batch_invariant"),
+                   "with --server", "to the built-in engine (with --server use --server-concurrency)")
     else:
         opt.refuse(ctx, ("server_concurrency", "model", "max_retries", "request_timeout"), "without --server",
                    "with --server")
@@ -66,6 +67,7 @@ def regenerate_command(
         chat_template_kwargs=None if chat_template_kwargs is None else opt.template_kwargs(chat_template_kwargs),
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, concurrency=concurrency,
         limit=limit, seed=seed, drafter=drafter, block_size=block_size, device=device, dtype=dtype,
+        batch_invariant=batch_invariant,
     )
     out = Path(opts.output)
     RunPaths().read("--dataset" if prompts else f"regenerate.prompts of --recipe {recipe}", *opts.prompts) \

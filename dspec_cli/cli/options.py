@@ -114,6 +114,15 @@ def compile_rounds() -> Any:
                              "disk by torch's inductor cache). The baseline is compiled too.")
 
 
+def batch_invariant() -> Any:
+    return typer.Option(None, "--batch-invariant/--no-batch-invariant", show_default=False,
+                        help="Verify with batch-invariant target forwards: a token's logits are the same in a verify "
+                             "as in a plain step, so at T = 0 every drafter gives plain decoding's output. Default: "
+                             "on wherever dspec's own forward runs (the Llama family and the embedded target on a "
+                             "CPU); --no-batch-invariant: fused attention there; elsewhere it cannot apply "
+                             "(docs/verification.md, \"Precision\").")
+
+
 def dtype() -> Any:
     return typer.Option("auto", "--dtype", metavar="DTYPE",
                         help="auto (bfloat16 on CUDA and on CPUs with native bf16, else float32), float32, "
@@ -169,12 +178,14 @@ def trace_files(path: Path | None) -> list[Path]:
 def typed(ctx: typer.Context, *names: str) -> list[str]:
     """The options among parameters ``names`` that the user gave (on the command line or in the
     environment), by their long names: an option given where it cannot apply is an error, never
-    silently ignored."""
+    silently ignored. An on/off flag is named as given (``--no-cuda-graphs``)."""
     given = []
     for param in ctx.command.params:
         source = ctx.get_parameter_source(param.name) if param.name in names else None
         if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT"):
-            given.append(next((o for o in param.opts if o.startswith("--")), param.opts[0]))
+            off = getattr(param, "secondary_opts", None) and ctx.params.get(param.name) is False
+            opts = param.secondary_opts if off else param.opts
+            given.append(next((o for o in opts if o.startswith("--")), opts[0]))
     return given
 
 

@@ -58,7 +58,7 @@ FORMATS = ("dspec", "sglang-diagonal", "sglang-additive")
 
 
 def _profile_steps(name, checkpoint, block_size, requests, verify_tokens, fmt, target, contexts, repeats, warmup,
-                   device, dtype, seed, json_path, plots, cuda_graphs) -> None:
+                   device, dtype, seed, json_path, plots, cuda_graphs, batch_invariant) -> None:
     """``profile-hardware --drafter``: whole steps over requests x verify tokens (dspec_cli.workflows.step_profile)."""
     from dspec_cli.checkpoints import load_drafter
     from dspec_cli.checkpoints.hub import resolve_checkpoint
@@ -87,7 +87,7 @@ def _profile_steps(name, checkpoint, block_size, requests, verify_tokens, fmt, t
 
         prof = profile_steps(tgt, model, requests=rows, verify_tokens=widths, contexts=ctx, repeats=repeats,
                              warmup=warmup, model_name=target or "embedded:tiny-target", seed=seed, progress=advance,
-                             graphs="auto" if cuda_graphs else "eager")
+                             graphs="auto" if cuda_graphs else "eager", batch_invariant=batch_invariant)
         bar.update(task, completed=total)  # a tree drafter has one width: fewer cells than asked
     table = prof.cost_table()
     if not is_stdout(json_path):
@@ -118,6 +118,7 @@ def profile_command(
     device: str = opt.device(),
     dtype: str = opt.dtype(),
     cuda_graphs: bool = opt.cuda_graphs(),
+    batch_invariant: Optional[bool] = opt.batch_invariant(),
     seed: int = opt.seed(),
     drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Time whole speculative steps of this drafter (drafting + verification + host work) over --requests x --verify-tokens."),
     checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="With --drafter: its checkpoint (default: the drafter's default)."),
@@ -152,7 +153,7 @@ def profile_command(
         resolve_device(device)
         parse_dtype(dtype)
         return _profile_steps(drafter, checkpoint, block_size, requests, verify_tokens, fmt, target, contexts,
-                              repeats, warmup, device, dtype, seed, json_path, plots, cuda_graphs)
+                              repeats, warmup, device, dtype, seed, json_path, plots, cuda_graphs, batch_invariant)
 
     points = int_list(grid, "--grid", maximum=MAX_TOKENS) if grid else default_grid(max_batch_tokens)
     lengths: list[int] = int_list(contexts, "--contexts", maximum=MAX_TOKENS) if contexts else list(DEFAULT_CONTEXTS)
@@ -170,7 +171,7 @@ def profile_command(
 
         table = profile_target(tgt, grid=points, contexts=lengths, repeats=repeats, warmup=warmup,
                                row_tokens=row_tokens, model_name=target or "embedded:tiny-target", seed=seed,
-                               cuda_graphs=cuda_graphs, progress=advance)
+                               cuda_graphs=cuda_graphs, batch_invariant=batch_invariant, progress=advance)
     if not is_stdout(json_path):
         render_cost_table(table, results_console())
     if json_path is not None:

@@ -23,6 +23,12 @@ the masked slots past a row's last key add exact zeros whatever the window), pro
 values by another matmul; windows are multiples of :data:`WINDOW_MULTIPLE` slots, so no row has a
 vector tail. Scores are rounded to the model's dtype as transformers' eager attention rounds
 them. ``tests/test_batch_invariance.py`` checks greedy identity for the shipped drafters.
+
+Each forward says which attention it runs (``invariant``; the engine decides, per run:
+``GenerationConfig.batch_invariance``): this invariant one, or PyTorch's fused attention
+(:func:`attend_fused`, one ``scaled_dot_product_attention`` call per layer over exact windows),
+faster but with logits that depend on how many tokens the forward scores. Either is exact
+sampling from the logits its forward computes.
 """
 
 from __future__ import annotations
@@ -34,12 +40,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspec_cli.nn.gqa import sdpa_stacked
 from dspec_cli.nn.linear import PackedWeight
 
-__all__ = ["FAMILIES", "WINDOW_MULTIPLE", "LeanDecoder", "attend", "rms_norm"]
+__all__ = ["FAMILIES", "WINDOW_MULTIPLE", "LeanDecoder", "attend", "attend_fused", "rms_norm"]
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # model_type of the configs this forward runs
-WINDOW_MULTIPLE = 16  # attention windows are multiples of this (one AVX-512 vector of float32)
+WINDOW_MULTIPLE = 16  # invariant attention's windows are multiples of this (one AVX-512 vector of float32)
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -151,18 +158,21 @@ class LeanDecoder:
         mask: torch.Tensor | None,  # [n, 1, q, window] bool (True = attend); None: causal, ending at the window's end
         layer_ids: Sequence[int],
         last_only: bool,
+        invariant: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward of ``ids`` after the rows' cached tokens (the cache's ``io`` says where they
         are written and which ``window`` of slots attention reads): (logits [n, q or 1, V] in the
         model's dtype, taps [n, q, len(layer_ids)·d], the raw outputs of ``layer_ids``, -1 = the
-        embedding)."""
+        embedding). ``invariant``: batch-invariant attention (:func:`attend`, ``window`` a multiple
+        of :data:`WINDOW_MULTIPLE`), else PyTorch's fused attention (:func:`attend_fused`)."""
         n, q = ids.shape
         x = F.embedding(ids, self.embed)  # [n, q, d]
         tapped = {-1: x} if -1 in layer_ids else {}
         cos, sin = self._rope(pos, x.dtype)
-        bias = self._bias(mask, n, q, window)  # [n, 1, 1, q, S] float
+        mask = self._mask(mask, n, q, window)  # [n, 1, q, S] bool
+        attention = (attend, torch.where(mask, 0.0, -math.inf)[:, :, None]) if invariant else (attend_fused, mask)
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(layer, i, cache, rms_norm(x, self.eps) * layer.norm1, cos, sin, bias)
+            x = x + self._attention(layer, i, cache, rms_norm(x, self.eps) * layer.norm1, cos, sin, *attention)
             x = x + self._mlp(layer, rms_norm(x, self.eps) * layer.norm2)
             if i in layer_ids:
                 tapped[i] = x
@@ -180,17 +190,18 @@ class LeanDecoder:
         sin = (freqs.sin() * self.rope_scaling).to(dtype)
         return torch.cat([cos, cos], -1)[:, :, None], torch.cat([-sin, sin], -1)[:, :, None]
 
-    def _bias(self, mask: torch.Tensor | None, n: int, q: int, window: int) -> torch.Tensor:
-        """Additive attention bias [n, 1, 1, q, window] float (0 or -inf) of ``mask``; None: causal
-        with the q new tokens at the window's last slots."""
-        if mask is None:
-            col = torch.arange(window, device=self.embed.device)
-            row = torch.arange(window - q, window, device=self.embed.device)
-            mask = (col[None, :] <= row[:, None])[None, None].expand(n, 1, q, window)
-        return torch.where(mask, 0.0, -math.inf)[:, :, None]
+    def _mask(self, mask: torch.Tensor | None, n: int, q: int, window: int) -> torch.Tensor:
+        """``mask`` [n, 1, q, window] bool; None: causal with the q new tokens at the window's last
+        slots."""
+        if mask is not None:
+            return mask
+        col = torch.arange(window, device=self.embed.device)
+        row = torch.arange(window - q, window, device=self.embed.device)
+        return (col[None, :] <= row[:, None])[None, None].expand(n, 1, q, window)
 
-    def _attention(self, layer: _Layer, idx: int, cache, h, cos, sin, bias) -> torch.Tensor:
-        """Self-attention of h [n, q, d] (normed) -> [n, q, d]; writes the new keys and values."""
+    def _attention(self, layer: _Layer, idx: int, cache, h, cos, sin, attend_fn, visible) -> torch.Tensor:
+        """Self-attention of h [n, q, d] (normed) -> [n, q, d] by ``attend_fn`` (:func:`attend` with
+        its bias or :func:`attend_fused` with its mask: ``visible``); writes the new keys and values."""
         n, q, _ = h.shape
         H, Hkv, D = self.heads, self.kv_heads, self.head_dim
         qkv = layer.linear("qkv", h).view(n, q, H + 2 * Hkv, D)
@@ -199,7 +210,7 @@ class LeanDecoder:
             qk = rms_norm(qk, self.eps) * layer.qk_norm
         qk = qk * cos + qk.roll(D // 2, -1) * sin  # RoPE
         k_win, v_win = cache.update(qk[:, :, H:].transpose(1, 2), qkv[:, :, H + Hkv :].transpose(1, 2), idx)
-        out = attend(qk[:, :, :H], k_win, v_win, bias, self.scale)  # [n, q, H·D]
+        out = attend_fn(qk[:, :, :H], k_win, v_win, visible, self.scale)  # [n, q, H·D]
         return layer.linear("o", out)
 
     @staticmethod
@@ -227,3 +238,18 @@ def attend(
     weights = weights.div_(weights.cumsum(-1)[..., -1:]).to(values.dtype)
     out = torch.bmm(weights.view(n * Hkv, g * q, S), values.view(n * Hkv, S, D))  # [n·H_kv, g·q, D]
     return out.view(n, H, q, D).transpose(1, 2).reshape(n, q, H * D)
+
+
+def attend_fused(
+    queries: torch.Tensor,  # [n, q, H, D]
+    keys: torch.Tensor,  # [n, H_kv, S, D]
+    values: torch.Tensor,  # [n, H_kv, S, D]
+    mask: torch.Tensor,  # [n, 1, q, S] bool (True = attend)
+    scale: float,
+) -> torch.Tensor:
+    """PyTorch's fused attention (one ``scaled_dot_product_attention`` call, the query heads that
+    share a key/value head stacked: :func:`~dspec_cli.nn.gqa.sdpa_stacked`) -> [n, q, H·D]. Faster
+    than :func:`attend`, and not batch-invariant (module docstring)."""
+    n, q, H, D = queries.shape
+    out = sdpa_stacked(queries.transpose(1, 2), keys, values, mask, scale=scale)  # [n, H, q, D]
+    return out.transpose(1, 2).reshape(n, q, H * D)

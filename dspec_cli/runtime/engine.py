@@ -67,6 +67,9 @@ class GenerationConfig(SamplingConfig):
     # "compile" (torch.compile(fullgraph=True), reduce-overhead on CUDA) or "check" (eagerly,
     # checking what capture needs); runtime/graphs.py
     graphs: str = "auto"
+    # batch-invariant target forwards (greedy output the same with every drafter): None = the
+    # default rule (batch_invariance), True, False
+    batch_invariant: bool | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -89,6 +92,20 @@ class GenerationConfig(SamplingConfig):
         if self.graphs == "cuda" and device.type != "cuda":
             raise DspecError(f"CUDA graphs need a CUDA device, not {device}")
         return GraphSettings(self.graphs)
+
+    def batch_invariance(self, target: Target) -> bool:
+        """Whether this run's target forwards are batch-invariant (runtime/decoder.py: a token's
+        logits are the same bit for bit in a one-token step and in a verify of ℓ + 1 tokens, so at
+        T = 0 every drafter's output is plain decoding's, in half precision too): ``batch_invariant``
+        where given, else the default rule, kept here alone. The rule: on wherever dspec's own
+        forward runs (the embedded target and the Llama family on a CPU), because a user comparing
+        runs expects greedy output not to depend on the drafter; what it costs there against fused
+        attention is what ``benchmarks/batch_invariance.py`` measures. Only that forward has the
+        invariant attention, so True where transformers' forward runs is an error."""
+        if self.batch_invariant and not target.lean:
+            raise DspecError(f"batch-invariant verification needs dspec's own forward; this target runs "
+                             f"transformers' forward ({target.lean_unsupported})")
+        return target.lean if self.batch_invariant is None else self.batch_invariant
 
 
 @dataclass
@@ -213,6 +230,7 @@ class SpeculativeEngine:
         self.stop_ids = set(target.eos_token_ids if stop_ids is None else stop_ids)
         self.stats = RunStats()
         self.graphs = self.config.graph_settings(target.device)
+        self.batch_invariant = self.config.batch_invariance(target)  # the setting this engine's forwards run
         if observe is not None and self.graphs.mode != "eager":
             raise DspecError(f"observe: needs eager rounds (graphs='eager'), not {self.graphs.mode!r}")
         self.observe = observe  # called inside every verify step with probabilities (eager rounds only)
@@ -259,13 +277,13 @@ class SpeculativeEngine:
         """The running batch of one generate call, on this engine's persistent session (KV
         caches with room for the run, graphs). The room is what the run's widest attention window
         needs (the longest prompt, every new token and the widest verify, rounded up to the window
-        bucket and the target's window multiple), so no round reallocates a cache; when this
+        bucket and the batch's window multiple), so no round reallocates a cache; when this
         reservation reallocates one, the graphs captured over the old buffers are freed."""
         cfg, dev = self.config, self.target.device
         layer_ids = self.drafter.target_layer_ids if self.drafter is not None else ()
         if self._session is None:
-            self._session = _Session(self.target.new_batch(layer_ids), self.drafter.init_state() if self.drafter else None,
-                                     GraphRunner(self.graphs.mode))
+            batch = self.target.new_batch(layer_ids, batch_invariant=self.batch_invariant)
+            self._session = _Session(batch, self.drafter.init_state() if self.drafter else None, GraphRunner(self.graphs.mode))
         session = self._session
         rows = self.graphs.rows(cfg.max_batch)
         widest = self.drafter.verify_tokens(cfg.block_size) if self.drafter is not None else 1

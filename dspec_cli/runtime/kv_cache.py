@@ -10,10 +10,11 @@ static cache, with one length per row).
 A forward of q new tokens per row writes them at slots len_r..len_r+q−1 (copied into the
 buffer in place: nothing is concatenated) and its attention reads a leading *window* of S slots of the
 buffer, S >= the longest row + q. Windows are rounded up to a bucket when forwards are captured
-as CUDA graphs (:mod:`dspec_cli.runtime.graphs`), so shapes repeat, and to the target's
-``window_multiple`` (16 for dspec's own forward, :mod:`dspec_cli.runtime.decoder`); else S is
-exact. Slots at or past len_r are stale: what a rejected draft or a padding token left there is
-hidden by the masks (:func:`attention_masks`) and overwritten later.
+as CUDA graphs (:mod:`dspec_cli.runtime.graphs`), so shapes repeat, and to the batch's
+``window_multiple`` (16 for the batch-invariant attention of dspec's own forward,
+:mod:`dspec_cli.runtime.decoder`); else S is exact. Slots at or past len_r are stale: what a
+rejected draft or a padding token left there is hidden by the masks (:func:`attention_masks`) and
+overwritten later.
 
 Commit: a chain's accepted prefix is already in place, so committing only raises len_r; a
 tree's accepted path (node i written at slot len_r + i) is moved down to len_r, len_r+1, ...
@@ -160,16 +161,18 @@ class TargetBatch(SlotRows):
     """The KV cache of a batch of requests and the committed length of each row: the slot rows
     (:class:`~dspec_cli.nn.slots.SlotRows`: ``lengths`` on the device, ``bounds`` on the host,
     ``capacity``, ``generation``, ``select_rows``) over the K/V buffers of ``cache``
-    (:class:`SlotCache`), the tapped decoder layers ``layer_ids`` and ``window_multiple`` (every
-    :meth:`window` is a multiple of it: what the target's attention needs). Built by
+    (:class:`SlotCache`), the tapped decoder layers ``layer_ids``, whether its forwards attend
+    batch-invariantly (``invariant``, dspec's own forward) and ``window_multiple`` (every
+    :meth:`window` is a multiple of it: what that attention needs). Built by
     ``Target.new_batch``; all mutation goes through ``Target``.
     """
 
     def __init__(self, layer_ids: Sequence[int], device: torch.device, rows: int = 0, slots: int = 0,
-                 window_multiple: int = 1):
+                 window_multiple: int = 1, invariant: bool = False):
         super().__init__(torch.device(device))
         self.layer_ids = tuple(int(i) for i in layer_ids)
         self.window_multiple = window_multiple
+        self.invariant = invariant
         self.device = torch.device(device)
         self.cache = SlotCache()
         self.reserve(rows, slots)

@@ -80,8 +80,8 @@ class Target:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._keep_kw = "logits_to_keep" in params
         # the Llama family on a CPU runs dspec's own forward (runtime/decoder.py), others transformers'
-        self._lean = None if LeanDecoder.unsupported(model) else LeanDecoder(model)
-        self.window_multiple = WINDOW_MULTIPLE if self._lean else 1  # attention windows the engine sizes
+        self._lean_unsupported = LeanDecoder.unsupported(model)
+        self._lean = None if self._lean_unsupported else LeanDecoder(model)
         self._hooked: set[int] = set()  # tapped modules with a hook (kept for the target's life)
         self._store: dict[int, torch.Tensor] = {}  # tapped module -> output of the last forward
         if chat_template and (tokenizer is None or tokenizer.chat_template is None):
@@ -160,6 +160,11 @@ class Target:
         return self._lean is not None
 
     @property
+    def lean_unsupported(self) -> str | None:
+        """Why forwards run transformers' decoder (e.g. "device cuda"); None when they run dspec's."""
+        return self._lean_unsupported
+
+    @property
     def device(self) -> torch.device:
         return self._param.device
 
@@ -207,13 +212,21 @@ class Target:
 
     # -- rows joining and leaving (host bookkeeping) ---------------------------------------------
 
-    def new_batch(self, layer_ids: Sequence[int] = (), *, rows: int = 0, slots: int = 0) -> TargetBatch:
+    def new_batch(self, layer_ids: Sequence[int] = (), *, rows: int = 0, slots: int = 0,
+                  batch_invariant: bool | None = None) -> TargetBatch:
         """An empty batch tapping the raw outputs of ``layer_ids`` (-1 = embedding output), with
-        room for ``rows`` rows of ``slots`` slots (more is allocated when needed)."""
+        room for ``rows`` rows of ``slots`` slots (more is allocated when needed). Its forwards
+        attend batch-invariantly (runtime/decoder.py; windows are multiples of WINDOW_MULTIPLE)
+        when ``batch_invariant`` (dspec's own forward only; None: wherever that forward runs),
+        else with fused attention over exact windows."""
         bad = [i for i in layer_ids if not -1 <= int(i) < self.num_layers]
         if bad:
             raise ValueError(f"layer_ids must be in [-1, {self.num_layers}), got {bad}")
-        return TargetBatch(layer_ids, self.device, rows, slots, window_multiple=self.window_multiple)
+        invariant = self.lean if batch_invariant is None else batch_invariant
+        if invariant and not self.lean:
+            raise ValueError(f"batch-invariant forwards need dspec's own forward, not transformers' ({self.lean_unsupported})")
+        return TargetBatch(layer_ids, self.device, rows, slots, window_multiple=WINDOW_MULTIPLE if invariant else 1,
+                           invariant=invariant)
 
     @torch.no_grad()
     def prefill(self, batch: TargetBatch, prompts: Sequence[Sequence[int]]) -> PrefillOutput:
@@ -379,7 +392,7 @@ class Target:
         if self._lean is not None:
             if last_only:  # a prefill: weights changed since the last one are re-read
                 self._lean.sync()
-            return self._lean.forward(batch.cache, ids, pos, window, masks, batch.layer_ids, last_only)
+            return self._lean.forward(batch.cache, ids, pos, window, masks, batch.layer_ids, last_only, batch.invariant)
         self._hook(batch.layer_ids)
         kwargs = {self._cache_kw: batch.cache, "attention_mask": masks, "position_ids": pos, "use_cache": True}
         if last_only and self._keep_kw:

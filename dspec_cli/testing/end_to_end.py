@@ -73,8 +73,9 @@ def check_engine_lossless(target, drafter, prompts: Sequence[Sequence[int]], *, 
                           name: str = "engine", verify: dict | None = None) -> list:
     """End-to-end check: the first 3 tokens the engine generates for each prompt (``per_prompt``
     seeded samples, 4 new tokens so round 1 verifies up to 2 drafts) match exact target
-    sampling at ``sampling``; ``verify`` sets the engine's rules (``chain_verify``,
-    ``tree_verify``; default: the engine's). Returns every request result, for extra assertions."""
+    sampling at ``sampling``; ``verify`` sets how the engine verifies (``chain_verify``,
+    ``tree_verify``, ``batch_invariant``; default: the engine's). Returns every request result, for
+    extra assertions."""
 
     cfg = GenerationConfig(max_new_tokens=4, block_size=block_size, max_batch=max_batch or per_prompt, seed=seed,
                            **sampling, **(verify or {}))

@@ -62,6 +62,7 @@ class RegenerateOptions(ChatSampling):
     block_size: int = 7
     device: str = "auto"
     dtype: str = "auto"
+    batch_invariant: bool | None = None  # batch-invariant target forwards; None: the default rule (GenerationConfig)
     chat_template_kwargs: dict = field(default_factory=default_kwargs)  # also sent to servers
 
 
@@ -206,7 +207,7 @@ def regenerate(
     if opts.concurrency < 1:
         raise DspecError(f"--concurrency must be >= 1, got {opts.concurrency}")
     cfg = GenerationConfig(**opts.sampling(), max_new_tokens=opts.max_new_tokens, block_size=opts.block_size,
-                           max_batch=opts.concurrency)
+                           max_batch=opts.concurrency, batch_invariant=opts.batch_invariant)
     out, stats, todo = plan(opts)
     if not todo:
         return stats
@@ -214,6 +215,7 @@ def regenerate(
         target = Target.load(opts.target, dtype=opts.dtype, device=opts.device)
     if target.tokenizer is None or target.tokenizer.chat_template is None:
         raise DspecError("the target's tokenizer has no chat template; regeneration needs a chat model")
+    cfg.batch_invariance(target)  # asked for where it cannot apply: an error before the drafter loads
     drafter = load_drafter(opts.drafter, target, opts.checkpoint, opts.block_size) if opts.drafter else None
     engine = SpeculativeEngine(target, drafter, cfg)
     max_ctx = target.max_context

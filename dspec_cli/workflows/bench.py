@@ -68,6 +68,7 @@ class BenchOptions(SamplingConfig):
     repeats: int = 1  # passes over the prompts, every unit paired with plain decoding
     cuda_graphs: bool = True  # rounds as CUDA graphs on a CUDA device (GenerationConfig.graphs "auto")
     compile: bool = False  # rounds under torch.compile (GenerationConfig.graphs "compile"; wins over cuda_graphs)
+    batch_invariant: bool | None = None  # batch-invariant target forwards; None: the default rule (GenerationConfig)
     chat_template_kwargs: dict = field(default_factory=default_kwargs)  # how prompts are rendered
     verify: Sequence[str] = ()  # verification rules by name (verify_config); () = the engine's defaults
     extra: dict = field(default_factory=dict)
@@ -448,8 +449,8 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
     if opts.cost_table:
         CostTable.load(opts.cost_table, block_size=opts.block_size)  # a missing or malformed table fails before any model loads
     rules = verify_config(opts.verify)
-    GenerationConfig(**opts.sampling(), max_new_tokens=opts.max_new_tokens, block_size=opts.block_size,
-                     **rules)  # the other run options checked up front
+    settings = GenerationConfig(**opts.sampling(), max_new_tokens=opts.max_new_tokens, block_size=opts.block_size,
+                                batch_invariant=opts.batch_invariant, **rules)  # the other run options checked up front
     resolve_device(opts.device)
     parse_dtype(opts.dtype)
     datasets = list(opts.datasets) or [BUILTIN]
@@ -458,6 +459,7 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
     checkpoints = [str(resolve_checkpoint(c)) if c else None for c in opts.checkpoints] or [None] * len(opts.drafters)
     opts = dataclasses.replace(opts, target=choose_target(opts.target, checkpoints))  # no --target: the recorded one
     target = Target.load(opts.target, dtype=opts.dtype, device=opts.device)
+    settings.batch_invariance(target)  # asked for where it cannot apply: an error before the drafters load
     bound_table = CostTable.load(opts.cost_table, block_size=opts.block_size) if opts.cost_table else None
     schedulers = [_schedulers(opts, target) for _ in opts.drafters]  # per drafter: the draft gate learns its cost
     drafters = [load_drafter(name, target, ckpt, opts.block_size) for name, ckpt in zip(opts.drafters, checkpoints, strict=True)]
@@ -471,7 +473,7 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
         for conc in opts.concurrency:
             cfg = GenerationConfig(
                 **opts.sampling(), max_new_tokens=opts.max_new_tokens, block_size=opts.block_size, max_batch=conc,
-                graphs=opts.graphs(), **rules,
+                graphs=opts.graphs(), batch_invariant=opts.batch_invariant, **rules,
             )
             engines = [("baseline", "-", SpeculativeEngine(target, None, cfg))]
             engines += [
@@ -503,6 +505,7 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int], Callable] | Non
                     "top_p": opts.top_p,
                     "top_k": opts.top_k,
                     "block_size": opts.block_size,
+                    "batch_invariant": engines[0][2].batch_invariant,
                     **verify_report(total_stats([t for unit in spec for t in unit]).verify_rules, cfg),
                     **paired_metrics(spec, timed[0], opts.block_size, bound_table, conc),
                     "baseline_drift": drift[0] if drift else None,

@@ -78,6 +78,7 @@ class CalibrateOptions(SamplingConfig):
     concurrency: int = 8
     device: str = "auto"
     dtype: str = "auto"
+    batch_invariant: bool | None = None  # batch-invariant target forwards; None: the default rule (GenerationConfig)
     output: Path | None = None  # a complete calibrated copy of the checkpoint
     in_place: bool = False  # rewrite calibration.json in the local checkpoint folder
     overwrite: bool = False
@@ -223,12 +224,13 @@ def _record(opts: CalibrateOptions, checkpoint: Path | None, rules: Sequence[str
     prompts = [p for d in (opts.datasets or [BUILTIN]) for p in load_prompts(d, opts.num_prompts)]
     target_name = choose_target(opts.target, [checkpoint])  # no --target: the one the checkpoint was trained for
     target = Target.load(target_name, dtype=opts.dtype, device=opts.device)
+    GenerationConfig(batch_invariant=opts.batch_invariant).batch_invariance(target)  # an error before the drafter loads
     model = load_drafter(opts.drafter, target, checkpoint, opts.block_size)
     out: dict[str, Rounds] = {}
     used = skipped = 0
     for rule in rules:
-        config = GenerationConfig(**opts.sampling(), max_new_tokens=opts.max_new_tokens,
-                                  block_size=model.config.block_size, max_batch=opts.concurrency, chain_verify=rule)
+        config = GenerationConfig(**opts.sampling(), max_new_tokens=opts.max_new_tokens, block_size=model.config.block_size,
+                                  max_batch=opts.concurrency, chain_verify=rule, batch_invariant=opts.batch_invariant)
         per_total = (lambda total, r=rule: progress(f"collecting rounds · {model.name} · {r} rule", total)) if progress else None
         rounds, ran, used, skipped = record_rounds(target, model, [p.text for p in prompts], config, strict=opts.strict,
                                                    progress=per_total, chat_template_kwargs=opts.chat_template_kwargs)

@@ -156,11 +156,14 @@ def profile_steps(
     seed: int = 0,
     progress: Callable[[int, int, int], None] | None = None,
     graphs: str = "auto",
+    batch_invariant: bool | None = None,
 ) -> StepProfile:
     """Time whole steps of ``drafter`` on ``target`` over the grid (module docstring);
-    ``progress(C, R, v)`` after each cell; ``graphs``: the engine's graph mode (GenerationConfig)."""
+    ``progress(C, R, v)`` after each cell; ``graphs``, ``batch_invariant``: the engine's settings
+    (GenerationConfig)."""
 
     gamma = drafter.config.block_size
+    GenerationConfig(batch_invariant=batch_invariant).batch_invariance(target)  # asked for where it cannot apply: an error
     requests, contexts = sorted(set(requests)), sorted(set(contexts))
     verify_tokens = sorted(set(verify_tokens) | {gamma + 1})  # the diagonal is always measured
     if not requests or requests[0] < 1 or not contexts or contexts[0] < 1:
@@ -184,7 +187,8 @@ def profile_steps(
                 timer = _FixedWidth(v - 1, r, warmup + repeats)
                 # room for every round to commit a whole block (γ + 1 tokens: a tree's path can be that long)
                 config = GenerationConfig(max_new_tokens=2 + (warmup + repeats) * (gamma + 1), temperature=1.0,
-                                          block_size=gamma, max_batch=r, seed=seed, graphs=graphs)
+                                          block_size=gamma, max_batch=r, seed=seed, graphs=graphs,
+                                          batch_invariant=batch_invariant)
                 try:
                     SpeculativeEngine(target, _Padded(drafter, v - 1), config, scheduler=timer,
                                       stop_ids=[]).generate(prompts)

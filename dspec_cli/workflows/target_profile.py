@@ -23,6 +23,7 @@ import torch
 
 from dspec_cli.core.errors import DspecError
 from dspec_cli.core.hardware import CostTable, device_name
+from dspec_cli.runtime.engine import GenerationConfig
 from dspec_cli.runtime.graphs import GraphRunner, GraphSettings
 from dspec_cli.runtime.target import Target
 
@@ -46,10 +47,12 @@ def profile_target(
     model_name: str = "",
     seed: int = 0,
     cuda_graphs: bool = True,
+    batch_invariant: bool | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> CostTable:
     """Profile ``target`` (see the module docstring); ``cuda_graphs``: capture forwards as CUDA
-    graphs on a CUDA device (as the engine does); ``progress(context, B)`` after each point."""
+    graphs on a CUDA device (as the engine does); ``batch_invariant``: the engine's setting
+    (GenerationConfig); ``progress(context, B)`` after each point."""
     grid = sorted({int(b) for b in grid})
     contexts = sorted({int(c) for c in contexts})
     if not grid or grid[0] < 1:
@@ -66,6 +69,7 @@ def profile_target(
             f"--contexts {contexts[-1]} plus {row_tokens} new tokens exceeds the model's context of {max_ctx}"
         )
     dev = target.device
+    invariant = GenerationConfig(batch_invariant=batch_invariant).batch_invariance(target)
     graphs = GraphSettings.for_device(dev, cuda_graphs)
     runner = GraphRunner(graphs.mode)
     gen = torch.Generator().manual_seed(seed)
@@ -74,7 +78,8 @@ def profile_target(
     spread: dict[str, list[float]] = {}
     for ctx in contexts:
         most = math.ceil(grid[-1] / row_tokens)
-        batch = target.new_batch(rows=graphs.rows(most), slots=ctx + row_tokens + graphs.window())
+        batch = target.new_batch(rows=graphs.rows(most), slots=ctx + row_tokens + graphs.window(),
+                                 batch_invariant=invariant)
         target.prefill(batch, [torch.randint(vocab, (ctx,), generator=gen).tolist()])
         target.select_rows(batch, [0] * most)  # every row holds the same context
         medians, iqrs = {}, {}
