@@ -18,11 +18,12 @@ position's logits are the same, bit for bit, in a one-token step and in a verify
 oneDNN's matmuls give each row the same result whatever the number of rows (checked for every
 shape here), but PyTorch's fused CPU attention does not (its second matmul takes another path
 for one query row, and its softmax sums a window's tail apart from the rest). So attention is
-written out: scores by one matmul, the softmax's normaliser by a cumulative sum (sequential, so
-the masked slots past a row's last key add exact zeros whatever the window), probabilities times
-values by another matmul; windows are multiples of :data:`WINDOW_MULTIPLE` slots, so no row has a
-vector tail. Scores are rounded to the model's dtype as transformers' eager attention rounds
-them. ``tests/test_batch_invariance.py`` checks greedy identity for the shipped drafters.
+written out: scores by one matmul, PyTorch's softmax over the slots (float32, as transformers'
+eager attention: its CPU kernel reduces a row in vectors of 16 floats from the first slot into
+one accumulator, so masked slots, exact zeros, change no sum whatever the window's length),
+probabilities times values by another matmul; windows are multiples of :data:`WINDOW_MULTIPLE`
+slots, so no row has a vector tail. Scores are rounded to the model's dtype as transformers'
+eager attention rounds them. ``tests/test_batch_invariance.py`` checks greedy identity for the shipped drafters.
 
 Each forward says which attention it runs (``invariant``; the engine decides, per run:
 ``GenerationConfig.batch_invariance``): this invariant one, or PyTorch's fused attention
@@ -234,8 +235,7 @@ def attend(
     stacked = queries.transpose(1, 2).reshape(n * Hkv, g * q, D)
     scores = torch.bmm(stacked, keys.view(n * Hkv, S, D).transpose(1, 2))  # [n·H_kv, g·q, S]
     scores = torch.add(bias, scores.view(n, Hkv, g, q, S), alpha=scale)  # float
-    weights = scores.sub_(scores.amax(-1, keepdim=True)).exp_()
-    weights = weights.div_(weights.cumsum(-1)[..., -1:]).to(values.dtype)
+    weights = torch.softmax(scores, -1).to(values.dtype)  # float32, as transformers' eager attention
     out = torch.bmm(weights.view(n * Hkv, g * q, S), values.view(n * Hkv, S, D))  # [n·H_kv, g·q, D]
     return out.view(n, H, q, D).transpose(1, 2).reshape(n, q, H * D)
 
