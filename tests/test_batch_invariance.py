@@ -62,13 +62,22 @@ def _engine(target: Target, **config) -> SpeculativeEngine:
     return SpeculativeEngine(target, None, GenerationConfig(max_new_tokens=4, temperature=0.0, **config), stop_ids=[])
 
 
-def test_the_setting_reaches_the_batch():
-    """The default rule: on where dspec's own forward runs; either setting is its engine's batch's
-    (windows a multiple of WINDOW_MULTIPLE, or exact), the target being shared."""
+def test_the_default_rule():
+    """On where it is free (compiled rounds of FREE_INVARIANCE_ROWS rows or more), off elsewhere."""
     target = Target.load(None, dtype="float32")
-    auto, fused = _engine(target), _engine(target, batch_invariant=False)
-    assert auto.batch_invariant and not fused.batch_invariant
-    for engine, multiple in ((auto, WINDOW_MULTIPLE), (fused, 1)):
+    for graphs, rows, on in (("eager", 1, False), ("eager", 8, False), ("compile", 1, False), ("compile", 8, True)):
+        assert GenerationConfig(graphs=graphs, max_batch=rows).batch_invariance(target) is on
+    assert GenerationConfig(graphs="compile", max_batch=8, batch_invariant=False).batch_invariance(target) is False
+    assert GenerationConfig(batch_invariant=True).batch_invariance(target) is True
+
+
+def test_the_setting_reaches_the_batch():
+    """Either setting is its engine's batch's (windows a multiple of WINDOW_MULTIPLE, or exact),
+    the target being shared."""
+    target = Target.load(None, dtype="float32")
+    invariant, fused = _engine(target, batch_invariant=True), _engine(target)
+    assert invariant.batch_invariant and not fused.batch_invariant
+    for engine, multiple in ((invariant, WINDOW_MULTIPLE), (fused, 1)):
         engine.generate([list(range(5, 25))])
         batch = engine._session.batch
         assert (batch.invariant, batch.window_multiple) == (engine.batch_invariant, multiple)

@@ -108,7 +108,7 @@ def _greedy_mismatches(target: Target, new_tokens: int, **config) -> list[str]:
 
 
 def test_greedy_identity_on_embedded_target(target):
-    assert _greedy_mismatches(target, 24) == []
+    assert _greedy_mismatches(target, 24, batch_invariant=True) == []
 
 
 BF16 = pytest.mark.skipif(not cpu_native_half(torch.bfloat16), reason="checked where the CPU multiplies bfloat16 natively")
@@ -118,7 +118,7 @@ BF16 = pytest.mark.skipif(not cpu_native_half(torch.bfloat16), reason="checked w
 def test_greedy_identity_in_bfloat16():
     """Batch-invariant verification (runtime/decoder.py, tests/test_batch_invariance.py): in
     bfloat16 too, every drafter's greedy output is plain greedy decoding's, token for token."""
-    assert _greedy_mismatches(Target.load(None, dtype="bfloat16"), 128) == []
+    assert _greedy_mismatches(Target.load(None, dtype="bfloat16"), 128, batch_invariant=True) == []
 
 
 @BF16

@@ -52,6 +52,8 @@ from dspec_cli.runtime.verify import (
 )
 from dspec_cli.runtime.verify.tree import SAMPLED_METHODS
 
+FREE_INVARIANCE_ROWS = 8  # compiled rounds of this many rows or more verify batch-invariantly by default
+
 
 @dataclass(frozen=True)
 class GenerationConfig(SamplingConfig):
@@ -97,15 +99,18 @@ class GenerationConfig(SamplingConfig):
         """Whether this run's target forwards are batch-invariant (runtime/decoder.py: a token's
         logits are the same bit for bit in a one-token step and in a verify of ℓ + 1 tokens, so at
         T = 0 every drafter's output is plain decoding's, in half precision too): ``batch_invariant``
-        where given, else the default rule, kept here alone. The rule: on wherever dspec's own
-        forward runs (the embedded target and the Llama family on a CPU), because a user comparing
-        runs expects greedy output not to depend on the drafter; what it costs there against fused
-        attention is what ``benchmarks/batch_invariance.py`` measures. Only that forward has the
-        invariant attention, so True where transformers' forward runs is an error."""
+        where given, else the default rule, kept here alone. The rule: on where it is free, off
+        where it costs, as measured by ``benchmarks/batch_invariance.py`` against fused attention
+        (docs/results/batch-invariance-*.json, 2-vCPU EPYC Zen 4, plain decoding): compiled rounds
+        at 8 or more rows lose 2-3 %, one request 10-20 % (eager or compiled), eager rounds at
+        8 rows about 9 %. Only dspec's own forward has the invariant attention, so True where
+        transformers' forward runs is an error."""
         if self.batch_invariant and not target.lean:
             raise DspecError(f"batch-invariant verification needs dspec's own forward; this target runs "
                              f"transformers' forward ({target.lean_unsupported})")
-        return target.lean if self.batch_invariant is None else self.batch_invariant
+        if self.batch_invariant is None:
+            return target.lean and self.graphs == "compile" and self.max_batch >= FREE_INVARIANCE_ROWS
+        return self.batch_invariant
 
 
 @dataclass
