@@ -356,9 +356,10 @@ def main(argv: list[str] | None = None) -> None:
 
     target = Target.load(None, dtype="bfloat16")
     prompts, sets = held_out_prompts(target, a.dataset, a.skip, a.num_prompts)
-    drafters = {spec: load_drafter(spec, target, None, 7) for spec in a.drafter}
-    engines: list = [DspecEngine(f"dspec-{spec}{COMPILED if mode == 'compile' else ''}", target, drafters.get(spec), mode)
-                     for mode in a.graphs.split(",") for spec in (PLAIN, *a.drafter)]
+    engines: list = [  # a drafter per engine: a drafter keeps its engine's context cache
+        DspecEngine(f"dspec-{spec}{COMPILED if mode == 'compile' else ''}", target,
+                    None if spec == PLAIN else load_drafter(spec, target, None, 7), mode)
+        for mode in a.graphs.split(",") for spec in (PLAIN, *a.drafter)]
     exports = tempfile.TemporaryDirectory(prefix="dspec-vs-vllm-")
     runs: list[dict] = []
     warmup: list[dict] = []  # seconds of each engine's first calls per cell (compilation included)

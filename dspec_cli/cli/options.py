@@ -118,9 +118,9 @@ def batch_invariant() -> Any:
     return typer.Option(None, "--batch-invariant/--no-batch-invariant", show_default=False,
                         help="Verify with batch-invariant target forwards: a token's logits are the same in a verify "
                              "as in a plain step, so at T = 0 every drafter gives plain decoding's output. Default: "
-                             "on wherever dspec's own forward runs (the Llama family and the embedded target on a "
-                             "CPU); --no-batch-invariant: fused attention there; elsewhere it cannot apply "
-                             "(docs/verification.md, \"Precision\").")
+                             "on where it is free (compiled rounds of 8 or more rows), else fused attention; it "
+                             "applies where dspec's own forward runs (the Llama family and the embedded target on "
+                             "a CPU), elsewhere it is an error (docs/verification.md, \"Precision\").")
 
 
 def dtype() -> Any:

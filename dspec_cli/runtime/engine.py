@@ -102,8 +102,8 @@ class GenerationConfig(SamplingConfig):
         where given, else the default rule, kept here alone. The rule: on where it is free, off
         where it costs, as measured by ``benchmarks/batch_invariance.py`` against fused attention
         (docs/results/batch-invariance-*.json, 2-vCPU EPYC Zen 4, plain decoding): compiled rounds
-        at 8 or more rows lose 2-3 %, one request 10-20 % (eager or compiled), eager rounds at
-        8 rows about 9 %. Only dspec's own forward has the invariant attention, so True where
+        at 8 or more rows lose under 3 %, one request 10-20 % (eager or compiled), eager rounds
+        at 8 rows about 9 %. Only dspec's own forward has the invariant attention, so True where
         transformers' forward runs is an error."""
         if self.batch_invariant and not target.lean:
             raise DspecError(f"batch-invariant verification needs dspec's own forward; this target runs "
