@@ -2,10 +2,9 @@
 same engine with PyTorch's fused attention (``GenerationConfig.batch_invariant`` on and off), on the
 same prompts, the same target and the same CPU, in one process.
 
-    python -m benchmarks.batch_invariance --dataset ../shared/benchmarks/gsm8k.jsonl \
-        --dataset ../shared/benchmarks/humaneval.jsonl --dataset ../shared/benchmarks/mt-bench.jsonl \
-        --skip 60 --num-prompts 4 --max-new-tokens 128 --temperature 0,1 --concurrency 1,8 \
-        --drafter dspark-markov --graphs eager --repeats 5 --json docs/results/batch-invariance.json
+    python -m benchmarks.batch_invariance --dataset gsm8k.jsonl --dataset humaneval.jsonl \
+        --dataset mt-bench.jsonl --skip 60 --num-prompts 4 --max-new-tokens 128 --temperature 0,1 \
+        --concurrency 1,8 --drafter dspark-markov --graphs eager --repeats 4 --json batch-invariance.json
 
 The embedded target runs in bfloat16 (dspec's own forward on a CPU: the only forward with both
 attentions). Every request generates exactly ``--max-new-tokens`` tokens (no stop tokens); at R = 1
@@ -32,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.vs_vllm import cpu_description, held_out_prompts
+from benchmarks.vs_vllm import cpu_description, held_out_prompts, workload_options
 from dspec_cli.checkpoints.loading import load_drafter
 from dspec_cli.core.cpu_load import busy_seconds
 from dspec_cli.runtime.engine import GenerationConfig, SpeculativeEngine
@@ -109,12 +108,7 @@ def table(summary: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--dataset", action="append", required=True, help="prompt set (jsonl of turns); repeatable")
-    ap.add_argument("--num-prompts", type=int, default=4, help="prompts per set")
-    ap.add_argument("--skip", type=int, default=0, help="start at this prompt of each set (a held-out slice)")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--concurrency", default="1,8", help="R values, comma-separated")
-    ap.add_argument("--temperature", default="0,1", help="T values, comma-separated")
+    workload_options(ap)
     ap.add_argument("--drafter", action="append", default=[],
                     help="drafter spec besides plain; repeatable (default: dspark-markov; 'plain': none)")
     ap.add_argument("--graphs", default="eager", choices=("eager", "compile"), help="the engine's graph mode")

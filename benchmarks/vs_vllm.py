@@ -73,6 +73,17 @@ def cpu_description() -> str:
             f"{info.get('model', '?')}, {' + '.join(isa) or 'no AVX'}, {os.cpu_count()} vCPUs")
 
 
+def workload_options(ap: argparse.ArgumentParser) -> None:
+    """The options naming a run's workload (prompt sets and slice, tokens, R and T values), shared
+    with :mod:`benchmarks.batch_invariance`."""
+    ap.add_argument("--dataset", action="append", required=True, help="prompt set (jsonl of turns); repeatable")
+    ap.add_argument("--num-prompts", type=int, default=4, help="prompts per set")
+    ap.add_argument("--skip", type=int, default=0, help="start at this prompt of each set (a held-out slice)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--concurrency", default="1,8", help="R values, comma-separated")
+    ap.add_argument("--temperature", default="0,1", help="T values, comma-separated")
+
+
 def held_out_prompts(target: Target, paths: list[str], skip: int, num: int) -> tuple[list[list[int]], list[dict]]:
     """Prompts ``skip``.. ``skip + num - 1`` of each set, rendered by the target's chat template, and
     what was taken from each set (for the report)."""
@@ -327,12 +338,7 @@ def _profiles(engines: list, a, prompt: list[int], temps: list[float]) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--dataset", action="append", required=True, help="prompt set (jsonl of turns); repeatable")
-    ap.add_argument("--num-prompts", type=int, default=4, help="prompts per set")
-    ap.add_argument("--skip", type=int, default=0, help="start at this prompt of each set (a held-out slice)")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--concurrency", default="1,8", help="R values, comma-separated")
-    ap.add_argument("--temperature", default="0,1", help="T values, comma-separated")
+    workload_options(ap)
     ap.add_argument("--drafter", action="append", default=[], help="dspec drafter spec besides plain; repeatable")
     ap.add_argument("--vllm-spec", action="append", default=[], metavar="NAME[=JSON]",
                     help=f"a vLLM speculative_config besides plain: {', '.join(VLLM_SPECS)} or NAME=JSON; repeatable")
@@ -356,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
 
     target = Target.load(None, dtype="bfloat16")
     prompts, sets = held_out_prompts(target, a.dataset, a.skip, a.num_prompts)
-    engines: list = [  # a drafter per engine: a drafter keeps its engine's context cache
+    engines: list = [  # a drafter per engine: one shared by an eager and a compiled engine slowed the eager one
         DspecEngine(f"dspec-{spec}{COMPILED if mode == 'compile' else ''}", target,
                     None if spec == PLAIN else load_drafter(spec, target, None, 7), mode)
         for mode in a.graphs.split(",") for spec in (PLAIN, *a.drafter)]

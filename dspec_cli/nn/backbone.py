@@ -464,8 +464,7 @@ class ContextCache(SlotRows):
         """Store kv, per layer (K, V) [n, W, Hkv, hd], at positions pos [n, W] (each row's length + 0..W-1)
         of rows [0, n), of which the first ``counts`` [n] per row become context (no host reads)."""
         for keys, values, (k, v) in zip(self._keys, self._values, kv, strict=True):
-            write_slots(keys, 0, pos, k.transpose(1, 2))
-            write_slots(values, 0, pos, v.transpose(1, 2))
+            write_slots((keys, values), 0, pos, (k.transpose(1, 2), v.transpose(1, 2)))
         self.advance(counts)
         self._fixed = None
 

@@ -22,19 +22,20 @@ GROWTH = 1.5  # slot capacity grows at least by this factor when exceeded
 
 
 def write_slots(
-    buf: torch.Tensor,  # [row capacity, H, slot capacity, D]
+    bufs: Sequence[torch.Tensor],  # each [row capacity, H, slot capacity, D_i] (keys, values)
     row0: int,
     slots: torch.Tensor,  # [n, q] long: where each new entry of rows row0..row0+n-1 goes
-    new: torch.Tensor,  # [n, H, q, D]
+    news: Sequence[torch.Tensor],  # each [n, H, q, D_i], into the buffer at its position
 ) -> None:
-    """Write ``new`` into ``buf`` in place: entry (r, h, j) at buf[row0 + r, h, slots[r, j]].
-    One row copy per (row, head, entry) into ``buf`` seen as [rows·H·slots, D] (a scatter over
-    a 4-d index costs several times more on a CPU)."""
-    n, heads, q, dim = new.shape
+    """Write each of ``news`` into its buffer in place: entry (r, h, j) at buf[row0 + r, h,
+    slots[r, j]]. One row copy per (row, head, entry) into the buffer seen as [rows·H·slots, D]
+    (a scatter over a 4-d index costs several times more on a CPU); one index for all buffers."""
+    n, heads, q, _ = news[0].shape
     row = torch.arange(row0, row0 + n, device=slots.device)[:, None, None]  # [n, 1, 1]
     head = torch.arange(heads, device=slots.device)[None, :, None]  # [1, H, 1]
-    flat = ((row * heads + head) * buf.shape[2] + slots[:, None, :]).reshape(n * heads * q)
-    buf.view(-1, dim).index_copy_(0, flat, new.reshape(n * heads * q, dim).to(buf.dtype))
+    flat = ((row * heads + head) * bufs[0].shape[2] + slots[:, None, :]).reshape(n * heads * q)
+    for buf, new in zip(bufs, news, strict=True):
+        buf.view(-1, buf.shape[3]).index_copy_(0, flat, new.reshape(n * heads * q, buf.shape[3]).to(buf.dtype))
 
 
 class SlotRows:

@@ -294,7 +294,7 @@ class SpeculativeEngine:
         widest = self.drafter.verify_tokens(cfg.block_size) if self.drafter is not None else 1
         bucket = math.lcm(self.graphs.window(), session.batch.window_multiple)
         slots = -(-(longest_prompt + cfg.max_new_tokens + widest) // bucket) * bucket
-        grew = session.batch.reserve(rows, slots + 1)  # + 1: a window is a strict slice of the cache (TargetBatch.window)
+        grew = session.batch.reserve(rows, slots)
         if self.drafter is not None:
             grew = self.drafter.reserve(session.dstate, rows, slots) or grew
         if grew:

@@ -99,8 +99,7 @@ class SlotLayer(CacheLayerMixin):
         io = self.cache.forward_io()
         n = key_states.shape[0]
         all_keys, all_values = self.kv()
-        write_slots(all_keys, io.row0, io.slots, key_states)
-        write_slots(all_values, io.row0, io.slots, value_states)
+        write_slots((all_keys, all_values), io.row0, io.slots, (key_states, value_states))
         rows = slice(io.row0, io.row0 + n)
         return all_keys[rows, :, : io.window], all_values[rows, :, : io.window]
 
@@ -180,6 +179,12 @@ class TargetBatch(SlotRows):
     def buffers(self) -> list[torch.Tensor]:
         return [buf for layer in self.cache.kv_layers() for buf in layer.kv()]
 
+    def reserve(self, rows: int, slots: int) -> bool:
+        """:meth:`SlotRows.reserve` with one slot more than asked: a window of ``slots`` is then
+        always a strict slice of the buffers, so a compiled forward sees one layout (not
+        compiled again when a window reaches the capacity)."""
+        return super().reserve(rows, slots + 1)
+
     def _resize(self, rows: int, slots: int) -> None:
         self.cache.resize(rows, slots)
 
@@ -189,8 +194,8 @@ class TargetBatch(SlotRows):
         bucket = math.lcm(bucket, self.window_multiple)
         need = max(self.bounds, default=0) + q
         window = -(-need // bucket) * bucket
-        self.reserve(self.num_rows, window + 1)  # a window never spans the whole buffer: a compiled
-        return window  # forward sees one layout (a strict slice) and is not compiled again for the other
+        self.reserve(self.num_rows, window)
+        return window
 
     def commit_prefill(self, row0: int, lengths: Sequence[int]) -> None:
         """Rows row0.. now hold prompts of ``lengths`` tokens at slots 0..."""

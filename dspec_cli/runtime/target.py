@@ -213,20 +213,19 @@ class Target:
     # -- rows joining and leaving (host bookkeeping) ---------------------------------------------
 
     def new_batch(self, layer_ids: Sequence[int] = (), *, rows: int = 0, slots: int = 0,
-                  batch_invariant: bool | None = None) -> TargetBatch:
+                  batch_invariant: bool = False) -> TargetBatch:
         """An empty batch tapping the raw outputs of ``layer_ids`` (-1 = embedding output), with
         room for ``rows`` rows of ``slots`` slots (more is allocated when needed). Its forwards
         attend batch-invariantly (runtime/decoder.py; windows are multiples of WINDOW_MULTIPLE)
-        when ``batch_invariant`` (dspec's own forward only; None: wherever that forward runs),
-        else with fused attention over exact windows."""
+        when ``batch_invariant`` (dspec's own forward only; an engine passes its run's setting,
+        ``GenerationConfig.batch_invariance``), else with fused attention over exact windows."""
         bad = [i for i in layer_ids if not -1 <= int(i) < self.num_layers]
         if bad:
             raise ValueError(f"layer_ids must be in [-1, {self.num_layers}), got {bad}")
-        invariant = self.lean if batch_invariant is None else batch_invariant
-        if invariant and not self.lean:
+        if batch_invariant and not self.lean:
             raise ValueError(f"batch-invariant forwards need dspec's own forward, not transformers' ({self.lean_unsupported})")
-        return TargetBatch(layer_ids, self.device, rows, slots, window_multiple=WINDOW_MULTIPLE if invariant else 1,
-                           invariant=invariant)
+        return TargetBatch(layer_ids, self.device, rows, slots, window_multiple=WINDOW_MULTIPLE if batch_invariant else 1,
+                           invariant=batch_invariant)
 
     @torch.no_grad()
     def prefill(self, batch: TargetBatch, prompts: Sequence[Sequence[int]]) -> PrefillOutput:
